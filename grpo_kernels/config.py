@@ -1,0 +1,122 @@
+"""Options of the GRPO loss, in one frozen dataclass validated once (DESIGN.md section 6).
+
+Defaults follow TRL's ``GRPOConfig`` (TRL 1.16) so that a config built from a trainer's arguments reproduces
+the trainer's numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPLS = ("auto", "triton", "torch")
+
+
+def _finite(name: str, value, *, positive: bool = False, nonneg: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if nonneg and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """Every non-tensor option of the GRPO loss (DESIGN.md section 2).
+
+    loss_type: one of ``LOSS_TYPES``; the reduction and the policy term follow TRL's ``_compute_loss``.
+    beta: KL coefficient; ``ref_logps`` is required when it is not 0.
+    epsilon_low / epsilon_high: PPO clip range ``[1 - eps_low, 1 + eps_high]``; for cispo epsilon_high is the raw
+        upper bound of the ratio.
+    temperature: logits are divided by it before the softmax.
+    use_bias_correction_kl: multiply the k3 KL by the importance ratio (TRL default True).
+    importance_sampling_level: "token" or "sequence" (GSPO).
+    delta: optional upper clamp of the unclipped ratio (INTELLECT-2 two-sided clipping).
+    max_completion_length: normalizer of dr_grpo (defaults to T of the batch when None).
+    sapo_temperature_pos / _neg: SAPO gate temperatures for positive / non-positive advantages.
+    vespo_*: VESPO gamma-weight shape and rate for non-negative / negative advantages.
+    off_policy_mask_threshold: drop rows with A < 0 whose mean ``sampling_logp - logp`` exceeds it (DeepSeek-V3.2).
+    top_entropy_quantile: keep only tokens whose entropy is in the top fraction (1.0 keeps all).
+    entropy_coef: entropy bonus; the loss becomes ``loss - entropy_coef * masked_mean(entropy)``.
+    deterministic: use only reductions of a fixed order in the fused-linear backward (no float atomics).
+    """
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    temperature: float = 1.0
+    use_bias_correction_kl: bool = True
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    max_completion_length: int | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
+            )
+        _finite("beta", self.beta)
+        _finite("temperature", self.temperature, positive=True)
+        _finite("epsilon_high", self.epsilon_high, positive=True)
+        _finite("epsilon_low", self.epsilon_low, nonneg=True)
+        if self.loss_type != "cispo" and self.epsilon_low >= 1.0:
+            raise ValueError(f"epsilon_low must be in [0, 1) so that 1 - epsilon_low > 0, got {self.epsilon_low!r}")
+        if self.delta is not None:
+            _finite("delta", self.delta, positive=True)
+        if self.max_completion_length is not None:
+            if isinstance(self.max_completion_length, bool) or not isinstance(self.max_completion_length, int) \
+                    or self.max_completion_length < 1:
+                raise ValueError(f"max_completion_length must be a positive int, got {self.max_completion_length!r}")
+        _finite("sapo_temperature_pos", self.sapo_temperature_pos, positive=True)
+        _finite("sapo_temperature_neg", self.sapo_temperature_neg, positive=True)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _finite(name, getattr(self, name))
+        if self.off_policy_mask_threshold is not None:
+            _finite("off_policy_mask_threshold", self.off_policy_mask_threshold)
+        _finite("top_entropy_quantile", self.top_entropy_quantile)
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}")
+        _finite("entropy_coef", self.entropy_coef)
+        if not isinstance(self.use_bias_correction_kl, bool) or not isinstance(self.deterministic, bool):
+            raise ValueError("use_bias_correction_kl and deterministic must be bools")
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss itself (not only the metric) uses the per-token entropy."""
+        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+
+    def replace(self, **overrides) -> "GRPOLossConfig":
+        return dataclasses.replace(self, **overrides)
+
+
+def resolve_config(config: GRPOLossConfig | None, overrides: dict) -> GRPOLossConfig:
+    """``config`` with keyword overrides applied; unknown names raise a ValueError naming them."""
+    if config is None:
+        config = GRPOLossConfig()
+    elif not isinstance(config, GRPOLossConfig):
+        raise ValueError(f"config must be a GRPOLossConfig, got {type(config).__name__}")
+    if not overrides:
+        return config
+    known = {f.name for f in dataclasses.fields(GRPOLossConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown GRPO loss option(s) {unknown}; known options: {sorted(known)}")
+    return dataclasses.replace(config, **overrides)

@@ -1,0 +1,229 @@
+"""The eager reference of the GRPO loss contract (DESIGN.md section 2): the single source of truth.
+
+Everything here is plain differentiable PyTorch, valid in float64. The kernels only replace the part that touches
+the vocabulary (``logprobs_and_entropy``); the per-token loss, masks, reductions and metrics of every
+implementation go through ``loss_from_logps`` below, on tensors of size B x T, so there is one copy of the maths.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import CLIPPED_LOSS_TYPES, GRPOLossConfig
+
+_LOG_1E_8 = math.log(1e-8)
+
+
+def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
+    """Full-logits log-softmax, gather and entropy; fp32 out (float64 for float64 logits).
+
+    logits (..., V), ids (...) -> logp (...), entropy (...). Materializes the whole softmax: reference only.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(dtype) / temperature
+    logz = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1) - logz
+    p = torch.softmax(z, dim=-1)
+    entropy = logz - (p * z).sum(-1)
+    return logp, entropy
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+                     weights=None) -> torch.Tensor:
+    """Group-normalized advantages: ``(r - mean_group(r)) / (std + eps)``, NaN -> 0.
+
+    rewards (B,) or (B, R) with R reward functions (weighted sum with ``weights``, NaN rewards ignored as in TRL's
+    ``nansum``); B must be a multiple of ``group_size``; groups are consecutive runs of ``group_size`` rows.
+    scale: "group" (Bessel std of the group), "batch" (Bessel std of the whole batch) or "none".
+    Returns (B,) in the rewards' floating dtype (fp32 for integer rewards).
+    """
+    if not isinstance(rewards, torch.Tensor):
+        raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    if rewards.dim() not in (1, 2) or rewards.shape[0] == 0:
+        raise ValueError(f"rewards must have shape (B,) or (B, R) with B > 0, got {tuple(rewards.shape)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if rewards.shape[0] % group_size:
+        raise ValueError(f"rewards has B={rewards.shape[0]} rows, not a multiple of group_size={group_size}")
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    if r.dim() == 2:
+        w = torch.ones(r.shape[1], dtype=r.dtype, device=r.device) if weights is None else \
+            torch.as_tensor(weights, dtype=r.dtype, device=r.device)
+        if w.shape != (r.shape[1],):
+            raise ValueError(f"weights must have shape (R,) = ({r.shape[1]},), got {tuple(w.shape)}")
+        unscorable = torch.isnan(r).all(dim=1)
+        r = torch.nansum(r * w, dim=1).masked_fill(unscorable, float("nan"))
+    elif weights is not None:
+        raise ValueError("weights is only valid with rewards of shape (B, R)")
+    grouped = r.view(-1, group_size)
+    adv = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).reshape(-1)
+    if scale == "group":
+        std = _nanstd(grouped, dim=1) if group_size > 1 else torch.zeros_like(grouped)
+        adv = adv / (std.expand_as(grouped).reshape(-1) + eps)
+    elif scale == "batch":
+        std = _nanstd(r, dim=0) if r.numel() > 1 else torch.zeros_like(r)
+        adv = adv / (std + eps)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Bessel-corrected std ignoring NaNs (TRL's ``nanstd``), keepdim; NaN where fewer than 2 values."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True) * count / (count - 1)
+    return torch.sqrt(torch.where(count > 1, var, float("nan")))
+
+
+def gamma_weights(advantages, log_ratio, mask, is_ratio, config: GRPOLossConfig) -> torch.Tensor:
+    """VESPO weights ``phi(w) = exp(lam + k log w - lam w)`` with ``log w`` the clamped masked *sum* of log ratios
+    per row (plus the clamped log of ``is_ratio``); detached. Shapes broadcast like TRL's ``get_gamma_weights``."""
+    with torch.no_grad():
+        seq_log_ratio = torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
+        if is_ratio is not None:
+            seq_log_ratio = seq_log_ratio + torch.log(is_ratio).clamp(_LOG_1E_8, 20.0).sum(-1, keepdim=True)
+        log_w = seq_log_ratio.clamp(_LOG_1E_8, 20.0)
+        nonneg = advantages >= 0
+        k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg).to(log_w.dtype)
+        lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def off_policy_mask(advantages, logps, sampling_logps, mask, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2 sequence mask: keep a row unless A < 0 and mean(sampling_logp - logp) > threshold."""
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    avg = torch.where(mask, kl, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return (advantages >= 0) | (avg <= threshold)
+
+
+def high_entropy_mask(entropy, mask, top_quantile: float) -> torch.Tensor:
+    """Tokens whose entropy is at or above the ``1 - top_quantile`` quantile of the valid tokens' entropies."""
+    valid = entropy.detach()[mask]
+    if valid.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(valid.float(), 1.0 - top_quantile).to(entropy.dtype)
+    return (torch.where(mask, entropy.detach(), 0.0) >= threshold) & mask
+
+
+def _masked_mean(x, mask, n_valid) -> torch.Tensor:
+    """TRL's ``global_masked_mean``: a (B, 1) tensor is one value per row, a (B, T) one is masked by tokens."""
+    if x.shape[-1] == 1 and mask.shape[-1] != 1:
+        return x.sum() / max(x.shape[0], 1)
+    return torch.where(mask, x, 0.0).sum() / n_valid.clamp(min=1)
+
+
+def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
+                    entropy=None, num_items_in_batch=None, sampling_logps=None,
+                    config: GRPOLossConfig | None = None):
+    """GRPO loss of DESIGN.md section 2 from per-token log-probs: returns ``(loss, metrics)``.
+
+    logps (B, T) differentiable (fp32 or fp64); advantages (B,) or (B, T); mask (B, T) bool/int/float or None;
+    old_logps, ref_logps, sampling_logps (B, T); is_ratio (B,), (B, 1) or (B, T); entropy (B, T), differentiable
+    when ``config.entropy_coef != 0``. Inputs must already be validated and on logps' device; they are cast to
+    logps' dtype. metrics: detached 0-dim tensors ``kl``, ``entropy``, ``clip_ratio/{low,high,region}_mean`` and,
+    for cispo / vespo, ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
+    """
+    cfg = config or GRPOLossConfig()
+    dtype = logps.dtype
+    B, T = logps.shape
+    mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
+    n_valid = mask.sum().to(dtype)
+    adv = advantages.to(dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    if is_ratio is not None:
+        is_ratio = is_ratio.to(dtype)
+        is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else is_ratio
+    old = logps.detach() if old_logps is None else old_logps.to(dtype)
+
+    log_ratio = logps - old
+    if cfg.importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    coef_1 = torch.exp(log_w)
+
+    per_token_kl = None
+    if ref_logps is not None:
+        ref = ref_logps.to(dtype)
+        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if cfg.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    phi = None
+    if cfg.loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps
+    elif cfg.loss_type in CLIPPED_LOSS_TYPES:
+        coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+        if cfg.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=cfg.delta)
+        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    elif cfg.loss_type == "sapo":
+        temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(dtype)
+        per_token_loss = -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv
+    else:  # vespo
+        phi = gamma_weights(adv, log_ratio, mask, is_ratio, cfg)
+        per_token_loss = -phi * adv * logps
+
+    if cfg.off_policy_mask_threshold is not None:
+        sampling = old if sampling_logps is None else sampling_logps.to(dtype)
+        per_token_loss = per_token_loss * off_policy_mask(adv, logps, sampling, mask,
+                                                          cfg.off_policy_mask_threshold).to(dtype)
+    entropy_mask = None
+    if cfg.top_entropy_quantile < 1.0:
+        entropy_mask = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile)
+        per_token_loss = per_token_loss * entropy_mask.to(dtype)
+    if is_ratio is not None and cfg.loss_type != "vespo":
+        per_token_loss = per_token_loss * is_ratio
+    if cfg.beta != 0.0:
+        per_token_loss = per_token_loss + cfg.beta * per_token_kl
+
+    masked = torch.where(mask, per_token_loss.expand(B, T), 0.0)
+    if cfg.loss_type in ("grpo", "sapo"):
+        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    elif cfg.loss_type == "bnpo":
+        loss = masked.sum() / n_valid.clamp(min=1)
+    elif cfg.loss_type == "dr_grpo":
+        loss = masked.sum() / (B * (cfg.max_completion_length or T))
+    elif cfg.loss_type == "luspo":
+        loss = masked.sum(-1).mean()
+    else:  # dapo, cispo, vespo
+        items = n_valid if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=dtype,
+                                                                             device=logps.device)
+        loss = masked.sum() / items.clamp(min=1)
+
+    if cfg.entropy_coef != 0.0:
+        eff = mask if entropy_mask is None else entropy_mask
+        loss = loss - cfg.entropy_coef * torch.where(eff, entropy, 0.0).sum() / eff.sum().clamp(min=1)
+
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=dtype, device=logps.device)
+        low = (coef_1 < 1 - cfg.epsilon_low) & (adv < 0)
+        high = (coef_1 > 1 + cfg.epsilon_high) & (adv > 0)
+        metrics = {
+            "kl": zero if per_token_kl is None else _masked_mean(per_token_kl, mask, n_valid),
+            "entropy": zero if entropy is None else _masked_mean(entropy.detach(), mask, n_valid),
+            "clip_ratio/low_mean": _masked_mean(low.to(dtype), mask, n_valid),
+            "clip_ratio/high_mean": _masked_mean(high.to(dtype), mask, n_valid),
+            "clip_ratio/region_mean": _masked_mean((low | high).to(dtype), mask, n_valid),
+        }
+        if cfg.loss_type == "cispo":
+            metrics["cispo_clip_ratio"] = _masked_mean(((coef_1 > cfg.epsilon_high) & (adv > 0)).to(dtype),
+                                                       mask, n_valid)
+        if phi is not None:
+            metrics["vespo/phi_seq_mean"] = _masked_mean(phi, mask, n_valid)
+        metrics = {k: v.detach() for k, v in metrics.items()}
+    return loss, metrics
+
+
+def reference_grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
+                        num_items_in_batch=None, sampling_logps=None, config: GRPOLossConfig | None = None):
+    """Full-logits eager GRPO loss (the ground truth of the tests): logits (B, T, V) -> (loss, metrics)."""
+    cfg = config or GRPOLossConfig()
+    logps, entropy = logprobs_and_entropy(logits, ids, cfg.temperature)
+    return loss_from_logps(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy,
+                           num_items_in_batch, sampling_logps, cfg)
