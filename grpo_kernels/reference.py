@@ -25,7 +25,8 @@ def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: f
     logz = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1) - logz
     p = torch.softmax(z, dim=-1)
-    entropy = logz - (p * z).sum(-1)
+    # -inf logits (banned tokens) have p = 0 and add nothing to the entropy; keep 0 * -inf out of the graph.
+    entropy = logz - (p * torch.where(torch.isinf(z), 0.0, z)).sum(-1)
     return logp, entropy
 
 

@@ -1,0 +1,24 @@
+"""grpo-kernels: fused Triton kernels for the GRPO loss, with TRL's semantics.
+
+Public API: ``GRPOLossConfig``, ``group_advantages``, ``token_logprobs``, ``grpo_loss``, ``GRPOLoss``,
+``linear_token_logprobs``, ``fused_linear_grpo_loss``, ``FusedLinearGRPOLoss``. Triton is imported lazily, on the
+first kernel launch.
+"""
+from .config import GRPOLossConfig
+from .linear import linear_token_logprobs
+from .logprobs import token_logprobs
+from .loss import FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_loss
+from .reference import group_advantages
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GRPOLossConfig",
+    "group_advantages",
+    "token_logprobs",
+    "grpo_loss",
+    "GRPOLoss",
+    "linear_token_logprobs",
+    "fused_linear_grpo_loss",
+    "FusedLinearGRPOLoss",
+]

@@ -1,0 +1,31 @@
+"""Integrations of grpo_kernels with Hugging Face libraries.
+
+- ``patch_trl()`` / ``unpatch_trl()`` (``.trl``): TRL's GRPOTrainer computes its per-token log-probs and entropies
+  with ``grpo_kernels.linear_token_logprobs``; supported TRL series in ``SUPPORTED_TRL_VERSIONS``.
+- ``causal_lm_token_logprobs`` (``.transformers``): per-token log-probs / entropy of a transformers causal LM from
+  its final hidden states and ``lm_head``, without the model producing logits.
+
+Neither TRL nor transformers is imported until one of these is used: both are optional dependencies.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "patch_trl": "trl",
+    "unpatch_trl": "trl",
+    "is_trl_patched": "trl",
+    "SUPPORTED_TRL_VERSIONS": "trl",
+    "causal_lm_token_logprobs": "transformers",
+    "get_lm_head": "transformers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    # Lazy (PEP 562): `import grpo_kernels.integrations` must not pull in torch-heavy optional packages.
+    if name in _EXPORTS:
+        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

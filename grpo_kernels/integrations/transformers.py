@@ -1,0 +1,187 @@
+"""Per-token log-probs (and entropy) of a Hugging Face causal LM without the model ever producing logits.
+
+``causal_lm_token_logprobs`` runs the backbone (``model.base_model``, the decoder without its head), keeps the
+final hidden states of the positions that predict the kept tokens, and sends them with ``lm_head.weight`` through
+``grpo_kernels.linear_token_logprobs``: the (B, T, V) logits are never written, in the forward or the backward.
+
+What the fused path can express: ``logits = logit_scale * (h @ W.T + b)`` with ``lm_head`` a plain ``nn.Linear``
+(tied or untied to the input embeddings) and a positive scalar ``logit_scale``, which folds exactly into the
+temperature (``z = logits / tau = (h @ W.T + b) / (tau / logit_scale)``). The scale is read from the text config
+under the same names TRL's fused head uses (``logit_scale`` for Cohere, ``output_multiplier``,
+``lm_head_multiplier`` for Falcon-H1, ``logits_scaling`` for Granite / MiniCPM3 / HyperCLOVA X).
+
+Refused with a ValueError (there is no fallback here, since a fallback would have to build the logits):
+- ``final_logit_softcapping`` (Gemma 2/3): ``cap * tanh(x / cap)`` is nonlinear, so it cannot be folded into the
+  linear head; use the model's own forward for those models;
+- a PEFT (LoRA, ...) adapter on ``lm_head``: merge it (``model.merge_adapter()``) or leave ``lm_head`` out of
+  ``target_modules``; adapters elsewhere in the model are fine, they run inside the backbone;
+- an ``lm_head`` that is not an ``nn.Linear`` (custom heads), a scale that is not a finite number > 0, and a
+  DeepSpeed ZeRO-3 partitioned ``lm_head`` (its weight is empty outside the module's own forward).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "autocast_inputs"]
+
+
+class LMHead:
+    """The output projection of a causal LM as the fused path sees it.
+
+    weight (V, H), bias (V,) or None (plain tensors, gathered from a DTensor when sharded by FSDP2), and
+    ``logit_scale`` (float > 0), the factor the model multiplies its logits by before any softmax.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float):
+        self.weight, self.bias, self.logit_scale = weight, bias, logit_scale
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def logit_scale_of(config) -> float:
+    """The scalar the architecture multiplies its logits by (1.0 when it has none), read like TRL 1.16 reads it.
+
+    config: a (text) ``PretrainedConfig``. Kept in step with ``trl.trainer.utils.add_fused_lm_head`` so that the
+    standalone helper and the TRL hook agree on every architecture.
+    """
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(config, "lm_head_multiplier", None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        # Granite and MiniCPM3 divide the logits by `logits_scaling`; HyperCLOVA X multiplies them by it.
+        scaling = config.logits_scaling
+        scale = scaling if getattr(config, "model_type", None) == "hyperclovax" else 1 / scaling
+    return 1.0 if scale is None else scale
+
+
+def _is_peft_layer(module) -> bool:
+    # Checked by module path so that peft need not be installed (it is an optional dependency here).
+    return any(cls.__module__.split(".")[0] == "peft" for cls in type(module).__mro__)
+
+
+def _unwrap_peft(model):
+    """The transformers model under a ``PeftModel`` wrapper (adapters stay injected in its layers)."""
+    if _is_peft_layer(model) and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def get_lm_head(model) -> LMHead:
+    """Validate that ``model``'s head can go through the fused path and return its parameters.
+
+    Raises a ValueError naming the model option that prevents it (see the module docstring).
+    """
+    model = _unwrap_peft(model)
+    config = _text_config(model)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"final_logit_softcapping={softcap} ({type(model).__name__}) is not supported by the fused linear "
+            "head: the soft-cap cap*tanh(logits/cap) is nonlinear and cannot be folded into the projection. "
+            "Compute the log-probs from the model's own logits for this architecture."
+        )
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
+    if _is_peft_layer(head):
+        raise ValueError(
+            f"a PEFT adapter on lm_head ({type(head).__name__}) is not supported by the fused linear head: merge "
+            "it into the weight (model.merge_adapter()) or remove 'lm_head' from the adapter's target_modules."
+        )
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"lm_head must be a torch.nn.Linear for the fused linear head, got {type(head).__name__}"
+        )
+    scale = logit_scale_of(config)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(
+            f"the model's logit scale (logit_scale / output_multiplier / lm_head_multiplier / logits_scaling) must "
+            f"be a finite number > 0 to fold into the temperature, got {scale!r}"
+        )
+    weight, bias = head.weight, head.bias
+    if hasattr(weight, "ds_id") or weight.numel() == 0:
+        raise ValueError(
+            "lm_head.weight is partitioned by DeepSpeed ZeRO-3 (empty outside the module's forward): the fused "
+            "linear head needs the full weight; gather it or use ZeRO stage <= 2"
+        )
+    if hasattr(weight, "full_tensor"):
+        # FSDP2 shards parameters as DTensors; the kernel needs one plain tensor. full_tensor() is differentiable,
+        # so the gradient is sharded back by autograd, as in TRL's fused head.
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    return LMHead(weight, bias, float(scale))
+
+
+def autocast_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Cast the head's inputs like ``torch.autocast`` would cast ``F.linear`` and return a context that turns
+    autocast off for the kernel call.
+
+    Why: under autocast (``bf16=True`` in a Trainer) the hidden states and an fp32 master weight meet in the
+    autocast dtype, as TRL's ``ChunkedLogProbFunction`` does; the kernel then gets one dtype and accumulates in
+    fp32 itself, and the casts' backward returns each gradient in its parameter's dtype.
+    """
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias, nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    bias = bias.to(dtype) if bias is not None else None
+    return hidden.to(dtype), weight.to(dtype), bias, torch.autocast(device_type, enabled=False)
+
+
+def causal_lm_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                             logits_to_keep: int | None = None, temperature: float = 1.0,
+                             return_entropy: bool = False, impl: str = "auto", **model_kwargs):
+    """Log-probs of the last ``logits_to_keep`` tokens of ``input_ids`` under a causal LM, without its logits.
+
+    model: a ``transformers`` causal LM (``*ForCausalLM``, or a PEFT wrapper of one) whose head passes
+        ``get_lm_head``; its backbone is ``model.base_model``.
+    input_ids (B, L) int; attention_mask (B, L) or None, passed to the backbone unchanged (left padding of prompts
+        and right padding of completions both work as they do in the model's own forward).
+    logits_to_keep: the number T of trailing tokens to score, 1 <= T <= L - 1; None scores tokens 1..L-1.
+        Position ``L - T - 1 + t`` predicts ``input_ids[:, L - T + t]``, as TRL's ``logits_to_keep``.
+    temperature: the logits are divided by it (> 0), like TRL's sampling temperature.
+    return_entropy: also return the entropy of each predicted distribution.
+    impl: "auto" | "triton" | "torch", forwarded to ``grpo_kernels.linear_token_logprobs``.
+    model_kwargs: extra backbone inputs (position_ids, pixel_values, ...).
+    Returns logp (B, T) fp32 [and entropy (B, T) fp32], differentiable w.r.t. the model's parameters.
+    """
+    import grpo_kernels as gk  # at call time: grpo_kernels/__init__.py may import this package
+
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a (B, L) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+    length = input_ids.shape[1]
+    if logits_to_keep is None:
+        logits_to_keep = length - 1
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or \
+            not 1 <= logits_to_keep <= length - 1:
+        raise ValueError(f"logits_to_keep must be an int in [1, L - 1] = [1, {length - 1}], got {logits_to_keep!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
+            not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+    lm_model = _unwrap_peft(model)
+    head = get_lm_head(lm_model)
+    backbone = lm_model.base_model
+    if backbone is lm_model:
+        raise ValueError(f"{type(lm_model).__name__} exposes no backbone (base_model_prefix): cannot skip its head")
+    # No KV cache in a scoring pass; MoE router logits are not needed for log-probs.
+    outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
+    # Only the positions predicting the kept tokens go through the head: T rows instead of L.
+    hidden = outputs.last_hidden_state[:, length - logits_to_keep - 1:length - 1]
+    ids = input_ids[:, length - logits_to_keep:]
+    # With the model split across devices (device_map), the backbone can end on another device than the head.
+    hidden = hidden.to(head.weight.device)
+    ids = ids.to(head.weight.device)
+    hidden, weight, bias, ctx = autocast_inputs(hidden, head.weight, head.bias)
+    with ctx:
+        return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=temperature / head.logit_scale,
+                                        return_entropy=return_entropy, impl=impl)

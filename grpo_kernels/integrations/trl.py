@@ -1,0 +1,219 @@
+"""Route Hugging Face TRL's per-token log-prob / entropy computation through grpo_kernels' fused linear head.
+
+Usage (before the trainer is built)::
+
+    from grpo_kernels.integrations import patch_trl
+    patch_trl()
+    trainer = trl.GRPOTrainer(...)
+
+The hook. TRL 1.16's trainers call ``model(..., labels=labels, fused_lm_head=True)`` after
+``trl.trainer.utils.add_fused_lm_head``; that forward runs the backbone, selects the positions to score, handles
+FSDP2 DTensors, ZeRO-3 gathering, ``cast_lm_head_to_fp32``, MoE aux losses and device maps, and then makes a single
+call ``_ChunkedLogProbFunction.apply(hidden (N, H), weight (V, H), bias, targets (N,), temperature, chunk_size,
+final_logit_softcapping, logit_scale, outputs)``, looked up as a global of ``trl.trainer.utils`` at call time.
+``patch_trl`` replaces that one global with ``TRLLogProbFunction``, which calls
+``grpo_kernels.linear_token_logprobs``. Everything around it, TRL's output object and TRL's whole loss, stays TRL's
+own: this is the narrowest seam that removes the (N x V) work, and ``unpatch_trl`` restores it with one assignment.
+
+The loss is not rerouted through ``fused_linear_grpo_loss``: TRL's ``_compute_loss`` interleaves the maths with
+trainer state (gradient-accumulation normalizers, ``num_items_in_batch`` spanning the generation batch,
+``tool_mask``, the adaptive entropy controller, MoE aux loss, metrics all-reduced across processes), so replacing
+it would mean copying it. TRL's eager loss runs on our (B, T) log-probs, so the B x T x V passes are gone anyway.
+Consequently every loss option of TRL (all loss types, importance_sampling_level, top_entropy_quantile,
+mask_truncated_completions, off_policy_mask_threshold, vLLM importance-sampling correction, beta with a reference
+model, num_iterations, gradient accumulation, entropy bonus) works unchanged.
+
+Calls the fused path cannot express are served by TRL's own ``ChunkedLogProbFunction``, unchanged:
+- ``final_logit_softcapping`` (Gemma 2/3; nonlinear) and a logit scale that is not a finite number > 0: warned once;
+- DeepSpeed ZeRO-3: TRL regathers the partitioned ``lm_head`` inside its backward, our autograd does not: warned once;
+- requested outputs other than ``log_probs`` / ``entropy`` (SFT's ``is_top1``, DPO's ``mean_logits``...): silent,
+  since those trainers are not what this patch targets;
+- an empty batch of scored positions (TRL's compact path): silent, TRL's function keeps the graph connected.
+``patch_trl(strict=True)`` turns the warned fallbacks into ValueErrors, raised at trainer setup where TRL calls
+``add_fused_lm_head`` on the GRPO policy and reference models.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+from .transformers import autocast_inputs, logit_scale_of
+
+__all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction"]
+
+# TRL release series (major.minor) whose fused-LM-head seam this module was written against and tested with.
+SUPPORTED_TRL_VERSIONS = ("1.16",)
+
+# Outputs of TRL's ChunkedLogProbFunction that grpo_kernels computes; any other requested output falls back.
+_ROUTED_OUTPUTS = frozenset({"log_probs", "entropy"})
+
+# (module, attribute) -> original value, filled by patch_trl and emptied by unpatch_trl.
+_ORIGINALS: dict = {}
+_STATE = {"strict": False, "warned": set()}
+
+
+def _trl_version() -> str:
+    import trl
+
+    return str(getattr(trl, "__version__", "unknown"))
+
+
+def is_supported_trl_version(version: str) -> bool:
+    """True when ``version`` (e.g. "1.16.0", "1.16.1.dev0") belongs to a series of ``SUPPORTED_TRL_VERSIONS``."""
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # pragma: no cover - packaging ships with pip / transformers
+        return version.split(".")[:2] in [s.split(".") for s in SUPPORTED_TRL_VERSIONS]
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return False
+    return any(tuple(release[:2]) == tuple(int(x) for x in s.split(".")) for s in SUPPORTED_TRL_VERSIONS)
+
+
+def _fallback(reason: str, option: str) -> None:
+    """Strict mode: raise naming the option. Otherwise warn once per reason that TRL's own kernel is used."""
+    if _STATE["strict"]:
+        raise ValueError(f"grpo_kernels.patch_trl(strict=True): {option} is not supported by the fused linear "
+                         f"head: {reason}")
+    if reason not in _STATE["warned"]:
+        _STATE["warned"].add(reason)
+        warnings.warn(f"grpo_kernels: {option}: {reason}; using TRL's own ChunkedLogProbFunction for these calls",
+                      UserWarning, stacklevel=3)
+
+
+def _zero3_enabled() -> bool:
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def _valid_scale(scale) -> bool:
+    return not isinstance(scale, bool) and isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
+
+
+class TRLLogProbFunction:
+    """Drop-in for TRL 1.16's ``ChunkedLogProbFunction`` (only ``apply`` is used by TRL), backed by
+    ``grpo_kernels.linear_token_logprobs``.
+
+    ``apply(hidden (N, H), weight (V, H), bias (V,) | None, targets (N,) int64, temperature, chunk_size,
+    final_logit_softcapping=None, logit_scale=1.0, outputs=(...))`` returns TRL's 5-tuple
+    ``(log_probs (N,) fp32, entropy (N,) fp32 | None, None, None, None)``.
+    """
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
+        original = _ORIGINALS.get(("trl.trainer.utils", "_ChunkedLogProbFunction"))
+        if original is None:  # unpatched while a model still holds a reference: behave exactly like TRL
+            from trl.kernels import ChunkedLogProbFunction as original
+        args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
+                outputs)
+        reason = _unsupported(final_logit_softcapping, logit_scale)
+        if reason is not None:
+            _fallback(*reason)
+            return original.apply(*args)
+        if not set(outputs) <= _ROUTED_OUTPUTS or hidden.shape[0] == 0:
+            return original.apply(*args)
+
+        import grpo_kernels as gk  # at call time: grpo_kernels/__init__.py may import this package
+
+        want_entropy = "entropy" in outputs
+        # Why autocast_inputs: TRL multiplies in the autocast dtype when autocast is on, else in hidden's dtype
+        # (fp32 under cast_lm_head_to_fp32, where TRL has already upcast hidden and disabled autocast).
+        hidden, weight, bias, ctx = autocast_inputs(hidden, weight, bias)
+        if weight.dtype != hidden.dtype:
+            weight = weight.to(hidden.dtype)
+            bias = bias.to(hidden.dtype) if bias is not None else None
+        with ctx:
+            # logits * logit_scale / temperature == logits / (temperature / logit_scale): exact fold for scale > 0.
+            out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias,
+                                           temperature=float(temperature) / float(logit_scale),
+                                           return_entropy=want_entropy)
+        logp, entropy = out if want_entropy else (out, None)
+        return logp, entropy, None, None, None
+
+
+def _unsupported(softcap, logit_scale):
+    """(reason, option) when the fused path cannot serve a call or model, else None."""
+    if softcap is not None:
+        return ("the soft-cap cap*tanh(logits/cap) is nonlinear and cannot be folded into the linear head",
+                f"final_logit_softcapping={softcap}")
+    if not _valid_scale(logit_scale):
+        return ("only a finite logit scale > 0 folds into the temperature", f"logit_scale={logit_scale!r}")
+    if _zero3_enabled():
+        return ("TRL regathers the partitioned lm_head inside its backward and grpo_kernels' autograd does not",
+                "DeepSpeed ZeRO-3")
+    return None
+
+
+def _checked_add_fused_lm_head(model, *args, **kwargs):
+    """TRL's ``add_fused_lm_head`` preceded by a setup-time check of what the fused path cannot serve.
+
+    Non-strict: warns (once) and the affected calls run TRL's kernel. Strict: raises a ValueError naming the option.
+    """
+    original = _ORIGINALS[("trl.trainer.grpo_trainer", "add_fused_lm_head")]
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    reason = _unsupported(getattr(config, "final_logit_softcapping", None), logit_scale_of(config))
+    if reason is not None:
+        _fallback(*reason)
+    return original(model, *args, **kwargs)
+
+
+def _targets():
+    """(module, attribute, replacement) for every name patch_trl swaps; raises if the seam is not there."""
+    import importlib
+
+    utils = importlib.import_module("trl.trainer.utils")
+    grpo = importlib.import_module("trl.trainer.grpo_trainer")
+    for module, name in ((utils, "_ChunkedLogProbFunction"), (grpo, "add_fused_lm_head")):
+        if not hasattr(module, name):
+            raise RuntimeError(f"{module.__name__}.{name} not found: this TRL does not have the fused-LM-head seam "
+                               f"grpo_kernels patches (supported TRL series: {', '.join(SUPPORTED_TRL_VERSIONS)})")
+    return [(utils, "_ChunkedLogProbFunction", TRLLogProbFunction),
+            (grpo, "add_fused_lm_head", _checked_add_fused_lm_head)]
+
+
+def patch_trl(strict: bool = False) -> None:
+    """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``.
+
+    Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
+    do not). Idempotent; ``unpatch_trl()`` restores TRL exactly.
+    strict: raise a ValueError naming the option (soft-capped logits, ZeRO-3, a logit scale that is not > 0)
+        instead of warning and running TRL's own kernel for those calls.
+    Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.
+    """
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be a bool, got {strict!r}")
+    try:
+        version = _trl_version()
+    except ImportError as exc:
+        raise ImportError("grpo_kernels.patch_trl needs TRL: pip install 'trl>=1.16,<1.17'") from exc
+    if not is_supported_trl_version(version):
+        raise RuntimeError(f"grpo_kernels.patch_trl supports TRL {', '.join(s + '.x' for s in SUPPORTED_TRL_VERSIONS)}"
+                           f", found TRL {version}; nothing was patched")
+    targets = _targets()  # resolve everything before changing anything
+    _STATE["strict"] = strict
+    if _ORIGINALS:
+        return
+    for module, name, replacement in targets:
+        _ORIGINALS[(module.__name__, name)] = getattr(module, name)
+        setattr(module, name, replacement)
+
+
+def unpatch_trl() -> None:
+    """Undo ``patch_trl``: every swapped attribute gets back the exact object TRL had. No-op when not patched."""
+    import sys
+
+    for (module_name, name), original in list(_ORIGINALS.items()):
+        setattr(sys.modules[module_name], name, original)
+    _ORIGINALS.clear()
+    _STATE["strict"] = False
+    _STATE["warned"].clear()
+
+
+def is_trl_patched() -> bool:
+    """Whether ``patch_trl`` is in effect."""
+    return bool(_ORIGINALS)

@@ -1,0 +1,172 @@
+"""Triton kernels over given logits: per-token log-prob, logsumexp and entropy in one vocab sweep, and the
+backward that writes d logits (optionally into the logits buffer itself).
+
+Layout: logits (B, T, V) with any batch/time strides and a unit vocab stride (slices such as
+``logits[:, :-1]`` need no copy); one program per token on a 1-D grid over B*T (a 2-D grid breaks at
+T >= 65536); int64 offsets (B*T*V exceeds 2^31 at real sizes); fp32 accumulation for every input dtype.
+Lengths and the temperature are runtime arguments, so a new T, V or temperature does not recompile.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .._checks import alloc
+from .._triton import import_triton, interpreting
+
+MAX_BLOCK_V = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(interpret: bool | None = None):
+    """The @triton.jit kernels, created on first use so TRITON_INTERPRET is read then (DESIGN.md section 4)."""
+    triton, tl = import_triton()
+
+    @triton.jit
+    def logits_logprobs_fwd(logits_ptr, ids_ptr, logp_ptr, lse_ptr, entropy_ptr,
+                            T, V, stride_b, stride_t, inv_temperature,
+                            BLOCK_V: tl.constexpr):
+        # Why one row per program: a token's statistics need the whole vocab row; rows are independent.
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+        cols = tl.arange(0, BLOCK_V)
+        m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+        s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+        a = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+        # Why a block-wise online logsumexp: one exp per element (the SFU, not memory, would bound a per-lane
+        # online update), and `a` = sum exp(z - m) * z gives the entropy without a second sweep.
+        for start in range(0, V, BLOCK_V):
+            v = start + cols
+            z = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            # Why the guard: a block (or row) of -inf logits must give probability 0, not exp(-inf + inf) = NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            e = tl.exp(z - m_safe)
+            s = s * alpha + tl.sum(e, axis=0)
+            a = a * alpha + tl.sum(tl.where(e > 0.0, e * z, 0.0), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
+        target = tl.load(ids_ptr + row).to(tl.int64)
+        z_target = tl.load(base + target).to(tl.float32) * inv_temperature
+        tl.store(logp_ptr + row, z_target - lse)
+        tl.store(lse_ptr + row, lse)
+        tl.store(entropy_ptr + row, lse - a / s)
+
+    @triton.jit
+    def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+                            dlogits_ptr, T, V, stride_b, stride_t, out_stride_b, out_stride_t, inv_temperature,
+                            HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+        # Why recompute p from the saved logsumexp: storing softmax would be a second B x T x V tensor.
+        row = tl.program_id(0).to(tl.int64)
+        b = row // T
+        t = row % T
+        base = logits_ptr + b * stride_b + t * stride_t
+        out = dlogits_ptr + b * out_stride_b + t * out_stride_t
+        g = tl.load(grad_logp_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        target = tl.load(ids_ptr + row).to(tl.int64)
+        if HAS_ENTROPY_GRAD:
+            g_h = tl.load(grad_entropy_ptr + row)
+            h = tl.load(entropy_ptr + row)
+        cols = tl.arange(0, BLOCK_V)
+        for start in range(0, V, BLOCK_V):
+            v = start + cols
+            z = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
+            p = tl.exp(z - lse)
+            # d logp / dz = onehot - p
+            dz = tl.where(v == target, g, 0.0) - g * p
+            if HAS_ENTROPY_GRAD:
+                # dH/dz_v = -p_v (log p_v + H); the guard keeps p = 0 entries (z = -inf) at 0, not NaN.
+                dz -= tl.where(p > 0.0, g_h * p * (z - lse + h), 0.0)
+            # Why store in the logits dtype: in-place mode writes back into the logits buffer.
+            tl.store(out + v, (dz * inv_temperature).to(dlogits_ptr.dtype.element_ty), mask=v < V)
+
+    return logits_logprobs_fwd, logits_logprobs_bwd
+
+
+def _get_kernels():
+    return kernels(interpreting())
+
+
+def _as_btv(logits: torch.Tensor) -> torch.Tensor:
+    """A (B, T, V) view with unit vocab stride (copies only when the vocab dim is strided)."""
+    x = logits if logits.dim() == 3 else logits.unsqueeze(0)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _block_v(V: int, block_v: int | None) -> int:
+    triton, _ = import_triton()
+    return block_v or min(triton.next_power_of_2(V), MAX_BLOCK_V)
+
+
+def _num_warps(block_v: int) -> int:
+    return 8 if block_v >= 2048 else 4
+
+
+def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, block_v: int | None = None):
+    """logits (B, T, V) or (N, V) fp32/bf16/fp16, ids like logits[..., 0] -> (logp, lse, entropy), fp32 (N,).
+
+    lse is the logsumexp of ``z = logits / temperature``; the caller has validated ids and shapes.
+    """
+    fwd, _ = _get_kernels()
+    x = _as_btv(logits)
+    B, T, V = x.shape
+    N = B * T
+    ids_flat = ids.reshape(N)
+    logp, lse, entropy = (alloc((N,), torch.float32, x.device) for _ in range(3))
+    if N:
+        bv = _block_v(V, block_v)
+        fwd[(N,)](x, ids_flat, logp, lse, entropy, T, V, x.stride(0), x.stride(1), 1.0 / temperature,
+                  BLOCK_V=bv, num_warps=_num_warps(bv))
+    return logp, lse, entropy
+
+
+def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
+                             inplace: bool = False, block_v: int | None = None) -> torch.Tensor:
+    """d loss / d logits from per-token grads of logp and entropy (fp32 (N,); grad_entropy may be None).
+
+    Returns a tensor shaped like ``logits`` in its dtype: a new buffer, or ``logits`` itself when ``inplace``.
+    """
+    _, bwd = _get_kernels()
+    x = _as_btv(logits)
+    B, T, V = x.shape
+    N = B * T
+    if inplace and x.data_ptr() == (logits if logits.dim() == 3 else logits.unsqueeze(0)).data_ptr():
+        out = x
+    else:
+        out = alloc((B, T, V), x.dtype, x.device)
+    if N:
+        bv = _block_v(V, block_v)
+        has_h = grad_entropy is not None
+        bwd[(N,)](x, ids.reshape(N), lse, entropy, grad_logp.contiguous(),
+                  grad_entropy.contiguous() if has_h else grad_logp, out,
+                  T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
+                  HAS_ENTROPY_GRAD=has_h, BLOCK_V=bv, num_warps=_num_warps(bv))
+    return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
+
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def aot_configs():
+    """(name, kernel, signature, constexprs) for every config launched on GPU, for the ahead-of-time test."""
+    fwd, bwd = kernels(False)
+    configs = []
+    for dtype, ty in _TRITON_DTYPES.items():
+        configs.append((f"logits_fwd_{ty}", fwd,
+                        {"logits_ptr": f"*{ty}", "ids_ptr": "*i64", "logp_ptr": "*fp32", "lse_ptr": "*fp32",
+                         "entropy_ptr": "*fp32", "T": "i32", "V": "i32", "stride_b": "i64", "stride_t": "i64",
+                         "inv_temperature": "fp32", "BLOCK_V": "constexpr"},
+                        {"BLOCK_V": MAX_BLOCK_V}))
+        for has_h in (False, True):
+            configs.append((f"logits_bwd_{ty}_{'entropy' if has_h else 'logp'}", bwd,
+                            {"logits_ptr": f"*{ty}", "ids_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32",
+                             "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32", "dlogits_ptr": f"*{ty}",
+                             "T": "i32", "V": "i32", "stride_b": "i64", "stride_t": "i64", "out_stride_b": "i64",
+                             "out_stride_t": "i64", "inv_temperature": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
+                             "BLOCK_V": "constexpr"},
+                            {"HAS_ENTROPY_GRAD": has_h, "BLOCK_V": MAX_BLOCK_V}))
+    return configs

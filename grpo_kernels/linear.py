@@ -1,0 +1,194 @@
+"""``linear_token_logprobs``: per-token log-prob and entropy straight from hidden states and the lm_head weight.
+
+logits = hidden @ weight.T (+ bias) are never written to memory: the Triton launchers of
+``kernels/linear_kernels.py`` keep each logit tile on chip; the PyTorch path here (CPU default) streams tiles of
+TORCH_TILE_ROWS x TORCH_TILE_VOCAB with an online logsumexp and recomputes them in the backward, so its extra
+memory is O(N + tile) on top of the gradient buffers.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from ._triton import resolve_impl
+
+TORCH_TILE_ROWS = 128
+TORCH_TILE_VOCAB = 4096
+
+
+def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def _tile_logits(h, weight, bias, v0, v1, inv_t, acc):
+    """One (rows x vocab-tile) block of z = (h W^T + b) / tau in the accumulation dtype."""
+    z = h @ weight[v0:v1].to(acc).T
+    if bias is not None:
+        z += bias[v0:v1].to(acc)
+    return z.mul_(inv_t)
+
+
+def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature):
+    """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy)."""
+    N, V = hidden.shape[0], weight.shape[0]
+    acc = _acc_dtype(hidden)
+    inv_t = 1.0 / temperature
+    logp, lse, entropy = (torch.empty(N, dtype=acc, device=hidden.device) for _ in range(3))
+    for r0 in range(0, N, TORCH_TILE_ROWS):
+        h = hidden[r0:r0 + TORCH_TILE_ROWS].to(acc)
+        tgt = ids[r0:r0 + TORCH_TILE_ROWS]
+        n = h.shape[0]
+        m = torch.full((n,), float("-inf"), dtype=acc, device=h.device)
+        s = torch.zeros(n, dtype=acc, device=h.device)
+        a = torch.zeros(n, dtype=acc, device=h.device)
+        z_target = torch.zeros(n, dtype=acc, device=h.device)
+        for v0 in range(0, V, TORCH_TILE_VOCAB):
+            v1 = min(v0 + TORCH_TILE_VOCAB, V)
+            z = _tile_logits(h, weight, bias, v0, v1, inv_t, acc)
+            # online logsumexp; `a` carries sum exp(z - m) z for the entropy
+            m_new = torch.maximum(m, z.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+            alpha = torch.exp(m - m_safe)
+            e = torch.exp(z - m_safe.unsqueeze(-1))
+            s = s * alpha + e.sum(-1)
+            a = a * alpha + torch.where(e > 0, e * z, 0.0).sum(-1)
+            m = m_new
+            inside = (tgt >= v0) & (tgt < v1)
+            local = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
+            z_target += torch.where(inside, z.gather(-1, local).squeeze(-1), 0.0)
+        chunk_lse = m + torch.log(s)
+        lse[r0:r0 + n] = chunk_lse
+        entropy[r0:r0 + n] = chunk_lse - a / s
+        logp[r0:r0 + n] = z_target - chunk_lse
+    return logp, lse, entropy
+
+
+def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature,
+                                   need_hidden, need_weight, need_bias, deterministic=True):
+    """Tiled eager backward (always deterministic): recompute each tile, form dz, accumulate dh, dW, db."""
+    N, V = hidden.shape[0], weight.shape[0]
+    acc = _acc_dtype(hidden)
+    inv_t = 1.0 / temperature
+    d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_hidden else None
+    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+    d_bias = torch.zeros(V, dtype=acc, device=weight.device) if need_bias else None
+    for r0 in range(0, N, TORCH_TILE_ROWS):
+        h = hidden[r0:r0 + TORCH_TILE_ROWS].to(acc)
+        n = h.shape[0]
+        tgt = ids[r0:r0 + n]
+        g = grad_logp[r0:r0 + n].to(acc).unsqueeze(-1)
+        row_lse = lse[r0:r0 + n].unsqueeze(-1)
+        if grad_entropy is not None:
+            g_h = grad_entropy[r0:r0 + n].to(acc).unsqueeze(-1)
+            row_h = entropy[r0:r0 + n].unsqueeze(-1)
+        for v0 in range(0, V, TORCH_TILE_VOCAB):
+            v1 = min(v0 + TORCH_TILE_VOCAB, V)
+            log_p = _tile_logits(h, weight, bias, v0, v1, inv_t, acc) - row_lse
+            p = torch.exp(log_p)
+            dz = -g * p
+            inside = ((tgt >= v0) & (tgt < v1)).unsqueeze(-1)
+            local = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
+            dz.scatter_add_(-1, local, torch.where(inside, g, 0.0))
+            if grad_entropy is not None:
+                dz -= torch.where(p > 0, g_h * p * (log_p + row_h), 0.0)
+            dz.mul_(inv_t)
+            if need_hidden:
+                d_hidden[r0:r0 + n] += dz @ weight[v0:v1].to(acc)
+            if need_weight:
+                d_weight[v0:v1] += dz.T @ h
+            if need_bias:
+                d_bias[v0:v1] += dz.sum(0)
+    return (None if d_hidden is None else d_hidden.to(hidden.dtype),
+            None if d_weight is None else d_weight.to(weight.dtype),
+            None if d_bias is None else d_bias.to(bias.dtype))
+
+
+def _launchers(impl):
+    if impl == "triton":
+        from .kernels import linear_kernels
+        return linear_kernels.linear_logprobs_forward, linear_kernels.linear_logprobs_backward
+    return torch_linear_logprobs_forward, torch_linear_logprobs_backward
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """(hidden (N, H), weight, bias, ids) -> (logp, entropy, lse); saves inputs plus two fp32 values per token."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, temperature, impl, deterministic):
+        forward_fn, _ = _launchers(impl)
+        logp, lse, entropy = forward_fn(hidden, weight, bias, ids, temperature)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+        ctx.temperature, ctx.impl, ctx.deterministic = temperature, impl, deterministic
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        return logp, entropy, lse
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
+            return None, None, None, None, None, None, None
+        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
+        grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous()
+        _, backward_fn = _launchers(ctx.impl)
+        d_hidden, d_weight, d_bias = backward_fn(
+            hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature,
+            need_h, need_w, need_b and bias is not None, ctx.deterministic)
+        return d_hidden, d_weight, d_bias, None, None, None, None
+
+
+def check_linear_inputs(hidden, weight, ids, bias):
+    """Validate the fused-linear inputs; returns (hidden as (N, H), ids as (N,) int64)."""
+    _checks.tensor("hidden", hidden, floating=True, dims=(2, 3))
+    _checks.tensor("weight", weight, floating=True, dims=(2,))
+    _checks.tensor("ids", ids, integer=True)
+    H = hidden.shape[-1]
+    if weight.shape[1] != H:
+        raise ValueError(f"weight must have shape (V, H) = (V, {H}) to match hidden's last dim, "
+                         f"got {tuple(weight.shape)}")
+    if weight.shape[0] == 0 or H == 0:
+        raise ValueError(f"weight must have non-empty V and H, got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    N = hidden.numel() // H
+    if hidden.dim() == 3 and tuple(ids.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"ids must have shape {tuple(hidden.shape[:2])} (hidden's leading dims), "
+                         f"got {tuple(ids.shape)}")
+    if ids.numel() != N:
+        raise ValueError(f"ids must have one id per hidden row: hidden has N={N} rows, ids has shape "
+                         f"{tuple(ids.shape)}")
+    if bias is not None:
+        _checks.tensor("bias", bias, floating=True, dims=(1,))
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    _checks.same_device(hidden=hidden, weight=weight, ids=ids, bias=bias)
+    _checks.token_ids(ids, weight.shape[0])
+    return hidden.reshape(N, H), ids.reshape(N).long()
+
+
+def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic):
+    """Validated call: (logp, entropy, lse) shaped like ids."""
+    temperature = _checks.temperature(temperature)
+    hidden2d, ids1d = check_linear_inputs(hidden, weight, ids, bias)
+    impl = resolve_impl(impl, hidden, weight, bias)
+    if impl == "triton":
+        _checks.kernel_dtype("hidden", hidden)
+    logp, entropy, lse = _LinearTokenLogprobs.apply(hidden2d, weight, bias, ids1d, temperature, impl,
+                                                    bool(deterministic))
+    shape = ids.shape
+    return logp.view(shape), entropy.view(shape), lse.view(shape)
+
+
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
+                          temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
+                          deterministic: bool = False):
+    """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    hidden: (B, T, H) or (N, H); weight: (V, H) in hidden's dtype; bias: (V,) or None; ids: (B, T) or (N,)
+    with one id per hidden row, values in [0, V). Returns float32 logp shaped like ids (and the entropy when
+    ``return_entropy``). Differentiable w.r.t. hidden, weight and bias, each only when it requires grad; under
+    ``torch.no_grad()`` it is the one-sweep old/reference-policy path. Never holds an N x V tensor.
+    """
+    logp, entropy, _ = _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic)
+    return (logp, entropy) if return_entropy else logp

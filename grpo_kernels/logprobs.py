@@ -1,0 +1,117 @@
+"""``token_logprobs``: per-token log-prob (and entropy) of the sampled tokens from given logits.
+
+launcher (Triton kernels in ``kernels/logits_kernels.py`` or the chunked PyTorch path below) -> one
+``torch.autograd.Function`` -> functional API. Neither path creates a second B x T x V tensor in the forward;
+the backward writes one d logits buffer, or reuses the logits buffer with ``inplace_backward=True``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from ._triton import resolve_impl
+
+# Rows per chunk of the PyTorch path: the fp32 temporaries are ROWS x V (4 MB at V = 4096... 64 MB at 256k).
+TORCH_CHUNK_ROWS = 64
+
+
+def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
+    """Chunked eager path: fp32 out (fp64 for fp64 logits); temporaries are TORCH_CHUNK_ROWS x V."""
+    V = logits.shape[-1]
+    x = logits.reshape(-1, V)
+    flat_ids = ids.reshape(-1)
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    N = x.shape[0]
+    logp, lse, entropy = (torch.empty(N, dtype=acc, device=x.device) for _ in range(3))
+    for start in range(0, N, TORCH_CHUNK_ROWS):
+        rows = slice(start, start + TORCH_CHUNK_ROWS)
+        z = x[rows].to(acc) / temperature
+        chunk_lse = torch.logsumexp(z, dim=-1)
+        p = torch.exp(z - chunk_lse.unsqueeze(-1))
+        lse[rows] = chunk_lse
+        entropy[rows] = chunk_lse - (p * z).nan_to_num(nan=0.0).sum(-1)
+        logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+    return logp, lse, entropy
+
+
+def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, inplace):
+    V = logits.shape[-1]
+    x = logits.reshape(-1, V)
+    out = x if inplace and x.data_ptr() == logits.data_ptr() else torch.empty_like(x)
+    flat_ids = ids.reshape(-1)
+    acc = lse.dtype
+    for start in range(0, x.shape[0], TORCH_CHUNK_ROWS):
+        rows = slice(start, start + TORCH_CHUNK_ROWS)
+        z = x[rows].to(acc) / temperature
+        log_p = z - lse[rows].unsqueeze(-1)
+        p = torch.exp(log_p)
+        g = grad_logp[rows].to(acc).unsqueeze(-1)
+        dz = -g * p
+        dz.scatter_add_(-1, flat_ids[rows].unsqueeze(-1), g)
+        if grad_entropy is not None:
+            h = entropy[rows].unsqueeze(-1)
+            dz -= torch.where(p > 0, grad_entropy[rows].to(acc).unsqueeze(-1) * p * (log_p + h), 0.0)
+        out[rows] = (dz / temperature).to(x.dtype)
+    return out.view(logits.shape)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """(logits, ids) -> (logp, entropy); saves logits (no copy), ids and two fp32 values per token."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, impl, inplace_backward):
+        if impl == "triton":
+            from .kernels.logits_kernels import logits_logprobs_forward
+            logp, lse, entropy = logits_logprobs_forward(logits, ids, temperature)
+        else:
+            logp, lse, entropy = _torch_forward(logits, ids, temperature)
+        ctx.save_for_backward(logits, ids, lse, entropy)
+        ctx.temperature, ctx.impl, ctx.inplace = temperature, impl, inplace_backward
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        shape = ids.shape
+        return logp.view(shape), entropy.view(shape), lse.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+        logits, ids, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        grad_logp = grad_logp.reshape(-1).to(lse.dtype)
+        grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).to(lse.dtype)
+        if ctx.impl == "triton":
+            from .kernels.logits_kernels import logits_logprobs_backward
+            dlogits = logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
+                                               ctx.temperature, inplace=ctx.inplace)
+        else:
+            dlogits = _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature,
+                                      ctx.inplace)
+        return dlogits, None, None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
+                   impl: str = "auto", inplace_backward: bool = False):
+    """Log-probability of ``ids`` under ``softmax(logits / temperature)``, differentiable w.r.t. logits.
+
+    logits: (B, T, V) or (N, V), float32 / bfloat16 / float16 (float64 with impl="torch"); position t scores
+        ``ids[..., t]`` (no implicit shift).
+    ids: integer tensor shaped like ``logits[..., 0]`` with values in [0, V).
+    Returns logp shaped like ids in float32 (float64 for float64 logits), and the entropy of the same
+    distribution when ``return_entropy``. ``inplace_backward=True`` writes d logits into the logits buffer
+    (saves one B x T x V tensor; use it only when nothing else reads the logits afterwards).
+    impl: "auto" (Triton on CUDA, chunked PyTorch on CPU), "triton", "torch"; see ``resolve_impl``.
+    """
+    logp, entropy, _ = _token_logprobs(logits, ids, temperature, impl, inplace_backward)
+    return (logp, entropy) if return_entropy else logp
+
+
+def _token_logprobs(logits, ids, temperature, impl, inplace_backward):
+    """Validated call of the autograd Function: (logp, entropy, lse)."""
+    temperature = _checks.temperature(temperature)
+    _checks.logits_and_ids(logits, ids)
+    impl = resolve_impl(impl, logits, ids)
+    if impl == "triton":
+        _checks.kernel_dtype("logits", logits)
+    return _TokenLogprobs.apply(logits, ids, temperature, impl, bool(inplace_backward))

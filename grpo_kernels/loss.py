@@ -1,0 +1,136 @@
+"""Functional GRPO losses and their thin ``nn.Module`` wrappers.
+
+Both losses are two stages: a vocab sweep (Triton or chunked PyTorch) that yields per-token log-prob, entropy
+and logsumexp, then the contract's per-token loss, masks and reduction from ``reference.loss_from_logps`` on
+B x T tensors. The gradient of the second stage w.r.t. (logp, entropy) is the per-token scalar ``g`` of DESIGN.md
+section 3 that the sweep's backward turns into d logits / d hidden / d weight.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import _checks
+from .config import GRPOLossConfig, resolve_config
+from .linear import _linear_token_logprobs
+from .logprobs import _token_logprobs
+from .reference import loss_from_logps
+
+
+def _loss_stage(logps, entropy, ids_shape, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
+                sampling_logps, cfg):
+    B, T = ids_shape
+    return loss_from_logps(logps.view(B, T), advantages, mask, old_logps, ref_logps, is_ratio, entropy.view(B, T),
+                           num_items_in_batch, sampling_logps, cfg)
+
+
+def _check_loss(B, T, device, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch, sampling_logps,
+                cfg):
+    _checks.loss_inputs(B, T, advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps,
+                        num_items_in_batch, cfg)
+    if advantages.device != device:
+        raise ValueError(f"advantages must be on the logits' device {device}, got {advantages.device}")
+
+
+def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
+              num_items_in_batch=None, config: GRPOLossConfig | None = None, impl: str = "auto",
+              sampling_logps=None, inplace_backward: bool = False, **config_overrides):
+    """GRPO loss from logits (B, T, V) aligned with ``ids`` (B, T): returns ``(loss, metrics)``.
+
+    advantages (B,) or (B, T); mask (B, T) (None = all valid); old_logps / ref_logps / sampling_logps (B, T);
+    is_ratio (B,), (B, 1) or (B, T); num_items_in_batch normalizes dapo / cispo / vespo (default: mask.sum()).
+    config: a ``GRPOLossConfig``; keyword overrides (``loss_type="grpo"``, ``beta=0.04``...) apply on top.
+    inplace_backward: write d logits into the logits buffer (no second B x T x V tensor).
+    Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a dict of detached 0-dim metrics.
+    """
+    cfg = resolve_config(config, config_overrides)
+    _checks.tensor("logits", logits, floating=True, dims=(3,))
+    _checks.tensor("ids", ids, integer=True, dims=(2,))
+    B, T = ids.shape
+    _check_loss(B, T, logits.device, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
+                sampling_logps, cfg)
+    logps, entropy, _ = _token_logprobs(logits, ids, cfg.temperature, impl, inplace_backward)
+    return _loss_stage(logps, entropy, (B, T), advantages, mask, old_logps, ref_logps, is_ratio,
+                       num_items_in_batch, sampling_logps, cfg)
+
+
+def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
+                           is_ratio=None, num_items_in_batch=None, config: GRPOLossConfig | None = None,
+                           impl: str = "auto", sampling_logps=None, **config_overrides):
+    """GRPO loss from final hidden states and the lm_head, never writing the B x T x V logits.
+
+    hidden (B, T, H) or (B*T, H); weight (V, H); bias (V,) or None; ids (B, T); other arguments as
+    ``grpo_loss``. Gradients flow to hidden, weight and bias, each only when it requires grad (a frozen head
+    skips the d weight sweep). ``config.deterministic`` selects the atomics-free Triton backward.
+    """
+    cfg = resolve_config(config, config_overrides)
+    _checks.tensor("hidden", hidden, floating=True, dims=(2, 3))
+    _checks.tensor("ids", ids, integer=True, dims=(2,))
+    B, T = ids.shape
+    _check_loss(B, T, hidden.device, advantages, mask, old_logps,
+                ref_logps, is_ratio, num_items_in_batch, sampling_logps, cfg)
+    logps, entropy, _ = _linear_token_logprobs(hidden, weight, ids, bias, cfg.temperature, impl,
+                                               cfg.deterministic)
+    return _loss_stage(logps, entropy, (B, T), advantages, mask, old_logps, ref_logps, is_ratio,
+                       num_items_in_batch, sampling_logps, cfg)
+
+
+class GRPOLoss(nn.Module):
+    """``grpo_loss`` with a fixed ``GRPOLossConfig``: ``GRPOLoss(loss_type="grpo")(logits, ids, advantages)``."""
+
+    def __init__(self, config: GRPOLossConfig | None = None, impl: str = "auto", **overrides):
+        super().__init__()
+        self.config = resolve_config(config, overrides)
+        self.impl = impl
+
+    def forward(self, logits, ids, advantages, mask=None, **kwargs):
+        return grpo_loss(logits, ids, advantages, mask, config=self.config, impl=self.impl, **kwargs)
+
+
+_LIGER_NAMES = {"_input": "hidden", "lin_weight": "weight", "selected_token_ids": "ids",
+                "attention_mask": "mask", "ref_per_token_logps": "ref_logps",
+                "old_per_token_logps": "old_logps", "vllm_is_ratio": "is_ratio"}
+
+
+class FusedLinearGRPOLoss(nn.Module):
+    """``fused_linear_grpo_loss`` with a fixed config; a drop-in for Liger's ``LigerFusedLinearGRPOLoss``.
+
+    forward takes our names (hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
+    num_items_in_batch) or Liger's (_input, lin_weight, selected_token_ids, attention_mask, advantages, bias,
+    ref_per_token_logps, old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio,
+    num_items_in_batch), positionally in Liger's order too. With ``ref_input``/``ref_weight`` and no
+    ``ref_logps`` the reference log-probs are computed with the fused no-grad path. Returns (loss, metrics).
+    """
+
+    _POSITIONAL = ("hidden", "weight", "ids", "mask", "advantages", "bias", "ref_logps", "old_logps",
+                   "ref_input", "ref_weight", "ref_bias", "is_ratio", "num_items_in_batch")
+
+    def __init__(self, config: GRPOLossConfig | None = None, impl: str = "auto", **overrides):
+        super().__init__()
+        self.config = resolve_config(config, overrides)
+        self.impl = impl
+
+    def forward(self, *args, **kwargs):
+        if len(args) > len(self._POSITIONAL):
+            raise ValueError(f"FusedLinearGRPOLoss.forward takes at most {len(self._POSITIONAL)} positional "
+                             f"arguments, got {len(args)}")
+        named = dict(zip(self._POSITIONAL, args))
+        for key, value in kwargs.items():
+            key = _LIGER_NAMES.get(key, key)
+            if key in named:
+                raise ValueError(f"argument {key!r} given twice")
+            named[key] = value
+        unknown = set(named) - set(self._POSITIONAL) - {"sampling_logps"}
+        if unknown:
+            raise ValueError(f"unknown argument(s) {sorted(unknown)} for FusedLinearGRPOLoss.forward")
+        for required in ("hidden", "weight", "ids", "advantages"):
+            if named.get(required) is None:
+                raise ValueError(f"FusedLinearGRPOLoss.forward needs {required!r}")
+        ref_input, ref_weight, ref_bias = (named.pop(k, None) for k in ("ref_input", "ref_weight", "ref_bias"))
+        if named.get("ref_logps") is None and self.config.beta != 0.0 and ref_input is not None:
+            with torch.no_grad():
+                named["ref_logps"] = _linear_token_logprobs(
+                    ref_input, named["weight"] if ref_weight is None else ref_weight, named["ids"],
+                    named.get("bias") if ref_weight is None else ref_bias,
+                    self.config.temperature, self.impl, False)[0].view(named["ids"].shape)
+        return fused_linear_grpo_loss(config=self.config, impl=self.impl, **named)
