@@ -45,7 +45,7 @@ def kernels(interpret: bool | None = None):
             alpha = tl.exp(m - m_safe)
             e = tl.exp(z - m_safe)
             s = s * alpha + tl.sum(e, axis=0)
-            a = a * alpha + tl.sum(tl.where(e > 0.0, e * z, 0.0), axis=0)
+            a = a * alpha + tl.sum(e * tl.where(e > 0.0, z, 0.0), axis=0)
             m = m_new
         lse = m + tl.log(s)
         # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
@@ -80,7 +80,7 @@ def kernels(interpret: bool | None = None):
             dz = tl.where(v == target, g, 0.0) - g * p
             if HAS_ENTROPY_GRAD:
                 # dH/dz_v = -p_v (log p_v + H); the guard keeps p = 0 entries (z = -inf) at 0, not NaN.
-                dz -= tl.where(p > 0.0, g_h * p * (z - lse + h), 0.0)
+                dz -= g_h * p * tl.where(p > 0.0, z - lse + h, 0.0)
             # Why store in the logits dtype: in-place mode writes back into the logits buffer.
             tl.store(out + v, (dz * inv_temperature).to(dlogits_ptr.dtype.element_ty), mask=v < V)
 
