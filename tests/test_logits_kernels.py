@@ -1,0 +1,156 @@
+"""The logits path (Triton under the interpreter, and the chunked torch path) against float64 ground truth."""
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels import _checks
+from grpo_kernels.kernels import logits_kernels
+from grpo_kernels.reference import logprobs_and_entropy, reference_grpo_loss
+
+from .cases import CASES, make_inputs
+from .tolerances import assert_three_way, naive_logprobs_entropy
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (B, T, V, block_v): V not a power of two, T = 1, a single token, V below / above / across the block size
+SHAPES = {
+    "1x1x1": (1, 1, 1, None),
+    "2x1x37": (2, 1, 37, None),
+    "3x5x1000-block256": (3, 5, 1000, 256),
+    "2x3x4099": (2, 3, 4099, None),
+}
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Every kernel output buffer starts as NaN: a row or block the kernel forgets shows up."""
+    monkeypatch.setenv(_checks.POISON_ENV, "1")
+
+
+def _ground_truth(logits, ids, temperature, a, b):
+    x = logits.double().requires_grad_(True)
+    logp, entropy = logprobs_and_entropy(x, ids, temperature)
+    (grad,) = torch.autograd.grad((a * logp + b * entropy).sum(), x)
+    return logp.detach(), entropy.detach(), grad
+
+
+def _naive(logits, ids, temperature, a, b):
+    x = logits.clone().requires_grad_(True)
+    logp, entropy = naive_logprobs_entropy(x, ids, temperature)
+    (grad,) = torch.autograd.grad((a * logp + b * entropy).sum(), x)
+    return logp, entropy, grad
+
+
+def _ours(logits, ids, temperature, a, b, impl, block_v=None, monkeypatch=None):
+    if block_v and monkeypatch:
+        monkeypatch.setattr(logits_kernels, "MAX_BLOCK_V", block_v)
+    x = logits.clone().requires_grad_(True)
+    logp, entropy = gk.token_logprobs(x, ids, temperature, return_entropy=True, impl=impl)
+    (grad,) = torch.autograd.grad((a * logp + b * entropy).sum(), x)
+    return logp, entropy, grad
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp-grad", "logp+entropy-grad"])
+def test_token_logprobs_three_way(shape, dtype, impl, entropy_grad, monkeypatch):
+    B, T, V, block_v = shape
+    g = torch.Generator().manual_seed(B * 1000 + V)
+    logits = (torch.randn(B, T, V, generator=g) * 3).to(dtype)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    a = torch.randn(B, T, generator=g)
+    b = torch.randn(B, T, generator=g) if entropy_grad else torch.zeros(B, T)
+    truth = _ground_truth(logits, ids, 0.8, a, b)
+    naive = _naive(logits, ids, 0.8, a, b)
+    ours = _ours(logits, ids, 0.8, a, b, impl, block_v, monkeypatch)
+    assert ours[0].dtype == torch.float32 and ours[2].dtype == dtype
+    for name, o, n, t in zip(("logp", "entropy", "d logits"), ours, naive, truth):
+        assert_three_way(o, n, t, dtype, f"{impl} {name}")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_minus_inf_logits_and_noncontiguous_view(impl):
+    """Banned tokens (-inf logits) get probability 0 (no NaN anywhere); a sliced logits view needs no copy."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(2, 5, 300, generator=g)
+    full[0, 1, :200] = float("-inf")
+    logits = full[:, :-1]  # (2, 4, 300), time-strided
+    ids = torch.randint(200, 300, (2, 4), generator=g)
+    a, b = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    truth = _ground_truth(logits, ids, 1.0, a, b)
+    ours = _ours(logits, ids, 1.0, a, b, impl)
+    for name, o, t in zip(("logp", "entropy", "d logits"), ours, truth):
+        assert torch.isfinite(o).all(), name
+        assert torch.allclose(o.double(), t, atol=2e-5, rtol=1e-5), name
+    assert (ours[2][0, 1, :200] == 0).all()
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_inplace_backward_reuses_the_logits_buffer(impl):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 130, generator=g, dtype=torch.bfloat16)
+    ids = torch.randint(0, 130, (2, 3), generator=g)
+    expected = _ours(logits, ids, 1.0, torch.ones(2, 3), torch.zeros(2, 3), impl)[2]
+    x = logits.clone().requires_grad_(True)
+    logp = gk.token_logprobs(x, ids, impl=impl, inplace_backward=True)
+    logp.sum().backward()
+    assert x.grad.data_ptr() == x.data_ptr(), "in-place backward must reuse the logits storage"
+    assert torch.equal(x.grad, expected)
+
+
+def test_large_vocab_triton():
+    """V = 262144 (the largest vocab the contract names), one token, under the interpreter."""
+    g = torch.Generator().manual_seed(5)
+    V = 262144
+    logits = torch.randn(1, 1, V, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[V - 1]])
+    logp, entropy = gk.token_logprobs(logits, ids, return_entropy=True, impl="triton")
+    t_logp, t_entropy = logprobs_and_entropy(logits.double(), ids)
+    assert torch.allclose(logp.double(), t_logp, atol=1e-5)
+    assert torch.allclose(entropy.double(), t_entropy, atol=1e-5)
+
+
+LOSS_CASES = [c for c in CASES if c.id in ("grpo-token", "dapo-token", "cispo-token", "sapo-token",
+                                           "vespo-token", "luspo-sequence", "everything", "entropy-bonus")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: c.id)
+def test_grpo_loss_triton_three_way(case, dtype):
+    inputs = make_inputs(case, B=3, T=5, V=300, dtype=dtype, seed=11)
+    rest = {k: v for k, v in inputs.items() if k not in ("logits", "ids", "advantages", "mask")}
+    args = (inputs["ids"], inputs["advantages"], inputs["mask"])
+
+    x64 = inputs["logits"].double().requires_grad_(True)
+    loss64, _ = reference_grpo_loss(x64, *args, config=case.config, **rest)
+    (grad64,) = torch.autograd.grad(loss64, x64)
+
+    # torch in the input dtype: the naive log-softmax in D, then the same loss stage
+    xd = inputs["logits"].clone().requires_grad_(True)
+    logp_d, ent_d = naive_logprobs_entropy(xd, inputs["ids"], case.config.temperature)
+    from grpo_kernels.reference import loss_from_logps
+    loss_d, _ = loss_from_logps(logp_d, inputs["advantages"], inputs["mask"], entropy=ent_d, config=case.config,
+                                **rest)
+    (grad_d,) = torch.autograd.grad(loss_d, xd)
+
+    x = inputs["logits"].clone().requires_grad_(True)
+    loss, _ = gk.grpo_loss(x, *args, config=case.config, impl="triton", **rest)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert_three_way(loss.detach(), loss_d.detach(), loss64.detach(), dtype, "loss")
+    assert_three_way(grad, grad_d, grad64, dtype, "d logits", scale=grad64.abs().max().item())
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo"])
+def test_empty_mask_gives_zero_loss_and_zero_grad(loss_type, impl):
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 3, 50, generator=g, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 3), generator=g)
+    ref = torch.randn(2, 3, generator=g) - 4
+    loss, metrics = gk.grpo_loss(logits, ids, torch.randn(2, generator=g), torch.zeros(2, 3, dtype=torch.bool),
+                                 ref_logps=ref, loss_type=loss_type, beta=0.04, entropy_coef=0.01,
+                                 top_entropy_quantile=0.5, impl=impl)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+    assert all(torch.isfinite(v) for v in metrics.values())
