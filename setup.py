@@ -17,7 +17,7 @@ setup(
     install_requires=["torch>=2.4", "triton>=3.2; platform_system == 'Linux'", "numpy"],
     extras_require={
         "train": ["transformers>=4.56", "tokenizers", "matplotlib", "tqdm", "liger-kernel>=0.8.5"],
-        "trl": ["trl==1.16.0", "transformers>=4.56"],
+        "trl": ["trl>=1.16,<1.17", "transformers>=4.56"],
         "test": ["pytest>=8", "pytest-benchmark>=5", "trl==1.16.0", "liger-kernel==0.8.5", "transformers>=4.56",
                  "matplotlib", "tqdm"],
         "bench": ["pytest>=8", "pytest-benchmark>=5", "liger-kernel==0.8.5", "trl==1.16.0", "matplotlib"],

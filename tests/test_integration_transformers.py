@@ -101,6 +101,22 @@ def test_gradients_match(tied):
         torch.testing.assert_close(out[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_triton_impl_matches_model():
+    """impl="triton" (the CUDA default; the interpreter on CPU, see conftest.py), values and head gradient."""
+    model = _llama(False, bias=True, dtype=torch.float32)
+    ids, mask = _batch()
+    logp, entropy = causal_lm_token_logprobs(model, ids, mask, 3, temperature=0.8, return_entropy=True,
+                                             impl="triton")
+    (logp.sum() + entropy.sum()).backward()
+    grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    exp_logp, exp_ent = _expected(model, ids, mask, 3, temperature=0.8)
+    (exp_logp.sum() + exp_ent.sum()).backward()
+    torch.testing.assert_close(logp.double(), exp_logp, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(entropy.double(), exp_ent, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_logit_scale_folds_into_temperature():
     """Cohere multiplies its logits by config.logit_scale; Granite divides them by config.logits_scaling."""
     torch.manual_seed(0)

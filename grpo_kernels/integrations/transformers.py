@@ -8,7 +8,9 @@ What the fused path can express: ``logits = logit_scale * (h @ W.T + b)`` with `
 (tied or untied to the input embeddings) and a positive scalar ``logit_scale``, which folds exactly into the
 temperature (``z = logits / tau = (h @ W.T + b) / (tau / logit_scale)``). The scale is read from the text config
 under the same names TRL's fused head uses (``logit_scale`` for Cohere, ``output_multiplier``,
-``lm_head_multiplier`` for Falcon-H1, ``logits_scaling`` for Granite / MiniCPM3 / HyperCLOVA X).
+``lm_head_multiplier`` for Falcon-H1, ``logits_scaling`` for Granite / MiniCPM3 / HyperCLOVA X). Like TRL's fused
+head, this assumes ``*ForCausalLM.forward`` does nothing else between the backbone and ``lm_head``; an architecture
+that transforms the hidden states there in another way is not detected.
 
 Refused with a ValueError (there is no fallback here, since a fallback would have to build the logits):
 - ``final_logit_softcapping`` (Gemma 2/3): ``cap * tanh(x / cap)`` is nonlinear, so it cannot be folded into the
@@ -26,7 +28,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "autocast_inputs"]
+__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "autocast_inputs", "cast_to"]
 
 
 class LMHead:
@@ -133,8 +135,12 @@ def autocast_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if not torch.is_autocast_enabled(device_type):
         return hidden, weight, bias, nullcontext()
     dtype = torch.get_autocast_dtype(device_type)
-    bias = bias.to(dtype) if bias is not None else None
-    return hidden.to(dtype), weight.to(dtype), bias, torch.autocast(device_type, enabled=False)
+    return (*cast_to(dtype, hidden, weight, bias), torch.autocast(device_type, enabled=False))
+
+
+def cast_to(dtype: torch.dtype, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``(hidden, weight, bias)`` in ``dtype`` (the kernels take one dtype); differentiable, no copy when equal."""
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def causal_lm_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -152,7 +158,8 @@ def causal_lm_token_logprobs(model, input_ids: torch.Tensor, attention_mask: tor
     return_entropy: also return the entropy of each predicted distribution.
     impl: "auto" | "triton" | "torch", forwarded to ``grpo_kernels.linear_token_logprobs``.
     model_kwargs: extra backbone inputs (position_ids, pixel_values, ...).
-    Returns logp (B, T) fp32 [and entropy (B, T) fp32], differentiable w.r.t. the model's parameters.
+    Returns logp (B, T) fp32 [and entropy (B, T)] (fp64 for an fp64 model), differentiable w.r.t. the model's
+    parameters.
     """
     import grpo_kernels as gk  # at call time: grpo_kernels/__init__.py may import this package
 
@@ -182,6 +189,8 @@ def causal_lm_token_logprobs(model, input_ids: torch.Tensor, attention_mask: tor
     hidden = hidden.to(head.weight.device)
     ids = ids.to(head.weight.device)
     hidden, weight, bias, ctx = autocast_inputs(hidden, head.weight, head.bias)
+    if weight.dtype != hidden.dtype:  # e.g. an fp32 head on a bf16 backbone: compute in the wider dtype
+        hidden, weight, bias = cast_to(torch.promote_types(hidden.dtype, weight.dtype), hidden, weight, bias)
     with ctx:
         return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=temperature / head.logit_scale,
                                         return_entropy=return_entropy, impl=impl)

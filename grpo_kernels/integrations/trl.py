@@ -14,6 +14,9 @@ final_logit_softcapping, logit_scale, outputs)``, looked up as a global of ``trl
 ``patch_trl`` replaces that one global with ``TRLLogProbFunction``, which calls
 ``grpo_kernels.linear_token_logprobs``. Everything around it, TRL's output object and TRL's whole loss, stays TRL's
 own: this is the narrowest seam that removes the (N x V) work, and ``unpatch_trl`` restores it with one assignment.
+The global is shared by every TRL trainer: GRPO's policy and reference model are what this targets and tests; RLOO's
+policy and every trainer's reference model (log_probs only) take the same path; SFT, DPO and KTO policies request
+extra outputs and stay on TRL's kernel (below).
 
 The loss is not rerouted through ``fused_linear_grpo_loss``: TRL's ``_compute_loss`` interleaves the maths with
 trainer state (gradient-accumulation normalizers, ``num_items_in_batch`` spanning the generation batch,
@@ -28,7 +31,11 @@ Calls the fused path cannot express are served by TRL's own ``ChunkedLogProbFunc
 - DeepSpeed ZeRO-3: TRL regathers the partitioned ``lm_head`` inside its backward, our autograd does not: warned once;
 - requested outputs other than ``log_probs`` / ``entropy`` (SFT's ``is_top1``, DPO's ``mean_logits``...): silent,
   since those trainers are not what this patch targets;
-- an empty batch of scored positions (TRL's compact path): silent, TRL's function keeps the graph connected.
+- an empty batch of scored positions (TRL's compact path): silent, TRL's function keeps the graph connected;
+- float64 on a GPU (the Triton kernels take fp32 / bf16 / fp16): silent.
+Numbers: in fp32 the patched trainer matches TRL to float rounding (tests/test_integration_trl.py). Under bf16
+autocast both cast hidden and head to bf16, but TRL also rounds every logits tile to bf16 while grpo_kernels keeps
+the logits in fp32, so the two differ at bf16 precision, grpo_kernels being the closer to the exact value.
 ``patch_trl(strict=True)`` turns the warned fallbacks into ValueErrors, raised at trainer setup where TRL calls
 ``add_fused_lm_head`` on the GRPO policy and reference models.
 """
@@ -37,7 +44,9 @@ from __future__ import annotations
 import math
 import warnings
 
-from .transformers import autocast_inputs, logit_scale_of
+import torch
+
+from .transformers import autocast_inputs, cast_to, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction"]
 
@@ -111,11 +120,14 @@ class TRLLogProbFunction:
             from trl.kernels import ChunkedLogProbFunction as original
         args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
                 outputs)
+        # Silent fallbacks first: other trainers' extra outputs, TRL's empty compact batch, and fp64 on a GPU (the
+        # Triton kernels take fp32/bf16/fp16; TRL's cuBLAS tiles take fp64).
+        if not set(outputs) <= _ROUTED_OUTPUTS or hidden.shape[0] == 0 or \
+                (hidden.dtype == torch.float64 and hidden.device.type != "cpu"):
+            return original.apply(*args)
         reason = _unsupported(final_logit_softcapping, logit_scale)
         if reason is not None:
             _fallback(*reason)
-            return original.apply(*args)
-        if not set(outputs) <= _ROUTED_OUTPUTS or hidden.shape[0] == 0:
             return original.apply(*args)
 
         import grpo_kernels as gk  # at call time: grpo_kernels/__init__.py may import this package
@@ -124,11 +136,10 @@ class TRLLogProbFunction:
         # Why autocast_inputs: TRL multiplies in the autocast dtype when autocast is on, else in hidden's dtype
         # (fp32 under cast_lm_head_to_fp32, where TRL has already upcast hidden and disabled autocast).
         hidden, weight, bias, ctx = autocast_inputs(hidden, weight, bias)
-        if weight.dtype != hidden.dtype:
-            weight = weight.to(hidden.dtype)
-            bias = bias.to(hidden.dtype) if bias is not None else None
+        # Outside autocast TRL multiplies in hidden's dtype, casting the head to it.
+        hidden, weight, bias = cast_to(hidden.dtype, hidden, weight, bias)
         with ctx:
-            # logits * logit_scale / temperature == logits / (temperature / logit_scale): exact fold for scale > 0.
+            # logits * logit_scale / temperature == logits / (temperature / logit_scale) for any scale > 0.
             out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias,
                                            temperature=float(temperature) / float(logit_scale),
                                            return_entropy=want_entropy)

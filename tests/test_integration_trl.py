@@ -1,0 +1,295 @@
+"""patch_trl: TRL's GRPOTrainer gives the same numbers with and without grpo_kernels (offline, CPU, tiny models).
+
+Each case trains a tiny locally built Llama twice from the same seed, once on TRL's own fused LM head and once
+patched, and compares every logged per-step metric (loss, reward, kl, entropy, clip ratios, grad norm) and the
+final parameters. fp32 (``bf16=False``): under bf16 autocast TRL rounds each logits tile to bf16 while grpo_kernels
+accumulates in fp32, so the two agree only to bf16 precision there (``test_bf16_autocast_*`` checks which is closer
+to the truth).
+"""
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+import trl  # noqa: E402
+import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
+import trl.trainer.utils as trl_utils  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.kernels import ChunkedLogProbFunction  # noqa: E402
+
+import grpo_kernels  # noqa: E402
+from grpo_kernels.integrations import trl as gk_trl  # noqa: E402
+from grpo_kernels.integrations.trl import (  # noqa: E402
+    SUPPORTED_TRL_VERSIONS, TRLLogProbFunction, is_trl_patched, patch_trl, unpatch_trl,
+)
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(40)]
+# Logged values that measure wall time, not maths.
+TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+@pytest.fixture(autouse=True)
+def _always_unpatched():
+    unpatch_trl()
+    yield
+    unpatch_trl()
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    """A saved tiny Llama + word-level tokenizer: GRPOTrainer builds its reference model from the path."""
+    return _save_tiny_lm(tmp_path_factory.mktemp("tiny_llama"), tied=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_tied(tmp_path_factory):
+    return _save_tiny_lm(tmp_path_factory.mktemp("tiny_llama_tied"), tied=True)
+
+
+def _save_tiny_lm(path, tied: bool):
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words back with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<unk>")
+    torch.manual_seed(0)
+    # A large init makes the sampling distributions peaked enough that rewards vary inside a group.
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+                         tie_word_embeddings=tied)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def even_words(completions, **kwargs):
+    """Rule-based reward: fraction of words with an even index."""
+    return [sum(w[-1] in "02468" for w in c.split()) / max(len(c.split()), 1) for c in completions]
+
+
+def short(completions, **kwargs):
+    return [-0.1 * len(c.split()) for c in completions]
+
+
+def _train(tiny_lm, tmp_path, patched: bool, **overrides):
+    """Train a few steps; returns (log_history, parameters, number of grpo_kernels head calls)."""
+    path, tokenizer = tiny_lm
+    dataset = Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9", "w10", "w11 w12", "w13"] * 4})
+    options = dict(output_dir=str(tmp_path / ("patched" if patched else "trl")), per_device_train_batch_size=4,
+                   num_generations=4, max_completion_length=6, max_steps=4, learning_rate=3e-2, logging_steps=1,
+                   report_to="none", use_cpu=True, bf16=False, seed=0, save_strategy="no", disable_tqdm=True,
+                   model_init_kwargs={"dtype": torch.float32})
+    options.update(overrides)
+    calls = []
+    original = grpo_kernels.linear_token_logprobs
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    grpo_kernels.linear_token_logprobs = spy
+    try:
+        if patched:
+            patch_trl()
+        trainer = GRPOTrainer(model=path, reward_funcs=[even_words, short], args=GRPOConfig(**options),
+                              train_dataset=dataset, processing_class=tokenizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+    finally:
+        grpo_kernels.linear_token_logprobs = original
+        unpatch_trl()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return trainer.state.log_history, params, len(calls)
+
+
+def _assert_same_run(ref, out, rtol=1e-4, atol=1e-6):
+    (ref_logs, ref_params, ref_calls), (logs, params, calls) = ref, out
+    assert ref_calls == 0 and calls > 0, "the patched run must go through grpo_kernels, the reference must not"
+    assert len(ref_logs) == len(logs)
+    for step, (a, b) in enumerate(zip(ref_logs, logs)):
+        assert a.keys() == b.keys(), step
+        for key in a:
+            if key in TIMING_KEYS or not isinstance(a[key], (int, float)):
+                continue
+            assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=atol), f"step {step} {key}: {a[key]} != {b[key]}"
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=rtol, atol=atol, msg=name)
+
+
+def _assert_informative(logs, *keys):
+    """The compared metrics must not be trivially zero, or agreement proves nothing."""
+    for key in keys:
+        assert any(abs(entry.get(key, 0.0)) > 0 for entry in logs), f"{key} stayed 0: the case does not test it"
+
+
+def test_grpo_beta_ref_model_iterations_accumulation(tiny_lm, tmp_path):
+    """grpo loss, KL to a reference model, 2 iterations per generation (ratio != 1: clipping), grad accumulation."""
+    cfg = dict(loss_type="grpo", beta=0.1, num_iterations=2, epsilon=0.05, gradient_accumulation_steps=2,
+               per_device_train_batch_size=2)
+    ref = _train(tiny_lm, tmp_path, False, **cfg)
+    _assert_informative(ref[0], "loss", "kl", "reward_std", "clip_ratio/region_mean", "grad_norm")
+    _assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [
+    dict(loss_type="dapo", top_entropy_quantile=0.5, mask_truncated_completions=True, entropy_coef=0.05,
+         num_iterations=2),
+    dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.05, num_iterations=2, epsilon=0.02),
+    dict(loss_type="dr_grpo", delta=1.5, off_policy_mask_threshold=0.0, num_iterations=2, temperature=0.7),
+    dict(loss_type="cispo", num_iterations=2, use_bias_correction_kl=False, beta=0.02),
+    dict(loss_type="sapo", num_iterations=2, scale_rewards="batch"),
+], ids=["dapo-entropy-mask-bonus", "gspo-beta", "dr_grpo-delta-opsm-tau", "cispo-beta", "sapo"])
+def test_more_trl_options(tiny_lm, tmp_path, cfg):
+    ref = _train(tiny_lm, tmp_path, False, **cfg)
+    _assert_informative(ref[0], "loss", "grad_norm")
+    _assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+
+
+@pytest.mark.slow
+def test_triton_kernels_in_trl(tiny_lm, tmp_path, monkeypatch):
+    """The Triton fused-linear kernels (the CUDA default; TRITON_INTERPRET=1 on CPU, see conftest.py) inside TRL."""
+    cfg = dict(loss_type="grpo", beta=0.1, num_iterations=2, epsilon=0.05, max_steps=2)
+    ref = _train(tiny_lm, tmp_path, False, **cfg)
+    monkeypatch.setenv("GRPO_KERNELS_IMPL", "triton")
+    _assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+
+
+@pytest.mark.slow
+def test_tied_embeddings_fp32_head(tiny_lm_tied, tmp_path):
+    """lm_head.weight is the input embedding: both gradients accumulate into one parameter."""
+    cfg = dict(loss_type="bnpo", beta=0.05, num_iterations=2, cast_lm_head_to_fp32=True)
+    ref = _train(tiny_lm_tied, tmp_path, False, **cfg)
+    assert "lm_head.weight" not in ref[1]  # tied: one shared parameter
+    _assert_informative(ref[0], "loss", "kl", "grad_norm")
+    _assert_same_run(ref, _train(tiny_lm_tied, tmp_path, True, **cfg))
+
+
+def test_unsupported_version_changes_nothing(monkeypatch):
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    before = (trl_utils._ChunkedLogProbFunction, trl_grpo.add_fused_lm_head)
+    with pytest.raises(RuntimeError, match=r"supports TRL 1\.16\.x, found TRL 1\.17\.0; nothing was patched"):
+        patch_trl()
+    assert (trl_utils._ChunkedLogProbFunction, trl_grpo.add_fused_lm_head) == before
+    assert not is_trl_patched()
+    assert gk_trl.is_supported_trl_version("1.16.3.dev0") and not gk_trl.is_supported_trl_version("1.1.6")
+    assert SUPPORTED_TRL_VERSIONS == ("1.16",)
+
+
+def test_patch_is_idempotent_and_unpatch_restores():
+    before = (trl_utils._ChunkedLogProbFunction, trl_grpo.add_fused_lm_head)
+    patch_trl()
+    patch_trl()
+    assert trl_utils._ChunkedLogProbFunction is TRLLogProbFunction and is_trl_patched()
+    assert trl_grpo.add_fused_lm_head is not before[1]
+    unpatch_trl()
+    assert trl_utils._ChunkedLogProbFunction is before[0] is ChunkedLogProbFunction
+    assert trl_grpo.add_fused_lm_head is before[1] is trl_utils.add_fused_lm_head
+    assert not is_trl_patched()
+    unpatch_trl()  # no-op when not patched
+
+
+def _head_inputs(dtype=torch.float32, n=23, hidden=16, vocab=45, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(dtype).requires_grad_()
+    return h, w, b, torch.randint(0, vocab, (n,), generator=g)
+
+
+def _run_head(fn, h, w, b, ids, **kw):
+    args = dict(temperature=0.8, chunk_size=32768, final_logit_softcapping=None, logit_scale=1.0,
+                outputs=("log_probs", "entropy"))
+    args.update(kw)
+    for t in (h, w, b):
+        t.grad = None
+    logp, entropy, *rest = fn.apply(h, w, b, ids, *args.values())
+    loss = logp.float().sum() + (0.3 * entropy.float().sum() if entropy is not None else 0)
+    loss.backward()
+    return [logp, entropy, *rest], [t.grad.clone() for t in (h, w, b)]
+
+
+@pytest.mark.parametrize("logit_scale", [1.0, 0.0625, 4.0])
+def test_head_matches_trl_function(logit_scale):
+    """Our drop-in against TRL's ChunkedLogProbFunction: values and gradients, incl. the folded logit scale."""
+    patch_trl()
+    inputs = _head_inputs()
+    (lp, ent, *rest), grads = _run_head(TRLLogProbFunction, *inputs, logit_scale=logit_scale)
+    (lp_ref, ent_ref, *_), grads_ref = _run_head(ChunkedLogProbFunction, *inputs, logit_scale=logit_scale)
+    assert rest == [None, None, None] and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_head_falls_back_to_trl(monkeypatch):
+    """Soft-cap and ZeRO-3 warn once and run TRL's kernel; extra outputs and empty batches fall back silently."""
+    patch_trl()
+    inputs = _head_inputs()
+    cases = [
+        (dict(final_logit_softcapping=5.0), "final_logit_softcapping=5.0"),
+        (dict(outputs=("log_probs", "entropy", "is_top1")), None),
+    ]
+    for kw, warning in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out, grads = _run_head(TRLLogProbFunction, *inputs, **kw)
+        ref, grads_ref = _run_head(ChunkedLogProbFunction, *inputs, **kw)
+        messages = [str(w.message) for w in caught if "grpo_kernels" in str(w.message)]
+        assert (messages == []) if warning is None else (len(messages) == 1 and warning in messages[0])
+        for a, b in zip(out + grads, ref + grads_ref):
+            assert (a is None and b is None) or torch.equal(a, b)
+    empty = (inputs[0][:0].detach().requires_grad_(), inputs[1], inputs[2], inputs[3][:0])
+    assert TRLLogProbFunction.apply(*empty, 1.0, 32768, None, 1.0, ("log_probs",))[0].shape == (0,)
+
+    # ZeRO-3 (deepspeed is not installed: fake the flag, and stay forward-only since TRL's backward would gather)
+    import transformers.integrations.deepspeed as hf_ds
+    monkeypatch.setattr(hf_ds, "is_deepspeed_zero3_enabled", lambda: True)
+    args = (*inputs, 0.8, 32768, None, 1.0, ("log_probs", "entropy"))
+    with torch.no_grad(), pytest.warns(UserWarning, match="DeepSpeed ZeRO-3"):
+        out = TRLLogProbFunction.apply(*args)
+    with torch.no_grad():
+        assert torch.equal(out[0], ChunkedLogProbFunction.apply(*args)[0])
+    patch_trl(strict=True)
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 is not supported"):
+        TRLLogProbFunction.apply(*args)
+
+
+def test_strict_refuses_softcap_model_at_setup():
+    """patch_trl(strict=True) raises where GRPOTrainer adds the fused head, naming the option."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    config.final_logit_softcapping = 30.0
+    model = LlamaForCausalLM(config)
+    patch_trl(strict=True)
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported"):
+        trl_grpo.add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+    patch_trl(strict=False)
+    with pytest.warns(UserWarning, match="final_logit_softcapping=30.0"):
+        trl_grpo.add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+
+
+def test_bf16_autocast_at_least_as_accurate_as_trl():
+    """Under bf16 autocast both cast to bf16; TRL also rounds each logits tile to bf16, grpo_kernels does not."""
+    patch_trl()
+    h, w, b, ids = _head_inputs()
+    z = (h.double() @ w.double().T + b.double()) / 0.8
+    with torch.no_grad():
+        h16, w16, b16 = (t.bfloat16().double() for t in (h, w, b))
+        z16 = (h16 @ w16.T + b16) / 0.8  # the exact logits of the bf16-cast inputs
+        truth = torch.log_softmax(z16, -1).gather(-1, ids[:, None]).squeeze(-1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours = TRLLogProbFunction.apply(h, w, b, ids, 0.8, 32768, None, 1.0, ("log_probs",))[0]
+            theirs = ChunkedLogProbFunction.apply(h, w, b, ids, 0.8, 32768, None, 1.0, ("log_probs",))[0]
+    assert ours.dtype == torch.float32 and z.shape[0] == ours.shape[0]
+    err_ours, err_theirs = (ours.double() - truth).abs().max(), (theirs.double() - truth).abs().max()
+    assert err_ours <= err_theirs + 1e-6 and err_ours < 1e-4
