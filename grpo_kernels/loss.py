@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import _checks
+from . import _checks, fused_stage
+from ._triton import resolve_impl
 from .config import GRPOLossConfig, resolve_config
 from .linear import _linear_token_logprobs
 from .logprobs import _token_logprobs
@@ -18,8 +19,12 @@ from .reference import loss_from_logps
 
 
 def _loss_stage(logps, entropy, ids_shape, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
-                sampling_logps, cfg):
+                sampling_logps, cfg, impl):
+    """The per-token loss, masks and reduction: one Triton kernel where it applies, else the reference."""
     B, T = ids_shape
+    if impl == "triton" and fused_stage.supported(cfg):
+        return fused_stage.fused_loss_from_logps(logps.view(B, T), advantages, mask, old_logps, ref_logps, is_ratio,
+                                                 entropy.view(B, T), num_items_in_batch, cfg)
     return loss_from_logps(logps.view(B, T), advantages, mask, old_logps, ref_logps, is_ratio, entropy.view(B, T),
                            num_items_in_batch, sampling_logps, cfg)
 
@@ -49,9 +54,10 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     B, T = ids.shape
     _check_loss(B, T, logits.device, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
                 sampling_logps, cfg)
+    impl = resolve_impl(impl, logits, ids)
     logps, entropy, _ = _token_logprobs(logits, ids, cfg.temperature, impl, inplace_backward)
     return _loss_stage(logps, entropy, (B, T), advantages, mask, old_logps, ref_logps, is_ratio,
-                       num_items_in_batch, sampling_logps, cfg)
+                       num_items_in_batch, sampling_logps, cfg, impl)
 
 
 def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
@@ -69,10 +75,11 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     B, T = ids.shape
     _check_loss(B, T, hidden.device, advantages, mask, old_logps,
                 ref_logps, is_ratio, num_items_in_batch, sampling_logps, cfg)
+    impl = resolve_impl(impl, hidden, weight, bias)
     logps, entropy, _ = _linear_token_logprobs(hidden, weight, ids, bias, cfg.temperature, impl,
                                                cfg.deterministic)
     return _loss_stage(logps, entropy, (B, T), advantages, mask, old_logps, ref_logps, is_ratio,
-                       num_items_in_batch, sampling_logps, cfg)
+                       num_items_in_batch, sampling_logps, cfg, impl)
 
 
 class GRPOLoss(nn.Module):

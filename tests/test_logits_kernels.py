@@ -154,3 +154,16 @@ def test_empty_mask_gives_zero_loss_and_zero_grad(loss_type, impl):
     assert loss.item() == 0.0
     assert torch.equal(logits.grad, torch.zeros_like(logits))
     assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_token_level_configs_use_the_fused_stage(monkeypatch):
+    """Token-level configs run the per-token Triton kernel, not the eager stage (whose maths it must match)."""
+    import grpo_kernels.loss as loss_module
+
+    def fail(*args, **kwargs):
+        raise AssertionError("eager loss stage used")
+    monkeypatch.setattr(loss_module, "loss_from_logps", fail)
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = make_inputs(case)
+    gk.grpo_loss(inputs.pop("logits"), inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"),
+                 config=case.config, impl="triton", **inputs)

@@ -1,0 +1,81 @@
+"""The per-token stage of the loss in one Triton kernel, for configurations that need no cross-token statistic.
+
+``loss_from_logps`` (the reference) remains the definition and the path for everything else: sequence-level
+ratios, vespo, the off-policy and entropy masks. Here the reduction becomes per-token weights ``w`` (mask times
+the loss type's normalizer), so ``loss = sum(w * l)`` and ``d loss / d logp = w * d l / d logp``, which the kernel
+writes in the same pass as the loss terms and metrics.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import CLIPPED_LOSS_TYPES, GRPOLossConfig
+from .kernels.token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, token_loss_forward
+
+_KINDS = {**{lt: KIND_CLIPPED for lt in CLIPPED_LOSS_TYPES}, "cispo": KIND_CISPO, "sapo": KIND_SAPO}
+
+
+def supported(cfg: GRPOLossConfig) -> bool:
+    """Whether every per-token term of ``cfg`` is local to its token (then the fused stage applies)."""
+    return (cfg.importance_sampling_level == "token" and cfg.loss_type in _KINDS
+            and cfg.off_policy_mask_threshold is None and cfg.top_entropy_quantile == 1.0)
+
+
+def reduction_weights(mask_f: torch.Tensor, n_valid: torch.Tensor, num_items_in_batch, cfg: GRPOLossConfig):
+    """Per-token weights so that the loss type's reduction is ``sum(w * l)`` (DESIGN.md section 2 table)."""
+    B, T = mask_f.shape
+    if cfg.loss_type in ("grpo", "sapo"):
+        return mask_f / mask_f.sum(-1, keepdim=True).clamp(min=1) / B
+    if cfg.loss_type == "bnpo":
+        return mask_f / n_valid.clamp(min=1)
+    if cfg.loss_type == "dr_grpo":
+        return mask_f / (B * (cfg.max_completion_length or T))
+    if cfg.loss_type == "luspo":
+        return mask_f / B
+    items = n_valid if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=torch.float32,
+                                                                         device=mask_f.device)
+    return mask_f / items.clamp(min=1)
+
+
+class _FusedTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg, kind):
+        grad, sums = token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg,
+                                        kind)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(sums)
+        return sums[0].to(torch.float32), sums
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_sums):
+        (grad,) = ctx.saved_tensors
+        return grad_loss * grad, None, None, None, None, None, None, None, None
+
+
+def fused_loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
+                          entropy=None, num_items_in_batch=None, config: GRPOLossConfig | None = None):
+    """Same contract and results as ``reference.loss_from_logps`` for ``supported(config)`` configurations."""
+    cfg = config or GRPOLossConfig()
+    B, T = logps.shape
+    mask_b = torch.ones(B, T, dtype=torch.bool, device=logps.device) if mask is None else mask.bool()
+    mask_f = mask_b.float()
+    n_valid = mask_f.sum()
+    weights = reduction_weights(mask_f, n_valid, num_items_in_batch, cfg).contiguous()
+    loss, sums = _FusedTokenLoss.apply(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg,
+                                       _KINDS[cfg.loss_type])
+    masked_entropy_sum = torch.where(mask_b, entropy, 0.0).sum()
+    if cfg.entropy_coef != 0.0:
+        loss = loss - cfg.entropy_coef * masked_entropy_sum / n_valid.clamp(min=1)
+    count = n_valid.clamp(min=1).double()
+    with torch.no_grad():
+        ratio = (sums / count).float()
+        metrics = {
+            "kl": ratio[1] if ref_logps is not None else torch.zeros((), device=logps.device),
+            "entropy": (masked_entropy_sum.detach() / count).float(),
+            "clip_ratio/low_mean": ratio[2],
+            "clip_ratio/high_mean": ratio[3],
+            "clip_ratio/region_mean": ratio[4],
+        }
+        if cfg.loss_type == "cispo":
+            metrics["cispo_clip_ratio"] = ratio[5]
+    return loss, metrics
