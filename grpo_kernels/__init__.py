@@ -12,6 +12,17 @@ from .reference import group_advantages
 
 __version__ = "0.1.0"
 
+_INTEGRATIONS = ("patch_trl", "unpatch_trl")
+
+
+def __getattr__(name):
+    # Lazy (PEP 562): TRL is imported only when its patch is asked for.
+    if name in _INTEGRATIONS:
+        from . import integrations
+        return getattr(integrations, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "GRPOLossConfig",
     "group_advantages",
@@ -21,4 +32,6 @@ __all__ = [
     "linear_token_logprobs",
     "fused_linear_grpo_loss",
     "FusedLinearGRPOLoss",
+    "patch_trl",
+    "unpatch_trl",
 ]
