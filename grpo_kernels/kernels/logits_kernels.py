@@ -23,7 +23,8 @@ def kernels(interpret: bool | None = None):
     """The @triton.jit kernels, created on first use so TRITON_INTERPRET is read then (DESIGN.md section 4)."""
     triton, tl = import_triton()
 
-    @triton.jit
+    # Why do_not_specialize: Triton would otherwise compile a variant per T % 16 / V % 16 and for T == 1.
+    @triton.jit(do_not_specialize=["T", "V"])
     def logits_logprobs_fwd(logits_ptr, ids_ptr, logp_ptr, lse_ptr, entropy_ptr,
                             T, V, stride_b, stride_t, inv_temperature,
                             BLOCK_V: tl.constexpr):
@@ -55,7 +56,7 @@ def kernels(interpret: bool | None = None):
         tl.store(lse_ptr + row, lse)
         tl.store(entropy_ptr + row, lse - a / s)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "V"])
     def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
                             dlogits_ptr, T, V, stride_b, stride_t, out_stride_b, out_stride_t, inv_temperature,
                             HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):

@@ -25,7 +25,8 @@ KIND_CLIPPED, KIND_CISPO, KIND_SAPO = 0, 1, 2
 def kernels(interpret: bool | None = None):
     triton, tl = import_triton()
 
-    @triton.jit
+    # Why do_not_specialize: a new batch shape must not compile a new variant (T == 1, T % 16).
+    @triton.jit(do_not_specialize=["N", "T", "adv_stride_b", "adv_stride_t", "is_stride_b", "is_stride_t"])
     def token_loss_fwd(logp_ptr, old_ptr, ref_ptr, adv_ptr, is_ptr, mask_ptr, w_ptr, grad_ptr, partial_ptr,
                        N, T, adv_stride_b, adv_stride_t, is_stride_b, is_stride_t,
                        eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg,
