@@ -1,0 +1,103 @@
+"""Options of the benchmark suite and the generation of its (shape, provider, mode) cases.
+
+    pytest benchmarks/ --benchmark-only [--benchmark-json OUT.json] [options]
+
+options (each also an environment variable, for CI / scripts):
+  --bench-grid quick|full   GRPO_BENCH_GRID      shape set; quick (default): CPU N in {256, 512}, H 64, V 8000;
+                                                 GPU N in {4096, 8192, 16384}, H 4096, V 151936 (bf16).
+                                                 full: GPU N x H {2048, 4096} x V {32000, 128256, 151936}.
+  --bench-rounds N          GRPO_BENCH_ROUNDS    timed rounds per benchmark (default 3 on CPU, 5 on CUDA)
+  --bench-warmup N          GRPO_BENCH_WARMUP    untimed rounds after the first (compiling) call (default 0 on
+                                                 CPU, 1 on CUDA)
+  --bench-budget-s S        GRPO_BENCH_BUDGET_S  skip the remaining benchmarks once S seconds have passed
+  --bench-interpret         GRPO_BENCH_INTERPRET=1  CPU only: run the Triton providers (ours impl=triton, Liger's
+                                                 and TRL's logits kernels) on the Triton interpreter, at one
+                                                 extra tiny shape (slow; off by default)
+Rounds are fixed (``benchmark.pedantic``), so ``--benchmark-min-rounds`` / ``--benchmark-max-time`` do not apply.
+Each benchmark's ``extra_info`` carries peak memory, work, ceiling and achieved rate: see ``harness.py``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from . import harness
+from .providers import providers_for
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("grpo-kernels benchmarks")
+    group.addoption("--bench-grid", choices=("quick", "full"), default=None, help="shape set (default quick)")
+    group.addoption("--bench-rounds", type=int, default=None, help="timed rounds per benchmark")
+    group.addoption("--bench-warmup", type=int, default=None, help="untimed warmup rounds per benchmark")
+    group.addoption("--bench-budget-s", type=float, default=None, help="skip benchmarks after this many seconds")
+    group.addoption("--bench-interpret", action="store_true", default=None,
+                    help="CPU: run the Triton providers on the Triton interpreter (slow)")
+
+
+def _opt(config, name, env, cast, default):
+    value = config.getoption(name)
+    if value is None and os.environ.get(env, "") != "":
+        value = cast(os.environ[env])
+    return default if value is None else value
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bench_path(path): benchmark path, one of linear / logits / logprob")
+    cuda = torch.cuda.is_available()
+    interpret = bool(_opt(config, "--bench-interpret", "GRPO_BENCH_INTERPRET", lambda v: v not in ("0", ""),
+                          False)) and not cuda
+    if interpret:
+        # Before any Triton kernel of ours, Liger's or TRL's is created (all are imported lazily).
+        os.environ["TRITON_INTERPRET"] = "1"
+    if not cuda:
+        if "OMP_NUM_THREADS" not in os.environ:
+            # One thread: on a small shared CI box, OpenMP workers spinning against other processes made calls
+            # 3-10x slower and noisier than one thread. OMP_NUM_THREADS overrides.
+            torch.set_num_threads(1)
+        harness.MALLOC.configure()
+    harness.SETTINGS = harness.Settings(
+        device=torch.device("cuda" if cuda else "cpu"),
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        grid=_opt(config, "--bench-grid", "GRPO_BENCH_GRID", str, "quick"),
+        rounds=_opt(config, "--bench-rounds", "GRPO_BENCH_ROUNDS", int, 5 if cuda else 3),
+        warmup=_opt(config, "--bench-warmup", "GRPO_BENCH_WARMUP", int, 1 if cuda else 0),
+        interpret=interpret,
+        budget_s=_opt(config, "--bench-budget-s", "GRPO_BENCH_BUDGET_S", float, None),
+    )
+
+
+def pytest_report_header(config):
+    s = harness.SETTINGS
+    if s is None:
+        return None
+    dev = torch.cuda.get_device_name(s.device) if s.cuda else f"cpu ({torch.get_num_threads()} threads)"
+    return (f"grpo-kernels benchmarks: device={dev} dtype={s.dtype} grid={s.grid} rounds={s.rounds} "
+            f"warmup={s.warmup} interpret={s.interpret} budget_s={s.budget_s} "
+            f"memory={harness.memory_method(s.device)}")
+
+
+def pytest_generate_tests(metafunc):
+    marker = metafunc.definition.get_closest_marker("bench_path")
+    if marker is None or "spec" not in metafunc.fixturenames:
+        return
+    path = marker.args[0]
+    s = harness.settings()
+    modes = ("nograd",) if path == "logprob" else harness.LOSS_MODES
+    params = [pytest.param((shape, provider, mode), id=f"{shape.id}-{provider.name}-{mode}")
+              for shape in s.shapes(path) for provider in providers_for(path, s) for mode in modes]
+    metafunc.parametrize("spec", params)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Drop a benchmark interrupted before it finished (Ctrl-C, ``timeout -s INT``), so that pytest-benchmark
+    still writes the JSON of the finished ones instead of failing on an empty sample."""
+    bench_session = getattr(session.config, "_benchmarksession", None)
+    if bench_session is not None:
+        bench_session.benchmarks[:] = [b for b in bench_session.benchmarks
+                                       if getattr(getattr(b, "stats", None), "data", None)
+                                       and "path" in (getattr(b, "extra_info", None) or {})]
+    yield

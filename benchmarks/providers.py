@@ -1,0 +1,268 @@
+"""Who is benchmarked: grpo-kernels and its peers, each a builder of a zero-argument callable per path.
+
+A builder takes a ``harness.Case`` and returns ``fn()`` giving the scalar loss (paths "linear" and "logits") or the
+(B, T) log-probs (path "logprob", called under ``torch.no_grad()``). All providers use ``harness.CONFIG``
+(dapo, beta 0.04 with reference log-probs, eps 0.2/0.2, bias-corrected KL, temperature 1) and score every one of
+the N positions (TRL's trainer scores only the unmasked ones on CUDA; here all providers do the same work).
+The loss stage of the TRL providers is ``grpo_kernels.reference.loss_from_logps`` (TRL's own loss maths is a
+method of ``GRPOTrainer`` and cannot be imported on its own); the eager provider is the package's one reference,
+``reference_grpo_loss`` on full logits.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import sys
+import types
+from typing import Callable
+
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels.reference import logprobs_and_entropy, loss_from_logps, reference_grpo_loss
+
+from .harness import CONFIG, Case, Settings, Shape
+
+# trl 1.16 trainer/utils.py: _CHUNKED_LOGPROB_CHUNK_SIZE, the vocabulary width of TRL's projection tiles.
+TRL_VOCAB_CHUNK = 32768
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    name: str
+    kind: str  # "ours" or "peer" (the report's "best peer" is the fastest non-"ours" provider)
+    builders: dict  # path -> (case -> fn)
+    requires: tuple = ()  # importable modules
+    triton: tuple = ()  # paths on which this provider is a Triton kernel (CUDA, or the CPU interpreter)
+    grads_in_forward: tuple = ()  # paths on which the forward already computes the gradients
+    notes: dict = dataclasses.field(default_factory=dict)  # path -> note for the report (mutable on purpose)
+
+    def skip_reason(self, path: str, shape: Shape, s: Settings) -> str | None:
+        for module in self.requires:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                return f"needs {module.split('.')[0]}: {type(exc).__name__}: {exc}"
+        if path in self.triton and not s.cuda:
+            if not s.interpret:
+                return (f"needs CUDA: {self.name} runs Triton kernels and there is no CUDA device "
+                        "(--bench-interpret runs them on the Triton CPU interpreter at the smallest shape)")
+            if not shape.interp:
+                return "Triton CPU interpreter: only at the smallest (interp) shape"
+        return None
+
+    def build(self, path: str, case: Case) -> Callable[[], torch.Tensor]:
+        return self.builders[path](case)
+
+
+def _cfg_args(case: Case) -> dict:
+    return dict(mask=case.mask, old_logps=case.old_logps, ref_logps=case.ref_logps, config=CONFIG)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eager PyTorch: the package's reference on full logits (materializes N x V and its softmax)
+
+
+def _eager_linear(hidden, weight, ids, advantages, mask, old_logps, ref_logps):
+    logits = hidden @ weight.T
+    return reference_grpo_loss(logits, ids, advantages, mask, old_logps, ref_logps, config=CONFIG)[0]
+
+
+def _eager_logits(logits, ids, advantages, mask, old_logps, ref_logps):
+    return reference_grpo_loss(logits, ids, advantages, mask, old_logps, ref_logps, config=CONFIG)[0]
+
+
+def _eager_logprob(hidden, weight, ids):
+    return logprobs_and_entropy(hidden @ weight.T, ids, CONFIG.temperature)[0]
+
+
+def _loss_args(case: Case):
+    return case.ids, case.advantages, case.mask, case.old_logps, case.ref_logps
+
+
+def _eager_builders(wrap):
+    """Builders of the eager reference; ``wrap(path, f)`` is the identity or ``torch.compile``."""
+    def linear(c):
+        f = wrap("linear", _eager_linear)
+        return lambda: f(c.hidden, c.weight, *_loss_args(c))
+
+    def logits(c):
+        f = wrap("logits", _eager_logits)
+        return lambda: f(c.logits, *_loss_args(c))
+
+    def logprob(c):
+        f = wrap("logprob", _eager_logprob)
+        return lambda: f(c.hidden, c.weight, c.ids)
+    return {"linear": linear, "logits": logits, "logprob": logprob}
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(path, fn):
+    # One compiled callable per path for the whole session: a new shape is a (dynamic) recompile, not a new cache.
+    if path not in _COMPILED:
+        _COMPILED[path] = torch.compile(fn)
+    return _COMPILED[path]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# grpo-kernels
+
+
+def _ours_builders(impl: str):
+    return {
+        "linear": lambda c: lambda: gk.fused_linear_grpo_loss(c.hidden, c.weight, c.ids, c.advantages,
+                                                              impl=impl, **_cfg_args(c))[0],
+        "logits": lambda c: lambda: gk.grpo_loss(c.logits, c.ids, c.advantages, impl=impl, **_cfg_args(c))[0],
+        "logprob": lambda c: lambda: gk.linear_token_logprobs(c.hidden, c.weight, c.ids, impl=impl),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Liger-Kernel
+
+
+def _liger_chunked_linear(case: Case):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    # compiled=True (Liger's default) torch.compiles its loss maths; on CPU the brief's setting is compiled=False.
+    module = LigerFusedLinearGRPOLoss(beta=CONFIG.beta, compiled=case.device.type == "cuda", use_ref_model=True,
+                                      chunk_size=1, epsilon_low=CONFIG.epsilon_low,
+                                      epsilon_high=CONFIG.epsilon_high, loss_type=CONFIG.loss_type,
+                                      temperature=CONFIG.temperature,
+                                      use_bias_correction_kl=CONFIG.use_bias_correction_kl)
+
+    def fn():
+        out = module(case.hidden, case.weight, case.ids, case.mask, case.advantages,
+                     ref_per_token_logps=case.ref_logps, old_per_token_logps=case.old_logps)
+        return out[0] if isinstance(out, (tuple, list)) else out
+    return fn
+
+
+def _liger_chunked_logprob(case: Case):
+    from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
+
+    return lambda: LigerFusedLinearPPOBase.chunk_forward(case.hidden, case.weight, case.ids,
+                                                         temperature=CONFIG.temperature)
+
+
+def _liger_triton_logits(case: Case):
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    B, T, V = case.logits.shape
+    if "liger_logits" not in case.extra:
+        # Liger's kernel takes (B, T+1, V) logits (the last position is never read) and, with inplace=True (its
+        # default), overwrites them with d logits in the backward.
+        buf = torch.zeros(B, T + 1, V, dtype=case.dtype, device=case.device)
+        case.extra["liger_logits"] = buf.requires_grad_(True)
+    logits = case.extra["liger_logits"]
+
+    def fn():
+        out = triton_grpo_loss(logits, case.old_logps, case.ref_logps, case.ids, case.advantages,
+                               completion_mask=case.mask, temperature=CONFIG.temperature, beta=CONFIG.beta,
+                               eps_low=CONFIG.epsilon_low, eps_high=CONFIG.epsilon_high, inplace=True,
+                               loss_type=CONFIG.loss_type, reduce=True,
+                               use_bias_correction_kl=CONFIG.use_bias_correction_kl)
+        return out[0]
+
+    def prepare():  # untimed: restore the logits the previous in-place backward overwrote
+        with torch.no_grad():
+            logits[:, :T].copy_(case.logits)
+    fn.prepare = prepare
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TRL
+
+
+def _trl_chunked_function():
+    """TRL's ``ChunkedLogProbFunction``; its backward imports ``trl.trainer.utils`` (for a DeepSpeed ZeRO-3
+    gather), which pulls accelerate, datasets and pandas. Where those are missing (the offline GPU image), that
+    module is replaced by a stub whose ``maybe_gather_lm_head_ctx`` is the ``nullcontext`` TRL returns without
+    ZeRO-3, so the measured code is TRL's own."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    try:
+        importlib.import_module("trl.trainer.utils")
+    except ImportError as exc:
+        stub = types.ModuleType("trl.trainer.utils")
+        stub.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+        sys.modules["trl.trainer.utils"] = stub
+        TRL_CHUNKED.notes["linear"] = (f"trl.trainer.utils not importable ({exc}); maybe_gather_lm_head_ctx "
+                                       "stubbed as nullcontext (TRL's value without DeepSpeed ZeRO-3)")
+    return ChunkedLogProbFunction
+
+
+def _trl_chunked_linear(case: Case):
+    f = _trl_chunked_function()
+    B, T, H = case.hidden.shape
+
+    def fn():
+        logp, entropy = f.apply(case.hidden.view(-1, H), case.weight, None, case.ids.view(-1), CONFIG.temperature,
+                                TRL_VOCAB_CHUNK, None, 1.0, ("entropy",))[:2]
+        return loss_from_logps(logp.view(B, T), case.advantages, entropy=entropy.view(B, T), **_cfg_args(case))[0]
+    return fn
+
+
+def _trl_chunked_logprob(case: Case):
+    f = _trl_chunked_function()
+    B, T, H = case.hidden.shape
+    return lambda: f.apply(case.hidden.view(-1, H), case.weight, None, case.ids.view(-1), CONFIG.temperature,
+                           TRL_VOCAB_CHUNK, None, 1.0, ())[0].view(B, T)
+
+
+def _trl_triton_logits(case: Case):
+    from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
+
+    def fn():
+        logp, entropy = selective_log_softmax_and_entropy(case.logits, case.ids, temperature=CONFIG.temperature)
+        return loss_from_logps(logp, case.advantages, entropy=entropy, **_cfg_args(case))[0]
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the registry, in report order
+
+OURS = Provider("ours", "ours", _ours_builders("auto"),
+                notes={"linear": "impl=auto: Triton on CUDA, chunked torch on CPU",
+                       "logits": "impl=auto: Triton on CUDA, chunked torch on CPU",
+                       "logprob": "impl=auto under no_grad"})
+OURS_INTERP = Provider("ours-triton-interp", "ours", _ours_builders("triton"), triton=("linear", "logits", "logprob"),
+                       notes={p: "impl=triton under TRITON_INTERPRET=1" for p in ("linear", "logits", "logprob")})
+EAGER = Provider("eager", "peer", _eager_builders(lambda path, f: f),
+                 notes={"linear": "reference_grpo_loss(hidden @ W.T): full logits",
+                        "logits": "reference_grpo_loss", "logprob": "logprobs_and_entropy(hidden @ W.T)"})
+COMPILE = Provider("compile", "peer", _eager_builders(_compiled),
+                   notes={p: "torch.compile of the eager provider" for p in ("linear", "logits", "logprob")})
+LIGER_CHUNKED = Provider("liger-chunked", "peer", {"linear": _liger_chunked_linear, "logprob": _liger_chunked_logprob},
+                         requires=("liger_kernel.chunked_loss",), grads_in_forward=("linear",),
+                         notes={"linear": "LigerFusedLinearGRPOLoss (chunk_size=1, compiled on CUDA only); "
+                                          "computes the gradients inside its forward",
+                                "logprob": "LigerFusedLinearPPOBase.chunk_forward (log-probs only)"})
+LIGER_TRITON = Provider("liger-triton", "peer", {"logits": _liger_triton_logits},
+                        requires=("liger_kernel.transformers.grpo_loss",), triton=("logits",),
+                        notes={"logits": "triton_grpo_loss(inplace=True, reduce=True) on (B, T+1, V) logits"})
+TRL_CHUNKED = Provider("trl-chunked", "peer", {"linear": _trl_chunked_linear, "logprob": _trl_chunked_logprob},
+                       requires=("trl.kernels.chunked_logprob",),
+                       notes={"linear": "ChunkedLogProbFunction(outputs=('entropy',)) + loss_from_logps",
+                              "logprob": "ChunkedLogProbFunction(outputs=()) (log-probs only)"})
+TRL_TRITON = Provider("trl-triton", "peer", {"logits": _trl_triton_logits},
+                      requires=("trl.kernels.logprob_entropy",), triton=("logits",),
+                      notes={"logits": "selective_log_softmax_and_entropy + loss_from_logps"})
+
+PROVIDERS = (OURS, OURS_INTERP, EAGER, COMPILE, LIGER_CHUNKED, LIGER_TRITON, TRL_CHUNKED, TRL_TRITON)
+
+
+def providers_for(path: str, s: Settings) -> list[Provider]:
+    """Providers benchmarked on ``path`` here; ``ours-triton-interp`` only with --bench-interpret on CPU."""
+    out = []
+    for p in PROVIDERS:
+        if path not in p.builders:
+            continue
+        if p is OURS_INTERP and (s.cuda or not s.interpret):
+            continue
+        out.append(p)
+    return out

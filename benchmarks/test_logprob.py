@@ -1,0 +1,10 @@
+"""Old / reference policy: per-token log-probs from hidden states and the lm_head under torch.no_grad()."""
+import pytest
+
+from . import harness
+
+
+@pytest.mark.bench_path("logprob")
+def test_logprob_nograd(benchmark, spec):
+    shape, provider, mode = spec
+    harness.run(benchmark, "logprob", shape, provider, mode)
