@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 from collections import defaultdict
 
+import pytest
 import torch
 
 from grpo_kernels import GRPOLossConfig
@@ -36,6 +37,8 @@ class _Accelerator:
 def trl_compute_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
                      num_items_in_batch=None, sampling_logps=None, config: GRPOLossConfig | None = None):
     """Run TRL 1.16's ``GRPOTrainer._compute_loss``; returns (loss, metrics dict of floats)."""
+    pytest.importorskip("trl.trainer.grpo_trainer", reason="needs trl with its dependencies (pandas, accelerate, "
+                        "datasets), installed by the test extra; GPU images without them skip the TRL oracle")
     from trl import GRPOTrainer
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
@@ -88,6 +91,7 @@ def trl_compute_loss(logits, ids, advantages, mask=None, old_logps=None, ref_log
 def liger_fused_linear_loss(hidden, weight, ids, advantages, mask, bias=None, old_logps=None, ref_logps=None,
                             is_ratio=None, num_items_in_batch=None, config: GRPOLossConfig | None = None):
     """Liger's chunked fused-linear GRPO loss (chunk_size 1, eager) with our config's options; returns loss."""
+    pytest.importorskip("liger_kernel.chunked_loss", reason="needs liger-kernel (test extra)")
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     cfg = config or GRPOLossConfig()
