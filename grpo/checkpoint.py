@@ -1,0 +1,123 @@
+"""Checkpoints: ``<output-dir>/checkpoint-<step>/`` holding
+
+- ``model/``: ``save_pretrained`` weights + tokenizer (a regular ``--model`` directory for a later run),
+- ``trainer_state.pt``: step, optimizer, scheduler, command-line arguments,
+- ``rng_state_<rank>.pt``: each rank's torch / CUDA / python / numpy RNG and prompt-sampler position,
+- ``COMPLETE``: written last, so a checkpoint interrupted mid-write is never resumed from.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import random
+import re
+
+import torch
+
+from .distributed import DistEnv, barrier
+from .errors import UsageError
+
+_CKPT = re.compile(r"checkpoint-(\d+)$")
+
+
+def checkpoint_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"checkpoint-{step}")
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    found = []
+    for path in glob.glob(os.path.join(output_dir, "checkpoint-*")):
+        m = _CKPT.search(path)
+        if m and os.path.isfile(os.path.join(path, "COMPLETE")):
+            found.append((int(m.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def prune_checkpoints(output_dir: str, keep: int) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints (keep <= 0: keep everything)."""
+    import shutil
+
+    if keep <= 0:
+        return
+    found = sorted((int(m.group(1)), p) for p in glob.glob(os.path.join(output_dir, "checkpoint-*"))
+                   if (m := _CKPT.search(p)) and os.path.isfile(os.path.join(p, "COMPLETE")))
+    for _, path in found[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _rng_state(sampler) -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "sampler": sampler.state_dict()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def save_checkpoint(path: str, *, step: int, model, tokenizer, optimizer, scheduler, sampler, args: dict,
+                    env: DistEnv) -> None:
+    """Collective: every rank must call it (each writes its RNG state; rank 0 writes the rest)."""
+    os.makedirs(path, exist_ok=True)
+    torch.save(_rng_state(sampler), os.path.join(path, f"rng_state_{env.rank}.pt"))
+    if env.is_main:
+        model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(path, "model"))
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "args": args}, os.path.join(path, "trainer_state.pt"))
+    barrier(env)
+    if env.is_main:
+        with open(os.path.join(path, "COMPLETE"), "w") as f:
+            f.write(f"{step}\n")
+    barrier(env)
+
+
+def resolve_resume_path(resume: str, output_dir: str) -> str:
+    path = latest_checkpoint(output_dir) if resume == "latest" else resume
+    if path is None:
+        raise UsageError(f"--resume: no complete checkpoint-* directory in {output_dir!r}")
+    if not os.path.isfile(os.path.join(path, "trainer_state.pt")) or not os.path.isdir(os.path.join(path, "model")):
+        raise UsageError(f"--resume {path!r}: not a grpo.train checkpoint (no trainer_state.pt / model/)")
+    return path
+
+
+def load_model_weights(model, model_dir: str) -> None:
+    """Load ``save_pretrained`` safetensors (sharded or not) into an already-built model, in place."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise UsageError(f"{model_dir!r}: no *.safetensors weights")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise UsageError(f"checkpoint {model_dir!r} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def load_checkpoint(path: str, *, model, optimizer, scheduler, sampler, env: DistEnv) -> int:
+    """Restore everything ``save_checkpoint`` wrote; returns the step to continue from."""
+    load_model_weights(model, os.path.join(path, "model"))
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng_path = os.path.join(path, f"rng_state_{env.rank}.pt")
+    if os.path.isfile(rng_path):
+        rng = torch.load(rng_path, map_location="cpu", weights_only=False)
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        if "numpy" in rng:
+            import numpy as np
+            np.random.set_state(rng["numpy"])
+        sampler.load_state_dict(rng["sampler"])
+    else:  # a different number of processes than the saved run: new streams for this rank
+        print(f"[grpo.train] rank {env.rank}: no {os.path.basename(rng_path)} in {path}; RNG not restored")
+    return int(state["step"])

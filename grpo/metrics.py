@@ -1,0 +1,111 @@
+"""Run outputs on rank 0: ``metrics.jsonl`` (one object per optimizer step), ``curves.png``, the progress bar."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+PROGRESS_KEYS = (("reward", "reward_mean", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("clip", "clip_ratio", "{:.3f}"),
+                 ("tok/s", "tokens_per_s", "{:.0f}"))
+
+
+class MetricsLog:
+    """Appends one JSON line per step; on resume, drops lines past the resumed step first."""
+
+    def __init__(self, output_dir: str, resume_step: int | None = None):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        if resume_step is None:
+            open(self.path, "w").close()
+        elif os.path.isfile(self.path):
+            kept = [line for line in open(self.path) if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        self._file = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(metrics_path: str, png_path: str, window: int = 10) -> None:
+    """Reward (raw and moving average) and KL against the optimizer step, in two panels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    if not records:
+        return
+    steps = [r["step"] for r in records]
+    reward = [r.get("reward_mean") for r in records]
+    kl = [r.get("kl") for r in records]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax1.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward (mean per step)")
+    ax1.plot(steps, moving_average(reward, window), color="tab:blue", label=f"moving average ({window})")
+    ax1.set_ylabel("reward")
+    ax1.legend(loc="lower right")
+    ax1.grid(alpha=0.3)
+    ax2.plot(steps, kl, color="tab:red")
+    ax2.set_ylabel("KL to reference")
+    ax2.set_xlabel("optimizer step")
+    ax2.grid(alpha=0.3)
+    fig.suptitle("GRPO training")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def moving_average(values, window: int):
+    out, acc = [], []
+    for v in values:
+        acc.append(float("nan") if v is None else v)
+        acc = acc[-window:]
+        finite = [a for a in acc if math.isfinite(a)]
+        out.append(sum(finite) / len(finite) if finite else float("nan"))
+    return out
+
+
+class Progress:
+    """tqdm bar with the key metrics, or one log line per ``log_every`` steps when disabled."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, log_every: int = 10):
+        self.enabled, self.log_every = enabled, log_every
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, initial=initial, desc="grpo", dynamic_ncols=True, file=sys.stderr,
+                            mininterval=0.5)
+
+    def update(self, step: int, record: dict) -> None:
+        fields = {name: fmt.format(record[key]) for name, key, fmt in PROGRESS_KEYS
+                  if key in record and record[key] is not None}
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+        elif step % self.log_every == 0 or step == 1:
+            print(f"step {step}: " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+
+    def write(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
