@@ -1,0 +1,268 @@
+"""Ahead-of-time compilation of Triton kernels for a GPU that is not there (DESIGN.md section 4).
+
+``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))`` builds a real cubin on a
+machine without a GPU; the ``cuobjdump`` shipped in Triton's wheel then reports registers, stack/local bytes and
+static shared memory, and its SASS shows whether the dots lowered to Hopper's HGMMA or to HMMA. Spills are read
+from ``ptxas -v`` ("bytes spill stores/loads"), captured while Triton assembles the kernel (or by re-running the
+same ptxas on the PTX when the kernel came from Triton's cache). Shared memory is Triton's dynamic allocation
+(``metadata.shared``) plus the cubin's static part.
+
+Conventions for a config (the ``aot_configs(arch)`` functions of the kernel modules):
+``(name, kernel, signature, constexprs)``. ``signature`` maps argument names to Triton types (``"*bf16"``, ``"i32"``,
+``"fp32"``); a ``":16"`` suffix marks a value the JIT would specialize as divisible by 16. Pointers are always
+taken as 16-byte aligned, like the JIT does for torch allocations. Constexpr arguments may be left out of
+``signature``. ``constexprs`` maps constexpr argument names to values and may also carry the launch options
+``num_warps``, ``num_stages``, ``num_ctas``, ``maxnreg`` (names Triton reserves, so they never clash).
+
+Kernels created while ``TRITON_INTERPRET=1`` are interpreter objects, not JITFunctions, and their helper calls
+resolve to interpreter objects too; ``report_module`` therefore compiles in a child process with
+``TRITON_INTERPRET=0`` (``python -m grpo_kernels.kernels.aot --module MOD --arch 90``), which works from any
+process, the interpreted test session included. ``compile_config`` compiles in-process.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+# Largest dynamic shared memory per block (bytes): H100/H200 (sm_90) and A100 (sm_80).
+MAX_SHARED = {90: 232448, 80: 166912}
+
+
+@dataclass
+class KernelReport:
+    """Resources of one compiled kernel on one architecture."""
+
+    name: str
+    arch: int
+    registers: int
+    stack_bytes: int
+    local_bytes: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+    num_warps: int
+    num_stages: int
+    hgmma: bool
+    hmma: bool
+    error: str = ""
+
+    @property
+    def spills(self) -> bool:
+        """ptxas reported spill stores/loads, or the cubin uses local memory."""
+        return self.spill_stores > 0 or self.spill_loads > 0 or self.local_bytes > 0
+
+    def line(self) -> str:
+        if self.error:
+            return f"sm_{self.arch} {self.name}: ERROR {self.error.splitlines()[-1] if self.error else ''}"
+        mma = "HGMMA" if self.hgmma else ("HMMA" if self.hmma else "no-MMA")
+        return (f"sm_{self.arch} {self.name}: regs={self.registers} spill={self.spill_stores}/{self.spill_loads} "
+                f"stack={self.stack_bytes} local={self.local_bytes} smem={self.shared_bytes} warps={self.num_warps} "
+                f"stages={self.num_stages} {mma}")
+
+
+def _triton():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    return triton, GPUTarget, ASTSource
+
+
+def tool_path(name: str) -> str:
+    """Path of a CUDA binary shipped in Triton's wheel (cuobjdump, nvdisasm, ptxas)."""
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _as_jit(fn):
+    """A JITFunction for ``fn`` (a JITFunction, a plain python function or an interpreter function).
+
+    Building one from an interpreter function works only when the kernel calls no other @triton.jit helper;
+    use ``report_module`` (child process without the interpreter) otherwise.
+    """
+    from triton.runtime.jit import JITFunction
+    if isinstance(fn, JITFunction):
+        return fn
+    return JITFunction(getattr(fn, "fn", fn))
+
+
+def compile_config(fn, signature: dict, constexprs: dict, arch: int = 90):
+    """Compile one config for ``sm_<arch>``; returns (CompiledKernel, num_warps, num_stages, ptxas log or "")."""
+    triton, GPUTarget, ASTSource = _triton()
+    from triton import knobs
+    jit_fn = _as_jit(fn)
+    constexprs = dict(constexprs)
+    options = {k: constexprs.pop(k) for k in LAUNCH_OPTIONS if k in constexprs}
+    options.setdefault("num_warps", 4)
+    options.setdefault("num_stages", 3)
+    sig, attrs = {}, {}
+    for i, arg in enumerate(jit_fn.arg_names):
+        if arg in constexprs:
+            sig[arg] = "constexpr"
+            continue
+        if arg not in signature:
+            raise KeyError(f"{jit_fn.__name__}: argument {arg!r} is in neither signature nor constexprs")
+        ty, _, hint = signature[arg].partition(":")
+        sig[arg] = ty
+        if hint == "16" or ty.startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(jit_fn, sig, constexprs, attrs)
+    log = io.StringIO()
+    # Why capture stdout: with dump_ptxas_log Triton prints the `ptxas -v` report (spills) of a fresh compile.
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return kernel, options["num_warps"], options["num_stages"], log.getvalue()
+
+
+def ptxas_spills(ptx: str, arch: int, log: str = "") -> tuple[int, int]:
+    """(spill store bytes, spill load bytes) of a kernel, from a ptxas -v log or by assembling ``ptx`` again."""
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not found:
+        from triton.backends.nvidia.compiler import get_ptxas
+        target = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE).group(1)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            out = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={target}", path,
+                                  "-o", os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True)
+        found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stdout + out.stderr)
+    if not found:
+        raise RuntimeError(f"no spill report in the ptxas -v output:\n{log}")
+    return max(int(a) for a, _ in found), max(int(b) for _, b in found)
+
+
+def inspect_cubin(cubin: bytes) -> dict:
+    """registers, stack/local/static shared bytes and HGMMA/HMMA presence of a cubin, via cuobjdump."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([tool_path("cuobjdump"), "--dump-resource-usage", path], check=True,
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([tool_path("cuobjdump"), "--dump-sass", path], check=True,
+                              capture_output=True, text=True).stdout
+
+    def field(key: str) -> int:
+        m = re.search(rf"\b{key}:(\d+)", usage)
+        if m is None:
+            raise RuntimeError(f"cuobjdump printed no {key}: field:\n{usage}")
+        return int(m.group(1))
+
+    return {"registers": field("REG"), "stack_bytes": field("STACK"), "local_bytes": field("LOCAL"),
+            "static_shared": field("SHARED"), "hgmma": "HGMMA" in sass,
+            "hmma": re.search(r"\bHMMA\b", sass) is not None, "sass": sass}
+
+
+def report(name: str, fn, signature: dict, constexprs: dict, arch: int = 90) -> KernelReport:
+    """Compile one config and read its resources (in this process).
+
+    The resource summary is cached next to the kernel in Triton's cache, so a rerun of unchanged kernels costs
+    neither ptxas nor cuobjdump.
+    """
+    from triton.runtime.cache import get_cache_manager
+    kernel, warps, stages, log = compile_config(fn, signature, constexprs, arch)
+    cache = get_cache_manager(kernel.hash)
+    cached = cache.get_file(_REPORT_FILE)
+    if cached is not None:
+        with open(cached) as f:
+            info = json.load(f)
+    else:
+        info = inspect_cubin(kernel.asm["cubin"])
+        info.pop("sass")
+        info["spill_stores"], info["spill_loads"] = ptxas_spills(kernel.asm["ptx"], arch, log)
+        cache.put(json.dumps(info), _REPORT_FILE, binary=False)
+    return KernelReport(name=name, arch=arch, registers=info["registers"], stack_bytes=info["stack_bytes"],
+                        local_bytes=info["local_bytes"], spill_stores=info["spill_stores"],
+                        spill_loads=info["spill_loads"], shared_bytes=kernel.metadata.shared + info["static_shared"],
+                        num_warps=warps, num_stages=stages, hgmma=info["hgmma"], hmma=info["hmma"])
+
+
+_REPORT_FILE = "grpo_aot_report.json"
+
+
+def module_configs(module: str, arch: int):
+    """``module.aot_configs(arch)`` (or ``aot_configs()`` when it takes no argument)."""
+    fn = importlib.import_module(module).aot_configs
+    return fn(arch) if inspect.signature(fn).parameters else fn()
+
+
+def _report_job(job) -> KernelReport:
+    """Worker: compile config ``name`` of ``module`` for ``arch``; a compile error is a result, not a crash."""
+    module, arch, name = job
+    const = {}
+    try:
+        _, fn, sig, const = next(c for c in module_configs(module, arch) if c[0] == name)
+        return report(name, fn, sig, const, arch)
+    except Exception as exc:
+        return KernelReport(name, arch, 0, 0, 0, 0, 0, 0, const.get("num_warps", 4), const.get("num_stages", 3),
+                            False, False, error=f"{type(exc).__name__}: {exc}")
+
+
+def report_module(modules, archs=(90, 80), jobs: int | None = None, only: str = "",
+                  timeout: float = 3600.0) -> list[KernelReport]:
+    """Compile every ``aot_configs`` entry of ``modules`` (a name or a list) for each arch.
+
+    Runs ``python -m grpo_kernels.kernels.aot`` in a child process with ``TRITON_INTERPRET=0``, so it works from an
+    interpreted test session; ``jobs`` worker processes compile in parallel (default: the CPU count, at most 8).
+    """
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+    # The child must import this package even when it is not installed (tests run from a checkout).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "grpo_kernels.kernels.aot", "--json", "--only", only]
+    for module in [modules] if isinstance(modules, str) else modules:
+        cmd += ["--module", module]
+    for arch in archs:
+        cmd += ["--arch", str(arch)]
+    if jobs:
+        cmd += ["--jobs", str(jobs)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"AOT child process failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return [KernelReport(**json.loads(line)) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--module", action="append", required=True, help="module with aot_configs(arch)")
+    parser.add_argument("--arch", action="append", type=int, help="SM version, e.g. 90 or 80 (repeatable)")
+    parser.add_argument("--only", default="", help="regex: compile only configs whose name matches")
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compiles")
+    parser.add_argument("--json", action="store_true", help="one JSON object per kernel on stdout")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        parser.error("run with TRITON_INTERPRET=0 (interpreter kernels cannot be compiled)")
+    jobs = [(module, arch, name) for module in args.module for arch in args.arch or [90, 80]
+            for name, *_ in module_configs(module, arch) if not args.only or re.search(args.only, name)]
+    failed = False
+    with contextlib.ExitStack() as stack:
+        if args.jobs > 1:
+            import concurrent.futures
+            import multiprocessing
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                args.jobs, mp_context=multiprocessing.get_context("fork")))
+            results = pool.map(_report_job, jobs)
+        else:
+            results = map(_report_job, jobs)
+        for rep in results:
+            failed |= bool(rep.error) or rep.spills
+            print(json.dumps(dataclasses.asdict(rep)) if args.json else rep.line(), flush=True)
+    return 1 if failed and not args.json else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
