@@ -42,7 +42,9 @@ class GRPOLossConfig:
     off_policy_mask_threshold: drop rows with A < 0 whose mean ``sampling_logp - logp`` exceeds it (DeepSeek-V3.2).
     top_entropy_quantile: keep only tokens whose entropy is in the top fraction (1.0 keeps all).
     entropy_coef: entropy bonus; the loss becomes ``loss - entropy_coef * masked_mean(entropy)``.
-    deterministic: use only reductions of a fixed order in the fused-linear backward (no float atomics).
+    deterministic: fused-linear Triton backward without float atomics (bitwise reproducible; the default). False
+        selects the CCE-style backward that accumulates d hidden / d weight with fp32 atomics: no d-logits chunk
+        buffer, but run-to-run differences in the last bits (and fp32 accumulators for bf16/fp16 weights).
     """
 
     loss_type: str = "dapo"
@@ -63,7 +65,7 @@ class GRPOLossConfig:
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
-    deterministic: bool = False
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

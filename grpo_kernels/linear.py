@@ -182,7 +182,7 @@ def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, determi
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
                           temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
-                          deterministic: bool = False):
+                          deterministic: bool = True):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     hidden: (B, T, H) or (N, H); weight: (V, H) in hidden's dtype; bias: (V,) or None; ids: (B, T) or (N,)

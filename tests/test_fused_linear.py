@@ -62,6 +62,17 @@ def test_matches_trl_fp32(case, impl):
             assert metrics[name].item() == pytest.approx(t_metrics[name], rel=1e-5, abs=1e-7), name
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("grpo-beta-kl", "everything")], ids=lambda c: c.id)
+def test_triton_backward_modes_match_trl(case, deterministic):
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=2)
+    loss, grads, _ = _ours(inputs, case, "triton", deterministic=deterministic)
+    t_loss, t_grads, _ = _linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
+    assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(abs(t_loss.item()), 1e-6)
+    for g, t in zip(grads, t_grads):
+        assert ((g - t).abs().max() / t.abs().max()).item() <= 1e-5
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOW_PRECISION_CASES = [c for c in CASES if c.id in ("grpo-token", "dapo-token", "everything", "sequence-beta")]
 
