@@ -174,6 +174,10 @@ def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, determi
     impl = resolve_impl(impl, hidden, weight, bias)
     if impl == "triton":
         _checks.kernel_dtype("hidden", hidden)
+        # the kernels read rows with a unit stride on H (autograd maps gradients back through any copy)
+        hidden2d = hidden2d if hidden2d.stride(-1) == 1 else hidden2d.contiguous()
+        weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
     logp, entropy, lse = _LinearTokenLogprobs.apply(hidden2d, weight, bias, ids1d, temperature, impl,
                                                     bool(deterministic))
     shape = ids.shape
