@@ -116,7 +116,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, impl, deterministic):
         forward_fn, _ = _launchers(impl)
-        logp, lse, entropy = forward_fn(hidden, weight, bias, ids, temperature)
+        with torch.autocast(hidden.device.type, enabled=False):  # the tiles keep their fp32 accumulation
+            logp, lse, entropy = forward_fn(hidden, weight, bias, ids, temperature)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
         ctx.temperature, ctx.impl, ctx.deterministic = temperature, impl, deterministic
         ctx.set_materialize_grads(False)
@@ -132,9 +133,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
         grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous()
         _, backward_fn = _launchers(ctx.impl)
-        d_hidden, d_weight, d_bias = backward_fn(
-            hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature,
-            need_h, need_w, need_b and bias is not None, ctx.deterministic)
+        with torch.autocast(hidden.device.type, enabled=False):
+            d_hidden, d_weight, d_bias = backward_fn(
+                hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature,
+                need_h, need_w, need_b and bias is not None, ctx.deterministic)
         return d_hidden, d_weight, d_bias, None, None, None, None
 
 
@@ -170,6 +172,12 @@ def check_linear_inputs(hidden, weight, ids, bias):
 def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic):
     """Validated call: (logp, entropy, lse) shaped like ids."""
     temperature = _checks.temperature(temperature)
+    if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type):
+        # Like nn.Linear under autocast: run the head in the autocast dtype (gradients flow back to the fp32
+        # master weights through the casts); the kernels themselves accumulate in fp32.
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     hidden2d, ids1d = check_linear_inputs(hidden, weight, ids, bias)
     impl = resolve_impl(impl, hidden, weight, bias)
     if impl == "triton":

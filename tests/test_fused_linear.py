@@ -199,3 +199,21 @@ def test_strided_inputs(impl):
     expected, _ = gk.fused_linear_grpo_loss(hidden_full[:, :-1].contiguous(), weight_t.T.contiguous(), ids, adv,
                                             impl=impl, loss_type="grpo")
     assert torch.allclose(loss, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_autocast_runs_the_head_in_the_autocast_dtype(impl):
+    """Under autocast, fp32 master weights with bf16 activations work like nn.Linear: the head runs in bf16 and
+    the gradient reaches the fp32 weight; the result equals explicit bf16 casts."""
+    g = torch.Generator().manual_seed(13)
+    hidden = torch.randn(2, 4, 32, generator=g)
+    weight = torch.randn(50, 32, generator=g, requires_grad=True)
+    ids, adv = torch.randint(0, 50, (2, 4), generator=g), torch.randn(2, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, impl=impl, loss_type="grpo")
+    loss.backward()
+    w16 = weight.detach().to(torch.bfloat16).requires_grad_(True)
+    expected, _ = gk.fused_linear_grpo_loss(hidden.to(torch.bfloat16), w16, ids, adv, impl=impl, loss_type="grpo")
+    expected.backward()
+    assert weight.grad.dtype == torch.float32
+    assert torch.equal(loss, expected) and torch.equal(weight.grad, w16.grad.float())
