@@ -22,7 +22,7 @@ def _loss_stage(logps, entropy, ids_shape, advantages, mask, old_logps, ref_logp
                 sampling_logps, cfg, impl):
     """The per-token loss, masks and reduction: one Triton kernel where it applies, else the reference."""
     B, T = ids_shape
-    if impl == "triton" and fused_stage.supported(cfg):
+    if impl == "triton" and fused_stage.supported(cfg) and B * T > 0:
         return fused_stage.fused_loss_from_logps(logps.view(B, T), advantages, mask, old_logps, ref_logps, is_ratio,
                                                  entropy.view(B, T), num_items_in_batch, cfg)
     return loss_from_logps(logps.view(B, T), advantages, mask, old_logps, ref_logps, is_ratio, entropy.view(B, T),
