@@ -11,7 +11,7 @@ import torch
 from . import _checks
 from ._triton import resolve_impl
 
-# Rows per chunk of the PyTorch path: the fp32 temporaries are ROWS x V (4 MB at V = 4096... 64 MB at 256k).
+# Rows per chunk of the PyTorch path: each fp32 temporary is ROWS x V (1 MB at V = 4096, 64 MB at V = 256k).
 TORCH_CHUNK_ROWS = 64
 
 
@@ -59,10 +59,10 @@ class _TokenLogprobs(torch.autograd.Function):
     """(logits, ids) -> (logp, entropy); saves logits (no copy), ids and two fp32 values per token."""
 
     @staticmethod
-    def forward(ctx, logits, ids, temperature, impl, inplace_backward):
+    def forward(ctx, logits, ids, temperature, impl, inplace_backward, row_mask):
         if impl == "triton":
             from .kernels.logits_kernels import logits_logprobs_forward
-            logp, lse, entropy = logits_logprobs_forward(logits, ids, temperature)
+            logp, lse, entropy = logits_logprobs_forward(logits, ids, temperature, row_mask=row_mask)
         else:
             logp, lse, entropy = _torch_forward(logits, ids, temperature)
         ctx.save_for_backward(logits, ids, lse, entropy)
@@ -76,7 +76,7 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
         logits, ids, lse, entropy = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
         grad_logp = grad_logp.reshape(-1).to(lse.dtype)
@@ -88,7 +88,7 @@ class _TokenLogprobs(torch.autograd.Function):
         else:
             dlogits = _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature,
                                       ctx.inplace)
-        return dlogits, None, None, None, None
+        return dlogits, None, None, None, None, None
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
@@ -107,11 +107,15 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return (logp, entropy) if return_entropy else logp
 
 
-def _token_logprobs(logits, ids, temperature, impl, inplace_backward):
-    """Validated call of the autograd Function: (logp, entropy, lse)."""
+def _token_logprobs(logits, ids, temperature, impl, inplace_backward, row_mask=None):
+    """Validated call of the autograd Function: (logp, entropy, lse).
+
+    row_mask (like ids, optional): the Triton path skips rows where it is 0 (their outputs are 0 and they must get
+    no gradient); the loss passes its mask so padded tokens cost no logits traffic."""
     temperature = _checks.temperature(temperature)
     _checks.logits_and_ids(logits, ids)
     impl = resolve_impl(impl, logits, ids)
     if impl == "triton":
         _checks.kernel_dtype("logits", logits)
-    return _TokenLogprobs.apply(logits, ids, temperature, impl, bool(inplace_backward))
+    return _TokenLogprobs.apply(logits, ids, temperature, impl, bool(inplace_backward),
+                                row_mask if impl == "triton" else None)

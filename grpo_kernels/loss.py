@@ -55,7 +55,7 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     _check_loss(B, T, logits.device, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
                 sampling_logps, cfg)
     impl = resolve_impl(impl, logits, ids)
-    logps, entropy, _ = _token_logprobs(logits, ids, cfg.temperature, impl, inplace_backward)
+    logps, entropy, _ = _token_logprobs(logits, ids, cfg.temperature, impl, inplace_backward, row_mask=mask)
     return _loss_stage(logps, entropy, (B, T), advantages, mask, old_logps, ref_logps, is_ratio,
                        num_items_in_batch, sampling_logps, cfg, impl)
 

@@ -167,3 +167,25 @@ def test_token_level_configs_use_the_fused_stage(monkeypatch):
     inputs = make_inputs(case)
     gk.grpo_loss(inputs.pop("logits"), inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"),
                  config=case.config, impl="triton", **inputs)
+
+
+def test_padded_rows_are_skipped_and_get_zero_gradient():
+    """grpo_loss passes its mask to the Triton sweep: padded rows read no logits (NaN logits there change
+    nothing) and get an exactly zero gradient, while valid rows match the torch path."""
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = make_inputs(case, B=3, T=5, V=300, seed=21)
+    logits = inputs.pop("logits")
+    poisoned = logits.clone()
+    poisoned[~inputs["mask"]] = float("nan")
+    ids, adv, mask = inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask")
+    x = poisoned.clone().requires_grad_(True)
+    loss, metrics = gk.grpo_loss(x, ids, adv, mask, config=case.config, impl="triton", **inputs)
+    loss.backward()
+    y = logits.clone().requires_grad_(True)
+    expected, expected_metrics = gk.grpo_loss(y, ids, adv, mask, config=case.config, impl="torch", **inputs)
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-7)
+    assert (x.grad[~mask] == 0).all()
+    assert torch.allclose(x.grad[mask], y.grad[mask], rtol=1e-4, atol=1e-7)
+    for k in metrics:
+        assert torch.allclose(metrics[k], expected_metrics[k], rtol=1e-5, atol=1e-7), k

@@ -25,19 +25,27 @@ def kernels(interpret: bool | None = None):
 
     # Why do_not_specialize: Triton would otherwise compile a variant per T % 16 / V % 16 and for T == 1.
     @triton.jit(do_not_specialize=["T", "V"])
-    def logits_logprobs_fwd(logits_ptr, ids_ptr, logp_ptr, lse_ptr, entropy_ptr,
+    def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entropy_ptr,
                             T, V, stride_b, stride_t, inv_temperature,
-                            BLOCK_V: tl.constexpr):
+                            HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
         # Why one row per program: a token's statistics need the whole vocab row; rows are independent.
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+        # Why the row mask: padded tokens (often a third of a GRPO batch) skip the sweep and read nothing;
+        # their outputs are 0, which the loss masks out.
+        n_cols = V
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + row) != 0
+            n_cols = tl.where(keep, V, 0)
+        else:
+            keep = row >= 0
         cols = tl.arange(0, BLOCK_V)
         m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
         s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
         a = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
         # Why a block-wise online logsumexp: one exp per element (the SFU, not memory, would bound a per-lane
         # online update), and `a` = sum exp(z - m) * z gives the entropy without a second sweep.
-        for start in range(0, V, BLOCK_V):
+        for start in range(0, n_cols, BLOCK_V):
             v = start + cols
             z = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
             m_new = tl.maximum(m, tl.max(z, axis=0))
@@ -52,9 +60,9 @@ def kernels(interpret: bool | None = None):
         # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
         target = tl.load(ids_ptr + row).to(tl.int64)
         z_target = tl.load(base + target).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, z_target - lse)
-        tl.store(lse_ptr + row, lse)
-        tl.store(entropy_ptr + row, lse - a / s)
+        tl.store(logp_ptr + row, tl.where(keep, z_target - lse, 0.0))
+        tl.store(lse_ptr + row, tl.where(keep, lse, 0.0))
+        tl.store(entropy_ptr + row, tl.where(keep, lse - a / s, 0.0))
 
     @triton.jit(do_not_specialize=["T", "V"])
     def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
@@ -69,13 +77,17 @@ def kernels(interpret: bool | None = None):
         g = tl.load(grad_logp_ptr + row)
         lse = tl.load(lse_ptr + row)
         target = tl.load(ids_ptr + row).to(tl.int64)
+        active = g != 0.0
         if HAS_ENTROPY_GRAD:
             g_h = tl.load(grad_entropy_ptr + row)
             h = tl.load(entropy_ptr + row)
+            active = active | (g_h != 0.0)
+        # Why predicate the loads on `active`: a token without gradient (padding) writes zeros and reads nothing.
+        v_read = tl.where(active, V, 0)
         cols = tl.arange(0, BLOCK_V)
         for start in range(0, V, BLOCK_V):
             v = start + cols
-            z = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
+            z = tl.load(base + v, mask=v < v_read, other=float("-inf")).to(tl.float32) * inv_temperature
             p = tl.exp(z - lse)
             # d logp / dz = onehot - p
             dz = tl.where(v == target, g, 0.0) - g * p
@@ -107,10 +119,12 @@ def _num_warps(block_v: int) -> int:
     return 8 if block_v >= 2048 else 4
 
 
-def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, block_v: int | None = None):
+def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, block_v: int | None = None,
+                            row_mask: torch.Tensor | None = None):
     """logits (B, T, V) or (N, V) fp32/bf16/fp16, ids like logits[..., 0] -> (logp, lse, entropy), fp32 (N,).
 
-    lse is the logsumexp of ``z = logits / temperature``; the caller has validated ids and shapes.
+    lse is the logsumexp of ``z = logits / temperature``; the caller has validated ids and shapes. Rows where
+    ``row_mask`` (shaped like ids) is 0 are skipped and get 0 in all three outputs.
     """
     fwd, _ = _get_kernels()
     x = _as_btv(logits)
@@ -120,8 +134,9 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
     logp, lse, entropy = (alloc((N,), torch.float32, x.device) for _ in range(3))
     if N:
         bv = _block_v(V, block_v)
-        fwd[(N,)](x, ids_flat, logp, lse, entropy, T, V, x.stride(0), x.stride(1), 1.0 / temperature,
-                  BLOCK_V=bv, num_warps=_num_warps(bv))
+        mask = None if row_mask is None else row_mask.reshape(N).to(torch.int8).contiguous()
+        fwd[(N,)](x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy, T, V, x.stride(0),
+                  x.stride(1), 1.0 / temperature, HAS_MASK=mask is not None, BLOCK_V=bv, num_warps=_num_warps(bv))
     return logp, lse, entropy
 
 
@@ -157,11 +172,14 @@ def aot_configs():
     fwd, bwd = kernels(False)
     configs = []
     for dtype, ty in _TRITON_DTYPES.items():
-        configs.append((f"logits_fwd_{ty}", fwd,
-                        {"logits_ptr": f"*{ty}", "ids_ptr": "*i64", "logp_ptr": "*fp32", "lse_ptr": "*fp32",
-                         "entropy_ptr": "*fp32", "T": "i32", "V": "i32", "stride_b": "i64", "stride_t": "i64",
-                         "inv_temperature": "fp32", "BLOCK_V": "constexpr"},
-                        {"BLOCK_V": MAX_BLOCK_V}))
+        for has_mask in (False, True):
+            configs.append((f"logits_fwd_{ty}{'_masked' if has_mask else ''}", fwd,
+                            {"logits_ptr": f"*{ty}", "ids_ptr": "*i64", "mask_ptr": "*i8", "logp_ptr": "*fp32",
+                             "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "T": "i32", "V": "i32", "stride_b": "i64",
+                             "stride_t": "i64", "inv_temperature": "fp32", "HAS_MASK": "constexpr",
+                             "BLOCK_V": "constexpr"},
+                            {"HAS_MASK": has_mask, "BLOCK_V": MAX_BLOCK_V,
+                             "num_warps": _num_warps(MAX_BLOCK_V)}))
         for has_h in (False, True):
             configs.append((f"logits_bwd_{ty}_{'entropy' if has_h else 'logp'}", bwd,
                             {"logits_ptr": f"*{ty}", "ids_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32",
@@ -169,5 +187,6 @@ def aot_configs():
                              "T": "i32", "V": "i32", "stride_b": "i64", "stride_t": "i64", "out_stride_b": "i64",
                              "out_stride_t": "i64", "inv_temperature": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
                              "BLOCK_V": "constexpr"},
-                            {"HAS_ENTROPY_GRAD": has_h, "BLOCK_V": MAX_BLOCK_V}))
+                            {"HAS_ENTROPY_GRAD": has_h, "BLOCK_V": MAX_BLOCK_V,
+                             "num_warps": _num_warps(MAX_BLOCK_V)}))
     return configs
