@@ -81,4 +81,5 @@ class GRPOPolicy(nn.Module):
         """(B, T) fp32 log-probs of the completion tokens at the loss temperature (old / reference policy)."""
         hidden, weight, bias = self._hidden_and_head(batch)
         return gk.linear_token_logprobs(hidden, weight, batch["completion_ids"], bias=bias,
-                                        temperature=self.loss_config.temperature, impl=self.impl)
+                                        temperature=self.loss_config.temperature, impl=self.impl,
+                                        mask=batch["completion_mask"])

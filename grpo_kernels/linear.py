@@ -169,8 +169,12 @@ def check_linear_inputs(hidden, weight, ids, bias):
     return hidden.reshape(N, H), ids.reshape(N).long()
 
 
-def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic):
-    """Validated call: (logp, entropy, lse) shaped like ids."""
+def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic, row_mask=None):
+    """Validated call: (logp, entropy, lse) shaped like ids.
+
+    row_mask (like ids, optional): only rows where it is non-zero are computed (the others get 0 and no
+    gradient). The valid rows are gathered into a compact (N_valid, H) batch first, so padding costs neither
+    the N x V x H matmuls nor their backward; the loss passes its mask here."""
     temperature = _checks.temperature(temperature)
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type):
         # Like nn.Linear under autocast: run the head in the autocast dtype (gradients flow back to the fp32
@@ -186,21 +190,38 @@ def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, determi
         hidden2d = hidden2d if hidden2d.stride(-1) == 1 else hidden2d.contiguous()
         weight = weight if weight.stride(-1) == 1 else weight.contiguous()
         bias = None if bias is None else bias.contiguous()
+    shape = ids.shape
+    rows = None
+    if row_mask is not None:
+        rows = row_mask.reshape(-1).nonzero().squeeze(1)  # one host sync: the compact batch's size
+        if rows.numel() == ids1d.numel():
+            rows = None
+        else:
+            hidden2d, ids1d = hidden2d.index_select(0, rows), ids1d.index_select(0, rows)
     logp, entropy, lse = _LinearTokenLogprobs.apply(hidden2d, weight, bias, ids1d, temperature, impl,
                                                     bool(deterministic))
-    shape = ids.shape
+    if rows is not None:
+        # scatter back into zeros; index_copy is differentiable w.r.t. the compact values
+        logp, entropy, lse = (torch.zeros(shape.numel(), dtype=t.dtype, device=t.device).index_copy(0, rows, t)
+                              for t in (logp, entropy, lse))
     return logp.view(shape), entropy.view(shape), lse.view(shape)
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
                           temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
-                          deterministic: bool = True):
+                          deterministic: bool = True, mask: torch.Tensor | None = None):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     hidden: (B, T, H) or (N, H); weight: (V, H) in hidden's dtype; bias: (V,) or None; ids: (B, T) or (N,)
     with one id per hidden row, values in [0, V). Returns float32 logp shaped like ids (and the entropy when
     ``return_entropy``). Differentiable w.r.t. hidden, weight and bias, each only when it requires grad; under
-    ``torch.no_grad()`` it is the one-sweep old/reference-policy path. Never holds an N x V tensor.
+    ``torch.no_grad()`` it is the one-sweep old/reference-policy path. Never holds an N x V tensor. With ``mask``
+    (shaped like ids) only the rows where it is non-zero are computed; the others are 0.
     """
-    logp, entropy, _ = _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic)
+    if mask is not None:
+        _checks.tensor("mask", mask)
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(f"mask must have the shape of ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
+    logp, entropy, _ = _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic,
+                                              row_mask=mask)
     return (logp, entropy) if return_entropy else logp

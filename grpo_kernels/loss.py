@@ -77,7 +77,7 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
                 ref_logps, is_ratio, num_items_in_batch, sampling_logps, cfg)
     impl = resolve_impl(impl, hidden, weight, bias)
     logps, entropy, _ = _linear_token_logprobs(hidden, weight, ids, bias, cfg.temperature, impl,
-                                               cfg.deterministic)
+                                               cfg.deterministic, row_mask=mask)
     return _loss_stage(logps, entropy, (B, T), advantages, mask, old_logps, ref_logps, is_ratio,
                        num_items_in_batch, sampling_logps, cfg, impl)
 

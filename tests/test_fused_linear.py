@@ -217,3 +217,31 @@ def test_autocast_runs_the_head_in_the_autocast_dtype(impl):
     expected.backward()
     assert weight.grad.dtype == torch.float32
     assert torch.equal(loss, expected) and torch.equal(weight.grad, w16.grad.float())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padded_rows_are_not_computed(impl, monkeypatch):
+    """The loss compacts valid rows before the sweep: the launcher sees N_valid rows, padded hidden states
+    (even NaN) get zero gradient, and the result equals the unmasked computation on the valid rows."""
+    import grpo_kernels.linear as linear_module
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = make_inputs(case, hidden_size=HIDDEN, seed=14)
+    mask = inputs["mask"]
+    seen = []
+    original = linear_module._launchers
+
+    def spy(which):
+        forward_fn, backward_fn = original(which)
+        return (lambda h, *a: (seen.append(h.shape[0]), forward_fn(h, *a))[1]), backward_fn
+    monkeypatch.setattr(linear_module, "_launchers", spy)
+    hidden = inputs["hidden"].clone()
+    hidden[~mask] = float("nan")
+    h = hidden.requires_grad_(True)
+    loss, _ = gk.fused_linear_grpo_loss(h, inputs["weight"], inputs["ids"], inputs["advantages"], mask,
+                                        config=case.config, impl=impl, **_rest(inputs))
+    loss.backward()
+    assert seen == [int(mask.sum())]
+    assert torch.isfinite(loss) and (h.grad[~mask] == 0).all() and torch.isfinite(h.grad).all()
+    t_loss, t_grads, _ = _linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
+    assert abs(loss.item() - t_loss.item()) <= 1e-5 * abs(t_loss.item())
+    assert torch.allclose(h.grad[mask], t_grads[0][mask], rtol=1e-4, atol=1e-6)
