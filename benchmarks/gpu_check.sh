@@ -62,6 +62,11 @@ EOF
 IGNORES=$($PY -m pytest tests -m "not slow" --co -q -p no:cacheprovider 2>&1 \
     | sed -n 's/^ERROR \(tests\/[^ ]*\.py\).*/--ignore=\1/p' | sort -u | tr '\n' ' ')
 [ -n "$IGNORES" ] && log "not importable here, ignored: $IGNORES"
+log "compiled-kernel tests first: tests/test_gpu.py"
+timeout -s INT -k 10 "${GPU_TESTS_LIMIT_S:-60}" $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider \
+    > "$OUT_DIR/gpu_kernel_tests.log" 2>&1
+echo "tests/test_gpu.py exit code $?; last lines:"
+tail -n 12 "$OUT_DIR/gpu_kernel_tests.log"
 log "tests (limit ${TESTS_LIMIT_S:-80}s)"
 timeout -s INT -k 10 "${TESTS_LIMIT_S:-80}" $PY -m pytest tests -m "not slow" -x -q -p no:cacheprovider $IGNORES \
     > "$OUT_DIR/gpu_tests.log" 2>&1

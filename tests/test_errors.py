@@ -86,6 +86,7 @@ def test_environment_override_of_impl(monkeypatch):
         gk.token_logprobs(torch.randn(1, 2, 5), torch.zeros(1, 2, dtype=torch.long))
 
 
+@pytest.mark.interpreter
 def test_triton_rejects_float64_clearly():
     with pytest.raises(ValueError, match="float64"):
         gk.token_logprobs(torch.randn(1, 2, 5, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.long),

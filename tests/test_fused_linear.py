@@ -62,6 +62,7 @@ def test_matches_trl_fp32(case, impl):
             assert metrics[name].item() == pytest.approx(t_metrics[name], rel=1e-5, abs=1e-7), name
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("grpo-beta-kl", "everything")], ids=lambda c: c.id)
 def test_triton_backward_modes_match_trl(case, deterministic):

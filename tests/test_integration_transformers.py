@@ -101,6 +101,7 @@ def test_gradients_match(tied):
         torch.testing.assert_close(out[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.interpreter
 def test_triton_impl_matches_model():
     """impl="triton" (the CUDA default; the interpreter on CPU, see conftest.py), values and head gradient."""
     model = _llama(False, bias=True, dtype=torch.float32)

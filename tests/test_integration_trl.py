@@ -153,6 +153,7 @@ def test_more_trl_options(tiny_lm, tmp_path, cfg):
     _assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
 
 
+@pytest.mark.interpreter
 @pytest.mark.slow
 def test_triton_kernels_in_trl(tiny_lm, tmp_path, monkeypatch):
     """The Triton fused-linear kernels (the CUDA default; TRITON_INTERPRET=1 on CPU, see conftest.py) inside TRL."""

@@ -97,6 +97,7 @@ def test_inplace_backward_reuses_the_logits_buffer(impl):
     assert x.grad.data_ptr() == x.data_ptr(), "in-place backward must reuse the logits storage"
     assert torch.equal(x.grad, expected)
 
+@pytest.mark.interpreter
 
 def test_large_vocab_triton():
     """V = 262144 (the largest vocab the contract names), one token, under the interpreter."""
@@ -114,6 +115,7 @@ LOSS_CASES = [c for c in CASES if c.id in ("grpo-token", "dapo-token", "cispo-to
                                            "vespo-token", "luspo-sequence", "everything", "entropy-bonus")]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: c.id)
 def test_grpo_loss_triton_three_way(case, dtype):
@@ -155,6 +157,7 @@ def test_empty_mask_gives_zero_loss_and_zero_grad(loss_type, impl):
     assert torch.equal(logits.grad, torch.zeros_like(logits))
     assert all(torch.isfinite(v) for v in metrics.values())
 
+@pytest.mark.interpreter
 
 def test_token_level_configs_use_the_fused_stage(monkeypatch):
     """Token-level configs run the per-token Triton kernel, not the eager stage (whose maths it must match)."""
@@ -168,6 +171,7 @@ def test_token_level_configs_use_the_fused_stage(monkeypatch):
     gk.grpo_loss(inputs.pop("logits"), inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"),
                  config=case.config, impl="triton", **inputs)
 
+@pytest.mark.interpreter
 
 def test_padded_rows_are_skipped_and_get_zero_gradient():
     """grpo_loss passes its mask to the Triton sweep: padded rows read no logits (NaN logits there change

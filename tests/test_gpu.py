@@ -1,0 +1,110 @@
+"""Compiled Triton kernels on a CUDA GPU (skipped elsewhere; `benchmarks/gpu_check.sh` runs this file first).
+
+On CPU the same kernels are covered under TRITON_INTERPRET=1 by the other test files; here they run compiled, at
+sizes the interpreter cannot reach (V = 151936, B*T*V > 2^31), against the eager reference on the same GPU.
+"""
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels.reference import logprobs_and_entropy, reference_grpo_loss
+
+from .cases import CASES, make_inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA GPU; runs in benchmarks/gpu_check.sh")]
+DEV = "cuda"
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logits_path_at_qwen_vocab(dtype):
+    """B*T = 2048 tokens, V = 151936: log-prob, entropy and d logits against the fp64 reference on the GPU."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    logits = (torch.randn(2, 1024, 151936, device=DEV, generator=g) * 2).to(dtype)
+    ids = torch.randint(0, 151936, (2, 1024), device=DEV, generator=g)
+    a = torch.randn(2, 1024, device=DEV, generator=g)
+    x = logits.clone().requires_grad_(True)
+    logp, ent = gk.token_logprobs(x, ids, 0.9, return_entropy=True, impl="triton")
+    (grad,) = torch.autograd.grad((a * logp + a * ent).sum(), x)
+    rows = slice(0, 64)  # float64 ground truth on a slice keeps the check within memory
+    x64 = logits[:, rows].double().requires_grad_(True)
+    t_logp, t_ent = logprobs_and_entropy(x64, ids[:, rows], 0.9)
+    (t_grad,) = torch.autograd.grad((a[:, rows] * t_logp + a[:, rows] * t_ent).sum(), x64)
+    assert (logp[:, rows].double() - t_logp).abs().max().item() < 2e-4
+    assert (ent[:, rows].double() - t_ent).abs().max().item() < 2e-4
+    assert _rel(grad[:, rows], t_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_int64_offsets_beyond_2_to_the_31():
+    """16384 x 151936 bf16 logits (2.5e9 elements): the last rows are right (int32 offsets would wrap)."""
+    logits = torch.randn(1, 16384, 151936, device=DEV, dtype=torch.bfloat16)
+    ids = torch.randint(0, 151936, (1, 16384), device=DEV)
+    with torch.no_grad():
+        logp = gk.token_logprobs(logits, ids, impl="triton")
+        t_logp, _ = logprobs_and_entropy(logits[:, -8:].float(), ids[:, -8:])
+    assert (logp[:, -8:] - t_logp).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_grpo_loss_matches_reference_on_gpu(case):
+    inputs = {k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in make_inputs(case, V=5000).items()}
+    logits = inputs.pop("logits")
+    args = (inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"))
+    x = logits.clone().requires_grad_(True)
+    loss, _ = gk.grpo_loss(x, *args, config=case.config, impl="triton", **inputs)
+    (grad,) = torch.autograd.grad(loss, x)
+    y = logits.double().requires_grad_(True)
+    t_loss, _ = reference_grpo_loss(y, *args, config=case.config, **inputs)
+    (t_grad,) = torch.autograd.grad(t_loss, y)
+    assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(abs(t_loss.item()), 1e-6)
+    assert _rel(grad, t_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_linear_loss_on_gpu(dtype, deterministic):
+    """N = 2048, H = 1024, V = 32000: loss and gradients against fp64 full logits; deterministic mode is
+    bitwise reproducible."""
+    case = next(c for c in CASES if c.id == "everything")
+    inputs = {k: (v.to(DEV) if torch.is_tensor(v) else v)
+              for k, v in make_inputs(case, B=4, T=512, V=32000, hidden_size=1024, dtype=dtype).items()}
+    hidden, weight = inputs.pop("hidden"), inputs.pop("weight")
+    args = (inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"))
+
+    def run():
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, _ = gk.fused_linear_grpo_loss(h, w, *args, config=case.config, impl="triton",
+                                            deterministic=deterministic, **inputs)
+        return (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+    ours = run()
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    t_loss, _ = reference_grpo_loss(h64 @ w64.T, *args, config=case.config, **inputs)
+    truth = (t_loss.detach(), *torch.autograd.grad(t_loss, (h64, w64)))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, o, t in zip(("loss", "d hidden", "d weight"), ours, truth):
+        assert _rel(o, t) <= tol, name
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(ours, run()))
+
+
+def test_new_lengths_and_temperature_do_not_recompile():
+    from grpo_kernels.kernels.logits_kernels import kernels
+
+    fwd, _ = kernels(False)
+    caches = getattr(fwd, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton version exposes no JIT cache to inspect")
+
+    def call(T, tau):
+        logits = torch.randn(2, T, 1000, device=DEV)
+        gk.token_logprobs(logits, torch.zeros(2, T, dtype=torch.long, device=DEV), tau, impl="triton")
+    call(2, 1.0)  # compiles the fp32 variant once
+    before = sum(len(entry[0]) for entry in caches.values())
+    for T, tau in ((3, 1.0), (5, 0.7), (17, 1.3), (1, 0.5)):
+        call(T, tau)
+    after = sum(len(entry[0]) for entry in caches.values())
+    assert after == before, f"{after - before} new variants compiled for new lengths / temperatures"
