@@ -8,6 +8,7 @@ writes in the same pass as the loss terms and metrics.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .config import CLIPPED_LOSS_TYPES, GRPOLossConfig
 from .kernels.token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, token_loss_forward
@@ -23,7 +24,7 @@ def supported(cfg: GRPOLossConfig) -> bool:
 
 def reduction_weights(mask_f: torch.Tensor, n_valid: torch.Tensor, num_items_in_batch, cfg: GRPOLossConfig):
     """Per-token weights so that the loss type's reduction is ``sum(w * l)`` (DESIGN.md section 2 table)."""
-    B, T = mask_f.shape
+    B, T = mask_f.shape  # the fused stage only runs for B * T > 0
     if cfg.loss_type in ("grpo", "sapo"):
         return mask_f / mask_f.sum(-1, keepdim=True).clamp(min=1) / B
     if cfg.loss_type == "bnpo":
@@ -47,6 +48,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         return sums[0].to(torch.float32), sums
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss, _grad_sums):
         (grad,) = ctx.saved_tensors
         return grad_loss * grad, None, None, None, None, None, None, None, None

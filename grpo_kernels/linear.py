@@ -8,6 +8,7 @@ memory is O(N + tile) on top of the gradient buffers.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _checks
 from ._triton import resolve_impl
@@ -125,6 +126,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         return logp, entropy, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -166,7 +168,7 @@ def check_linear_inputs(hidden, weight, ids, bias):
             raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
     _checks.same_device(hidden=hidden, weight=weight, ids=ids, bias=bias)
     _checks.token_ids(ids, weight.shape[0])
-    return hidden.reshape(N, H), ids.reshape(N).long()
+    return hidden.reshape(N, H), ids.reshape(N).long().contiguous()
 
 
 def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic, row_mask=None):

@@ -7,6 +7,7 @@ the backward writes one d logits buffer, or reuses the logits buffer with ``inpl
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _checks
 from ._triton import resolve_impl
@@ -73,7 +74,14 @@ class _TokenLogprobs(torch.autograd.Function):
         return logp.view(shape), entropy.view(shape), lse.view(shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+        if ctx.inplace:
+            # The first in-place backward overwrote the saved logits (Triton writes bump no version counter).
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("token_logprobs(inplace_backward=True): the logits were overwritten by the first "
+                                   "backward; a second backward (retain_graph=True) needs inplace_backward=False")
+            ctx.consumed = True
         logits, ids, lse, entropy = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None, None

@@ -136,10 +136,23 @@ def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None
     n_valid = mask.sum().to(dtype)
     adv = advantages.to(dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    # Padded positions may hold anything (sentinel log-probs, -inf, a huge ratio): neutral values there keep
+    # 0 * inf out of the forward and the backward. Valid positions are untouched, so the numbers are TRL's.
+    logps = torch.where(mask, logps, 0.0)
+    neutral = logps.detach()
     if is_ratio is not None:
         is_ratio = is_ratio.to(dtype)
-        is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else is_ratio
-    old = logps.detach() if old_logps is None else old_logps.to(dtype)
+        # vespo folds the raw ratios of every position into its gamma weights, as TRL does; elsewhere padded
+        # positions only multiply a masked-out loss, so they are neutralized.
+        is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else \
+            is_ratio if cfg.loss_type == "vespo" else torch.where(mask, is_ratio, 1.0)
+    old = neutral if old_logps is None else torch.where(mask, old_logps.to(dtype), neutral)
+    if ref_logps is not None:
+        ref_logps = torch.where(mask, ref_logps.to(dtype), neutral)
+    if sampling_logps is not None:
+        sampling_logps = torch.where(mask, sampling_logps.to(dtype), neutral)
+    if entropy is not None:
+        entropy = torch.where(mask, entropy, 0.0)
 
     log_ratio = logps - old
     if cfg.importance_sampling_level == "token":
@@ -184,14 +197,15 @@ def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None
         per_token_loss = per_token_loss + cfg.beta * per_token_kl
 
     masked = torch.where(mask, per_token_loss.expand(B, T), 0.0)
+    # max(B, 1) and max(T, 1): an empty batch gives 0, not 0 / 0; identical to TRL's mean otherwise
     if cfg.loss_type in ("grpo", "sapo"):
-        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(B, 1)
     elif cfg.loss_type == "bnpo":
         loss = masked.sum() / n_valid.clamp(min=1)
     elif cfg.loss_type == "dr_grpo":
-        loss = masked.sum() / (B * (cfg.max_completion_length or T))
+        loss = masked.sum() / (max(B, 1) * (cfg.max_completion_length or max(T, 1)))
     elif cfg.loss_type == "luspo":
-        loss = masked.sum(-1).mean()
+        loss = masked.sum() / max(B, 1)
     else:  # dapo, cispo, vespo
         items = n_valid if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=dtype,
                                                                              device=logps.device)

@@ -116,7 +116,8 @@ def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
         alpha = tl.exp(m_i - m_new)
         u = z - m_new[:, None]
         e = tl.exp(u)
-        a_i = alpha * (a_i - (m_new - m_i) * s_i) + tl.sum(e * u, axis=1)
+        # Why the guard: a -inf logit (a banned token's -inf bias) has e = 0 but u = -inf, and 0 * -inf is NaN.
+        a_i = alpha * (a_i - (m_new - m_i) * s_i) + tl.sum(tl.where(e > 0.0, e * u, 0.0), axis=1)
         s_i = alpha * s_i + tl.sum(e, axis=1)
         # Why gather in the tile: the target logit is already on chip; exactly one split adds a non-zero.
         t_i += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
@@ -194,7 +195,7 @@ def _dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl
         # Why a constexpr: without an entropy bonus this term (two loads, three FLOPs per element) is not compiled.
         g_h = tl.load(ge_ptr + rows_c)
         ent = tl.load(ent_ptr + rows_c)
-        dz -= g_h[:, None] * p * (logp + ent[:, None])
+        dz -= g_h[:, None] * p * tl.where(p > 0.0, logp + ent[:, None], 0.0)
     return tl.where(row_ok[:, None] & col_ok[None, :], dz * inv_temp, 0.0)
 
 

@@ -130,11 +130,11 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
     x = _as_btv(logits)
     B, T, V = x.shape
     N = B * T
-    ids_flat = ids.reshape(N)
+    ids_flat = ids.reshape(N).contiguous()  # a strided view (ids[:, ::2]) must not be read with unit stride
     logp, lse, entropy = (alloc((N,), torch.float32, x.device) for _ in range(3))
     if N:
         bv = _block_v(V, block_v)
-        mask = None if row_mask is None else row_mask.reshape(N).to(torch.int8).contiguous()
+        mask = None if row_mask is None else (row_mask.reshape(N) != 0).to(torch.int8)
         fwd[(N,)](x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy, T, V, x.stride(0),
                   x.stride(1), 1.0 / temperature, HAS_MASK=mask is not None, BLOCK_V=bv, num_warps=_num_warps(bv))
     return logp, lse, entropy
@@ -157,7 +157,7 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
     if N:
         bv = _block_v(V, block_v)
         has_h = grad_entropy is not None
-        bwd[(N,)](x, ids.reshape(N), lse, entropy, grad_logp.contiguous(),
+        bwd[(N,)](x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
                   grad_entropy.contiguous() if has_h else grad_logp, out,
                   T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
                   HAS_ENTROPY_GRAD=has_h, BLOCK_V=bv, num_warps=_num_warps(bv))
