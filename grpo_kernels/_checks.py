@@ -95,8 +95,9 @@ def loss_inputs(B: int, T: int, advantages, mask, old_logps, ref_logps, is_ratio
     if config.beta != 0.0 and ref_logps is None:
         raise ValueError(f"ref_logps is required when beta != 0 (beta={config.beta}); pass the reference "
                          "model's per-token log-probs of shape (B, T)")
+    # num_items_in_batch may live anywhere (a CPU scalar is common): it is moved to the loss's device
     same_device(advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio,
-                sampling_logps=sampling_logps, num_items_in_batch=num_items_in_batch)
+                sampling_logps=sampling_logps)
 
 
 def kernel_dtype(name: str, t: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ def reduction_weights(mask_f: torch.Tensor, n_valid: torch.Tensor, num_items_in_
     if cfg.loss_type == "luspo":
         return mask_f / B
     items = n_valid if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=torch.float32,
-                                                                         device=mask_f.device)
+                                                                         device=mask_f.device).reshape(())
     return mask_f / items.clamp(min=1)
 
 

@@ -208,7 +208,7 @@ def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None
         loss = masked.sum() / max(B, 1)
     else:  # dapo, cispo, vespo
         items = n_valid if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=dtype,
-                                                                             device=logps.device)
+                                                                             device=logps.device).reshape(())
         loss = masked.sum() / items.clamp(min=1)
 
     if cfg.entropy_coef != 0.0:

@@ -104,3 +104,12 @@ def test_empty_batch_gives_zero(loss_type, impl):
                                impl=impl)
         loss.backward()
         assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_num_items_in_batch_as_a_one_element_tensor(impl):
+    logits, ids, adv, old = _logits_case(seed=5)
+    expected, _ = gk.grpo_loss(logits, ids, adv, old_logps=old, num_items_in_batch=7, impl=impl)
+    for n in (torch.tensor(7), torch.tensor([7.0])):
+        loss, _ = gk.grpo_loss(logits, ids, adv, old_logps=old, num_items_in_batch=n, impl=impl)
+        assert loss.shape == () and torch.allclose(loss, expected)
