@@ -1,8 +1,9 @@
 """Functional GRPO losses and their thin ``nn.Module`` wrappers.
 
 Both losses are two stages: a vocab sweep (Triton or chunked PyTorch) that yields per-token log-prob, entropy
-and logsumexp, then the contract's per-token loss, masks and reduction on B x T tensors: ``reference.loss_from_logps``,
-or on the Triton path for token-level configurations the per-token kernel of ``fused_stage``. The gradient of the second stage w.r.t. (logp, entropy) is the per-token scalar ``g`` of DESIGN.md
+and logsumexp, then the contract's per-token loss, masks and reduction on B x T tensors:
+``reference.loss_from_logps``, or on the Triton path for token-level configurations the per-token kernel of
+``fused_stage``. The gradient of the second stage w.r.t. (logp, entropy) is the per-token scalar ``g`` of DESIGN.md
 section 3 that the sweep's backward turns into d logits / d hidden / d weight.
 """
 from __future__ import annotations
