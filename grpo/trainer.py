@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import grpo_kernels as gk
+from grpo_kernels.loss_types import LOSS_TABLE
 
 from . import checkpoint as ckpt
 from .data import BUILTIN_TASKS, TASK_ALPHABET, PromptSampler, format_prompt, load_jsonl, seed_everything
@@ -30,9 +31,6 @@ from .modeling import (DTYPES, apply_liger_layers, build_char_tokenizer, build_t
 from .policy import GRPOPolicy
 from .rollout import GenerationSettings, Rollout, generate_rollout
 
-# Loss types whose reduction divides by the token count of the whole optimizer step (num_items_in_batch);
-# the others normalize inside each micro-batch, so their micro-batch losses are averaged.
-GLOBAL_TOKEN_NORMALIZED = ("dapo", "cispo", "vespo")
 NEEDS_ANSWER = {"copy", "math", "boxed", "hash", "last_number"}
 
 
@@ -165,7 +163,9 @@ class Trainer:
         micro_rows = rows.split(a.micro_batch_size)
         n_tokens = rollout.completion_mask[rows].sum().to(torch.float64)
         all_reduce_sum(n_tokens, self.env)
-        global_norm = self.cfg.loss_type in GLOBAL_TOKEN_NORMALIZED
+        # Loss types normalized by num_items_in_batch divide by the token count of the whole optimizer step; the
+        # others normalize inside each micro-batch, so their micro-batch losses are averaged.
+        global_norm = LOSS_TABLE[self.cfg.loss_type].uses_num_items_in_batch
         num_items = (n_tokens / self.env.world_size).to(torch.float32) if global_norm else None
         sums: dict[str, float] = {}
         loss_total = 0.0

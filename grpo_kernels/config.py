@@ -9,8 +9,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+from .loss_types import CLIPPED_LOSS_TYPES, LOSS_TYPES  # noqa: F401  (re-exported: the table's names)
+
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPLS = ("auto", "triton", "torch")
 

@@ -10,32 +10,15 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .config import CLIPPED_LOSS_TYPES, GRPOLossConfig
-from .kernels.token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, token_loss_forward
-
-_KINDS = {**{lt: KIND_CLIPPED for lt in CLIPPED_LOSS_TYPES}, "cispo": KIND_CISPO, "sapo": KIND_SAPO}
+from .config import GRPOLossConfig
+from .kernels.token_loss_kernels import token_loss_forward
+from .loss_types import LOSS_TABLE, reduction_weights
 
 
 def supported(cfg: GRPOLossConfig) -> bool:
     """Whether every per-token term of ``cfg`` is local to its token (then the fused stage applies)."""
-    return (cfg.importance_sampling_level == "token" and cfg.loss_type in _KINDS
+    return (cfg.importance_sampling_level == "token" and LOSS_TABLE[cfg.loss_type].token_local
             and cfg.off_policy_mask_threshold is None and cfg.top_entropy_quantile == 1.0)
-
-
-def reduction_weights(mask_f: torch.Tensor, n_valid: torch.Tensor, num_items_in_batch, cfg: GRPOLossConfig):
-    """Per-token weights so that the loss type's reduction is ``sum(w * l)`` (DESIGN.md section 2 table)."""
-    B, T = mask_f.shape  # the fused stage only runs for B * T > 0
-    if cfg.loss_type in ("grpo", "sapo"):
-        return mask_f / mask_f.sum(-1, keepdim=True).clamp(min=1) / B
-    if cfg.loss_type == "bnpo":
-        return mask_f / n_valid.clamp(min=1)
-    if cfg.loss_type == "dr_grpo":
-        return mask_f / (B * (cfg.max_completion_length or T))
-    if cfg.loss_type == "luspo":
-        return mask_f / B
-    items = n_valid if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=torch.float32,
-                                                                         device=mask_f.device).reshape(())
-    return mask_f / items.clamp(min=1)
 
 
 class _FusedTokenLoss(torch.autograd.Function):
@@ -62,9 +45,9 @@ def fused_loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logp
     mask_b = torch.ones(B, T, dtype=torch.bool, device=logps.device) if mask is None else mask.bool()
     mask_f = mask_b.float()
     n_valid = mask_f.sum()
-    weights = reduction_weights(mask_f, n_valid, num_items_in_batch, cfg).contiguous()
+    weights = reduction_weights(mask_f, cfg.loss_type, num_items_in_batch, cfg.max_completion_length).contiguous()
     loss, sums = _FusedTokenLoss.apply(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg,
-                                       _KINDS[cfg.loss_type])
+                                       LOSS_TABLE[cfg.loss_type].policy_kind)
     masked_entropy_sum = torch.where(mask_b, entropy, 0.0).sum()
     if cfg.entropy_coef != 0.0:
         loss = loss - cfg.entropy_coef * masked_entropy_sum / n_valid.clamp(min=1)
@@ -78,6 +61,6 @@ def fused_loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logp
             "clip_ratio/high_mean": ratio[3],
             "clip_ratio/region_mean": ratio[4],
         }
-        if cfg.loss_type == "cispo":
+        if LOSS_TABLE[cfg.loss_type].policy == "cispo":
             metrics["cispo_clip_ratio"] = ratio[5]
     return loss, metrics

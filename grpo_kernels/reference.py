@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from .config import CLIPPED_LOSS_TYPES, GRPOLossConfig
+from .config import GRPOLossConfig
+from .loss_types import LOSS_TABLE, reduction_weights
 
 _LOG_1E_8 = math.log(1e-8)
 
@@ -130,6 +131,7 @@ def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None
     for cispo / vespo, ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
     """
     cfg = config or GRPOLossConfig()
+    policy = LOSS_TABLE[cfg.loss_type].policy
     dtype = logps.dtype
     B, T = logps.shape
     mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
@@ -145,7 +147,7 @@ def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None
         # vespo folds the raw ratios of every position into its gamma weights, as TRL does; elsewhere padded
         # positions only multiply a masked-out loss, so they are neutralized.
         is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else \
-            is_ratio if cfg.loss_type == "vespo" else torch.where(mask, is_ratio, 1.0)
+            is_ratio if policy == "vespo" else torch.where(mask, is_ratio, 1.0)
     old = neutral if old_logps is None else torch.where(mask, old_logps.to(dtype), neutral)
     if ref_logps is not None:
         ref_logps = torch.where(mask, ref_logps.to(dtype), neutral)
@@ -169,14 +171,14 @@ def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None
             per_token_kl = per_token_kl * coef_1
 
     phi = None
-    if cfg.loss_type == "cispo":
+    if policy == "cispo":
         per_token_loss = -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps
-    elif cfg.loss_type in CLIPPED_LOSS_TYPES:
+    elif policy == "clipped":
         coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
         if cfg.delta is not None:
             coef_1 = torch.clamp(coef_1, max=cfg.delta)
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    elif cfg.loss_type == "sapo":
+    elif policy == "sapo":
         temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(dtype)
         per_token_loss = -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv
     else:  # vespo
@@ -191,25 +193,13 @@ def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None
     if cfg.top_entropy_quantile < 1.0:
         entropy_mask = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile)
         per_token_loss = per_token_loss * entropy_mask.to(dtype)
-    if is_ratio is not None and cfg.loss_type != "vespo":
+    if is_ratio is not None and policy != "vespo":
         per_token_loss = per_token_loss * is_ratio
     if cfg.beta != 0.0:
         per_token_loss = per_token_loss + cfg.beta * per_token_kl
 
-    masked = torch.where(mask, per_token_loss.expand(B, T), 0.0)
-    # max(B, 1) and max(T, 1): an empty batch gives 0, not 0 / 0; identical to TRL's mean otherwise
-    if cfg.loss_type in ("grpo", "sapo"):
-        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(B, 1)
-    elif cfg.loss_type == "bnpo":
-        loss = masked.sum() / n_valid.clamp(min=1)
-    elif cfg.loss_type == "dr_grpo":
-        loss = masked.sum() / (max(B, 1) * (cfg.max_completion_length or max(T, 1)))
-    elif cfg.loss_type == "luspo":
-        loss = masked.sum() / max(B, 1)
-    else:  # dapo, cispo, vespo
-        items = n_valid if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=dtype,
-                                                                             device=logps.device).reshape(())
-        loss = masked.sum() / items.clamp(min=1)
+    weights = reduction_weights(mask.to(dtype), cfg.loss_type, num_items_in_batch, cfg.max_completion_length)
+    loss = torch.where(mask, weights * per_token_loss.expand(B, T), 0.0).sum()
 
     if cfg.entropy_coef != 0.0:
         eff = mask if entropy_mask is None else entropy_mask
@@ -226,7 +216,7 @@ def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None
             "clip_ratio/high_mean": _masked_mean(high.to(dtype), mask, n_valid),
             "clip_ratio/region_mean": _masked_mean((low | high).to(dtype), mask, n_valid),
         }
-        if cfg.loss_type == "cispo":
+        if policy == "cispo":
             metrics["cispo_clip_ratio"] = _masked_mean(((coef_1 > cfg.epsilon_high) & (adv > 0)).to(dtype),
                                                        mask, n_valid)
         if phi is not None:

@@ -18,7 +18,10 @@ from .._triton import import_triton, interpreting
 BLOCK = 1024
 N_SUMS = 6  # sum w*l, sum m*kl, sum m*low, sum m*high, sum m*region, sum m*cispo_clipped
 
-KIND_CLIPPED, KIND_CISPO, KIND_SAPO = 0, 1, 2
+from ..loss_types import POLICY_TERMS
+
+# The KIND constexpr: the policy term's index in the loss-type table (grpo_kernels/loss_types.py).
+KIND_CLIPPED, KIND_CISPO, KIND_SAPO = (POLICY_TERMS.index(p) for p in ("clipped", "cispo", "sapo"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,90 @@
+"""The loss-type table: the one place that says what each ``loss_type`` computes (docs/DESIGN.md section 2).
+
+Every consumer reads it: ``config.GRPOLossConfig`` (the valid names), ``reference.loss_from_logps`` (policy term and
+reduction), the per-token Triton stage (the ``KIND`` constexpr of its kernel and the reduction weights), and the
+trainer in ``grpo/`` (which loss types normalize by ``num_items_in_batch``). ``tests/test_loss_types.py`` checks
+that each of them agrees with the table.
+
+Policy terms (``A`` the advantage broadcast over the row, ``rho`` the importance ratio):
+- ``clipped``: ``-min(rho' A, clamp(rho, 1 - eps_low, 1 + eps_high) A)``, ``rho' = min(rho, delta)`` when delta is set;
+- ``cispo``: ``-stopgrad(min(rho, eps_high)) A logp``;
+- ``sapo``: ``-sigmoid(t_A (rho - 1)) 4 / t_A A``;
+- ``vespo``: ``-stopgrad(phi(w)) A logp`` with ``w`` the row's clamped *sum* of log ratios (a cross-token statistic).
+
+Reductions of the masked per-token loss ``m l`` to a scalar, written as per-token weights ``w`` so that
+``loss = sum(w * l)`` (``reduction_weights``):
+- ``row_mean``: ``mean_b(sum_t m l / max(sum_t m, 1))``;
+- ``token_mean``: ``sum m l / max(sum m, 1)``;
+- ``fixed_length``: ``sum m l / (B * max_completion_length)`` (T when it is not set);
+- ``num_items``: ``sum m l / max(num_items_in_batch, 1)``, ``num_items_in_batch`` defaulting to ``sum m``;
+- ``row_sum``: ``mean_b(sum_t m l)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POLICY_TERMS = ("clipped", "cispo", "sapo", "vespo")
+REDUCTIONS = ("row_mean", "token_mean", "fixed_length", "num_items", "row_sum")
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One row of the table: the policy term and the reduction of a ``loss_type``."""
+
+    name: str
+    policy: str
+    reduction: str
+
+    @property
+    def uses_num_items_in_batch(self) -> bool:
+        """Normalized by ``num_items_in_batch`` (the token count of the whole optimizer step when given)."""
+        return self.reduction == "num_items"
+
+    @property
+    def token_local(self) -> bool:
+        """The policy term and its gradient at a token need no other token (vespo needs its row's ratio sum)."""
+        return self.policy != "vespo"
+
+    @property
+    def policy_kind(self) -> int:
+        """The policy term as the integer the Triton kernels take as a constexpr (index in ``POLICY_TERMS``)."""
+        return POLICY_TERMS.index(self.policy)
+
+
+LOSS_TABLE: dict[str, LossType] = {lt.name: lt for lt in (
+    LossType("grpo", "clipped", "row_mean"),
+    LossType("bnpo", "clipped", "token_mean"),
+    LossType("dr_grpo", "clipped", "fixed_length"),
+    LossType("dapo", "clipped", "num_items"),
+    LossType("luspo", "clipped", "row_sum"),
+    LossType("cispo", "cispo", "num_items"),
+    LossType("sapo", "sapo", "row_mean"),
+    LossType("vespo", "vespo", "num_items"),
+)}
+
+LOSS_TYPES = tuple(LOSS_TABLE)
+CLIPPED_LOSS_TYPES = tuple(name for name, lt in LOSS_TABLE.items() if lt.policy == "clipped")
+
+
+def reduction_weights(mask: torch.Tensor, loss_type: str, num_items_in_batch=None,
+                      max_completion_length: int | None = None) -> torch.Tensor:
+    """Per-token weights ``w`` (B, T), zero at padded positions, with ``loss = sum(w * per_token_loss)``.
+
+    mask: (B, T) float (0/1) in the dtype of the result; num_items_in_batch: None, a number or a one-element tensor
+    (moved to the mask's device). Empty batches give empty weights (the loss is then 0).
+    """
+    B, T = mask.shape
+    reduction = LOSS_TABLE[loss_type].reduction
+    if reduction == "row_mean":
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1) / max(B, 1)
+    if reduction == "token_mean":
+        return mask / mask.sum().clamp(min=1)
+    if reduction == "fixed_length":
+        return mask / (max(B, 1) * (max_completion_length or max(T, 1)))
+    if reduction == "row_sum":
+        return mask / max(B, 1)
+    items = mask.sum() if num_items_in_batch is None else \
+        torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device).reshape(())
+    return mask / items.clamp(min=1)
