@@ -5,8 +5,8 @@ Public API: ``GRPOLossConfig``, ``group_advantages``, ``token_logprobs``, ``grpo
 first kernel launch.
 """
 from .config import GRPOLossConfig
-from .linear import linear_token_logprobs
-from .logprobs import token_logprobs
+from .logprobs_from_hidden import linear_token_logprobs
+from .logprobs_from_logits import token_logprobs
 from .loss import FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_loss
 from .reference import group_advantages
 

@@ -1,6 +1,5 @@
-"""Input validation: every bad input becomes a ValueError naming the argument and what was expected.
-
-Kernels never see unchecked shapes, dtypes or token ids: a wrong id would read out of bounds inside a kernel.
+"""Validation primitives (a ValueError naming the argument and what was expected) used by ``inputs.py``, and the
+output allocator of the Triton launchers (NaN-poisoned under GRPO_KERNELS_POISON=1 in tests).
 """
 from __future__ import annotations
 
@@ -51,53 +50,6 @@ def same_device(**tensors) -> None:
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"all tensors must be on one device, got {listing}")
-
-
-def logits_and_ids(logits, ids) -> None:
-    tensor("logits", logits, floating=True, dims=(2, 3))
-    tensor("ids", ids, integer=True)
-    if _shape(ids) != _shape(logits)[:-1]:
-        raise ValueError(f"ids must have shape {_shape(logits)[:-1]} (logits' leading dims), got {_shape(ids)}")
-    if logits.shape[-1] == 0:
-        raise ValueError("logits must have a non-empty vocabulary dimension V")
-    same_device(logits=logits, ids=ids)
-    token_ids(ids, logits.shape[-1])
-
-
-def loss_inputs(B: int, T: int, advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps,
-                num_items_in_batch, config) -> None:
-    """Shapes, dtypes and presence of the per-token inputs of the loss; (B, T) is the completion grid."""
-    tensor("advantages", advantages, floating=True)
-    if _shape(advantages) not in ((B,), (B, T)):
-        raise ValueError(f"advantages must have shape ({B},) or ({B}, {T}), got {_shape(advantages)}")
-    if mask is not None:
-        tensor("mask", mask)
-        if _shape(mask) != (B, T):
-            raise ValueError(f"mask must have shape ({B}, {T}), got {_shape(mask)}")
-        if mask.is_complex():
-            raise ValueError(f"mask must be bool, integer or float, got {mask.dtype}")
-    for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps), ("sampling_logps", sampling_logps)):
-        if t is not None:
-            tensor(name, t, floating=True)
-            if _shape(t) != (B, T):
-                raise ValueError(f"{name} must have shape ({B}, {T}), got {_shape(t)}")
-    if is_ratio is not None:
-        tensor("is_ratio", is_ratio, floating=True)
-        if _shape(is_ratio) not in ((B,), (B, 1), (B, T)):
-            raise ValueError(f"is_ratio must have shape ({B},), ({B}, 1) or ({B}, {T}), got {_shape(is_ratio)}")
-    if num_items_in_batch is not None:
-        n = num_items_in_batch
-        if isinstance(n, torch.Tensor):
-            if n.numel() != 1:
-                raise ValueError(f"num_items_in_batch must be a scalar, got shape {_shape(n)}")
-        elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
-            raise ValueError(f"num_items_in_batch must be a number >= 0 or a scalar tensor, got {n!r}")
-    if config.beta != 0.0 and ref_logps is None:
-        raise ValueError(f"ref_logps is required when beta != 0 (beta={config.beta}); pass the reference "
-                         "model's per-token log-probs of shape (B, T)")
-    # num_items_in_batch may live anywhere (a CPU scalar is common): it is moved to the loss's device
-    same_device(advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio,
-                sampling_logps=sampling_logps)
 
 
 def kernel_dtype(name: str, t: torch.Tensor) -> None:

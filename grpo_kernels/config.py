@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .loss_types import CLIPPED_LOSS_TYPES, LOSS_TYPES  # noqa: F401  (re-exported: the table's names)
+from .loss_types import CLIPPED_LOSS_TYPES, LOSS_TYPES  # noqa: F401  (the table's names, re-exported)
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPLS = ("auto", "triton", "torch")

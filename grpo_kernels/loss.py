@@ -1,9 +1,9 @@
 """Functional GRPO losses and their thin ``nn.Module`` wrappers.
 
-Both losses are two stages: a vocab sweep (Triton or chunked PyTorch) that yields per-token log-prob, entropy
-and logsumexp, then the contract's per-token loss, masks and reduction on B x T tensors:
-``reference.loss_from_logps``, or on the Triton path for token-level configurations the per-token kernel of
-``fused_stage``. The gradient of the second stage w.r.t. (logp, entropy) is the per-token scalar ``g`` of DESIGN.md
+Both losses validate their arguments once (``inputs.py``), then run two stages: a vocab sweep (Triton or chunked
+PyTorch) that yields per-token log-prob, entropy and logsumexp, then the contract's per-token loss, masks and
+reduction on B x T tensors: ``reference.loss_from_logps``, or on the Triton path for token-level configurations the
+per-token kernel of ``triton_loss_stage``. The gradient of the second stage w.r.t. (logp, entropy) is the per-token scalar ``g`` of DESIGN.md
 section 3 that the sweep's backward turns into d logits / d hidden / d weight.
 """
 from __future__ import annotations
@@ -11,31 +11,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import _checks, fused_stage
-from ._triton import resolve_impl
+from . import triton_loss_stage
 from .config import GRPOLossConfig, resolve_config
-from .linear import _linear_token_logprobs
-from .logprobs import _token_logprobs
+from .inputs import HeadInputs, LogitsInputs, LossInputs
+from .logprobs_from_hidden import head_token_logprobs
+from .logprobs_from_logits import logits_token_logprobs
 from .reference import loss_from_logps
 
 
-def _loss_stage(logps, entropy, ids_shape, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
-                sampling_logps, cfg, impl):
+def _loss_stage(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig, impl: str):
     """The per-token loss, masks and reduction: one Triton kernel where it applies, else the reference."""
-    B, T = ids_shape
-    if impl == "triton" and fused_stage.supported(cfg) and B * T > 0:
-        return fused_stage.fused_loss_from_logps(logps.view(B, T), advantages, mask, old_logps, ref_logps, is_ratio,
-                                                 entropy.view(B, T), num_items_in_batch, cfg)
-    return loss_from_logps(logps.view(B, T), advantages, mask, old_logps, ref_logps, is_ratio, entropy.view(B, T),
-                           num_items_in_batch, sampling_logps, cfg)
-
-
-def _check_loss(B, T, device, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch, sampling_logps,
-                cfg):
-    _checks.loss_inputs(B, T, advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps,
-                        num_items_in_batch, cfg)
-    if advantages.device != device:
-        raise ValueError(f"advantages must be on the logits' device {device}, got {advantages.device}")
+    B, T = logps.shape
+    if impl == "triton" and triton_loss_stage.supported(cfg) and B * T > 0:
+        return triton_loss_stage.fused_loss_from_logps(logps, entropy, batch, cfg)
+    return loss_from_logps(logps, batch.advantages, batch.mask, batch.old_logps, batch.ref_logps, batch.is_ratio,
+                           entropy, batch.num_items_in_batch, batch.sampling_logps, cfg)
 
 
 def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
@@ -50,15 +40,12 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a dict of detached 0-dim metrics.
     """
     cfg = resolve_config(config, config_overrides)
-    _checks.tensor("logits", logits, floating=True, dims=(3,))
-    _checks.tensor("ids", ids, integer=True, dims=(2,))
+    inputs = LogitsInputs.validate(logits, ids, cfg.temperature, impl, dims=(3,))
     B, T = ids.shape
-    _check_loss(B, T, logits.device, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
-                sampling_logps, cfg)
-    impl = resolve_impl(impl, logits, ids)
-    logps, entropy, _ = _token_logprobs(logits, ids, cfg.temperature, impl, inplace_backward, row_mask=mask)
-    return _loss_stage(logps, entropy, (B, T), advantages, mask, old_logps, ref_logps, is_ratio,
-                       num_items_in_batch, sampling_logps, cfg, impl)
+    batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
+                                sampling_logps, num_items_in_batch)
+    logps, entropy, _ = logits_token_logprobs(inputs, inplace_backward, row_mask=mask)
+    return _loss_stage(logps, entropy, batch, cfg, inputs.impl)
 
 
 def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
@@ -71,16 +58,12 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     skips the d weight sweep). ``config.deterministic`` selects the atomics-free Triton backward.
     """
     cfg = resolve_config(config, config_overrides)
-    _checks.tensor("hidden", hidden, floating=True, dims=(2, 3))
-    _checks.tensor("ids", ids, integer=True, dims=(2,))
+    inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,))
     B, T = ids.shape
-    _check_loss(B, T, hidden.device, advantages, mask, old_logps,
-                ref_logps, is_ratio, num_items_in_batch, sampling_logps, cfg)
-    impl = resolve_impl(impl, hidden, weight, bias)
-    logps, entropy, _ = _linear_token_logprobs(hidden, weight, ids, bias, cfg.temperature, impl,
-                                               cfg.deterministic, row_mask=mask)
-    return _loss_stage(logps, entropy, (B, T), advantages, mask, old_logps, ref_logps, is_ratio,
-                       num_items_in_batch, sampling_logps, cfg, impl)
+    batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
+                                sampling_logps, num_items_in_batch)
+    logps, entropy, _ = head_token_logprobs(inputs, cfg.deterministic, row_mask=mask)
+    return _loss_stage(logps, entropy, batch, cfg, inputs.impl)
 
 
 class GRPOLoss(nn.Module):
@@ -137,8 +120,8 @@ class FusedLinearGRPOLoss(nn.Module):
         ref_input, ref_weight, ref_bias = (named.pop(k, None) for k in ("ref_input", "ref_weight", "ref_bias"))
         if named.get("ref_logps") is None and self.config.beta != 0.0 and ref_input is not None:
             with torch.no_grad():
-                named["ref_logps"] = _linear_token_logprobs(
-                    ref_input, named["weight"] if ref_weight is None else ref_weight, named["ids"],
-                    named.get("bias") if ref_weight is None else ref_bias,
-                    self.config.temperature, self.impl, False)[0].view(named["ids"].shape)
+                ref = HeadInputs.validate(ref_input, named["weight"] if ref_weight is None else ref_weight,
+                                          named["ids"], named.get("bias") if ref_weight is None else ref_bias,
+                                          self.config.temperature, self.impl)
+                named["ref_logps"] = head_token_logprobs(ref, deterministic=False)[0]
         return fused_linear_grpo_loss(config=self.config, impl=self.impl, **named)

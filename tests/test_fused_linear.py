@@ -224,7 +224,7 @@ def test_autocast_runs_the_head_in_the_autocast_dtype(impl):
 def test_padded_rows_are_not_computed(impl, monkeypatch):
     """The loss compacts valid rows before the sweep: the launcher sees N_valid rows, padded hidden states
     (even NaN) get zero gradient, and the result equals the unmasked computation on the valid rows."""
-    import grpo_kernels.linear as linear_module
+    import grpo_kernels.logprobs_from_hidden as linear_module
     case = next(c for c in CASES if c.id == "grpo-beta-kl")
     inputs = make_inputs(case, hidden_size=HIDDEN, seed=14)
     mask = inputs["mask"]

@@ -1,4 +1,4 @@
-"""Fused linear head Triton kernels (grpo_kernels/kernels/linear_kernels.py) against float64 ground truth.
+"""Fused linear head Triton kernels (grpo_kernels/kernels/linear_*_kernels.py) against float64 ground truth.
 
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on CPU tensors, with the
 interpreter's small tile (16 x 32 x 16), so the shapes below cross every block boundary: N = 1, N not a multiple
@@ -22,7 +22,9 @@ if not torch.cuda.is_available():
     if not interpreting():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from grpo_kernels.kernels import linear_kernels as lk  # noqa: E402
+from grpo_kernels.kernels import linear_backward_kernels as lbk  # noqa: E402
+from grpo_kernels.kernels import linear_forward_kernels as lfk  # noqa: E402
+from grpo_kernels.kernels import linear_tiles as tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,7 +84,7 @@ def check3(name, got, same, truth, dtype):
 
 
 def check_forward(h, w, b, ids):
-    logp, lse, ent = lk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
+    logp, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
     t_logp, t_lse, t_ent, _ = eager(h, w, b, ids, torch.zeros(len(ids), device=DEVICE), None, torch.float64)
     for name, got, truth in (("logp", logp, t_logp), ("lse", lse, t_lse), ("entropy", ent, t_ent)):
         assert got.dtype == torch.float32 and got.shape == ids.shape
@@ -96,7 +98,7 @@ def check_backward(h, w, b, ids, entropy=True, deterministic=False, need=(True, 
     dtype = h.dtype
     _, lse, ent = check_forward(h, w, b, ids)
     gl, ge = grads_for(len(ids), entropy=entropy)
-    out = lk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, *need, deterministic)
+    out = lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, *need, deterministic)
     *_, truth = eager(h, w, b, ids, gl, ge, torch.float64)
     *_, same = eager(h, w, b, ids, gl, ge, dtype)
     for name, got, want, same_g, src, needed in zip(("d_hidden", "d_weight", "d_bias"), out, truth, same,
@@ -138,7 +140,7 @@ def test_forward_extreme_logits(scale):
 
 def test_forward_empty():
     h, w, b, ids = make_inputs(0, 50, 16, torch.float32)
-    assert all(t.shape == (0,) for t in lk.linear_logprobs_forward(h, w, b, ids, 1.0))
+    assert all(t.shape == (0,) for t in lfk.linear_logprobs_forward(h, w, b, ids, 1.0))
 
 
 @pytest.mark.parametrize("mode", ["atomic", "deterministic"])
@@ -171,27 +173,27 @@ def test_backward_need_flags(need, mode):
 
 def test_backward_nothing_needed():
     h, w, b, ids = make_inputs(5, 40, 16, torch.float32)
-    _, lse, ent = lk.linear_logprobs_forward(h, w, b, ids, 1.0)
+    _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, 1.0)
     gl, ge = grads_for(5)
-    assert lk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, 1.0, False, False, False, False) == \
+    assert lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, 1.0, False, False, False, False) == \
         (None, None, None)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 def test_deterministic_several_chunks(dtype, monkeypatch):
     """A tiny chunk budget forces one BLOCK_V-wide vocab chunk per step: dh accumulates over 4 chunks."""
-    monkeypatch.setattr(lk, "DETERMINISTIC_CHUNK_BYTES", 1)
+    monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_BYTES", 1)
     check_backward(*make_inputs(37, 100, 40, dtype), deterministic=True)
 
 
 @pytest.mark.parametrize("chunks", ["one-chunk", "several-chunks"])
 def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch):
     if chunks == "several-chunks":
-        monkeypatch.setattr(lk, "DETERMINISTIC_CHUNK_BYTES", 1)
+        monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_BYTES", 1)
     h, w, b, ids = make_inputs(37, 100, 40, torch.bfloat16)
-    _, lse, ent = lk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
+    _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
     gl, ge = grads_for(37)
-    runs = [lk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, True, True, True, True)
+    runs = [lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, True, True, True, True)
             for _ in range(2)]
     for first, second in zip(*runs):
         assert torch.equal(first, second)
@@ -199,43 +201,42 @@ def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch):
 
 def test_forward_is_bitwise_reproducible():
     h, w, b, ids = make_inputs(37, 300, 40, torch.bfloat16)
-    first, second = (lk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE) for _ in range(2))
+    first, second = (lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE) for _ in range(2))
     assert all(torch.equal(x, y) for x, y in zip(first, second))
 
 
 def test_swizzle_with_several_groups(monkeypatch):
     """GROUP_M=2 with 4 token blocks: two groups of the backward's tile swizzle, the last one partial."""
-    monkeypatch.setattr(lk, "GROUP_M", 2)
+    monkeypatch.setattr(tiles, "GROUP_M", 2)
     for deterministic in (False, True):
         check_backward(*make_inputs(50, 100, 24, torch.float32), deterministic=deterministic)
 
 
 def test_one_vocab_split(monkeypatch):
     """Many SMs per token block: the split heuristic must still cover the vocab exactly once."""
-    monkeypatch.setattr(lk, "INTERPRET_SMS", 1)
+    monkeypatch.setattr(tiles, "INTERPRET_SMS", 1)
     check_forward(*make_inputs(37, 300, 40, torch.float32))
-    monkeypatch.setattr(lk, "INTERPRET_SMS", 1000)
+    monkeypatch.setattr(tiles, "INTERPRET_SMS", 1000)
     check_forward(*make_inputs(37, 300, 40, torch.float32))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile only exists on CPU")
 def test_gpu_sized_tile_under_interpreter(monkeypatch):
     """The sm_90 block sizes (128 x 128 x 64) on a shape smaller than one tile, forward and backward."""
-    t = lk.TILES[(90, "fwd", "half")]
-    monkeypatch.setattr(lk, "INTERPRET_TILE", t)
+    t = tiles.TILES[(90, "fwd", "half")]
+    monkeypatch.setattr(tiles, "INTERPRET_TILE", t)
     for deterministic in (False, True):
         check_backward(*make_inputs(20, 150, 72, torch.bfloat16), deterministic=deterministic)
 
 
 def test_only_block_sizes_and_flags_are_constexpr():
     """Lengths, strides and the temperature are runtime arguments: a new N, V, H or temperature never recompiles."""
-    k = lk._jit()
-    kernels = [k.linear_fwd_partial_kernel, k.linear_fwd_merge_kernel, k.linear_bwd_atomic_kernel,
-               k.linear_dlogits_kernel]
+    kernels = [lfk.linear_fwd_partial_kernel, lfk.linear_fwd_merge_kernel, lbk.linear_bwd_atomic_kernel,
+               lbk.linear_dlogits_kernel]
     for kern in kernels:
         fn = getattr(kern, "fn", kern)
         params = inspect.signature(fn).parameters.values()
         const = {p.name for p in params if "constexpr" in str(p.annotation)}
         assert const, fn.__name__
         assert all(c.startswith(("BLOCK_", "HAS_", "NEED_", "GROUP_", "DOT_")) for c in const), (fn.__name__, const)
-        assert {"N", "inv_temp"} <= {p.name for p in params} - const or fn.__name__ == "linear_fwd_merge_kernel"
+        assert {"N", "inv_temperature"} <= {p.name for p in params} - const or fn.__name__ == "linear_fwd_merge_kernel"

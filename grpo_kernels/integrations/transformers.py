@@ -23,12 +23,10 @@ Refused with a ValueError (there is no fallback here, since a fallback would hav
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
-
 import torch
 from torch import nn
 
-__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "autocast_inputs", "cast_to"]
+__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "fused_head_blocker", "cast_to"]
 
 
 class LMHead:
@@ -65,6 +63,34 @@ def logit_scale_of(config) -> float:
     return 1.0 if scale is None else scale
 
 
+def _zero3_enabled() -> bool:
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def fused_head_blocker(softcap=None, logit_scale=1.0, weight=None) -> tuple[str, str] | None:
+    """``(option, reason)`` when a head cannot go through the fused path, else None: the one compatibility check of
+    the standalone helper (``get_lm_head``), the TRL patch and ``grpo.train``.
+
+    softcap: the config's ``final_logit_softcapping``; logit_scale: ``logit_scale_of(config)``; weight: the head's
+    weight when known (a DeepSpeed ZeRO-3 partition is empty outside the module's forward).
+    """
+    if softcap is not None:
+        return (f"final_logit_softcapping={softcap}",
+                "the soft-cap cap*tanh(logits/cap) is nonlinear and cannot be folded into the linear head")
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or \
+            not math.isfinite(logit_scale) or logit_scale <= 0:
+        return (f"logit_scale={logit_scale!r}", "only a finite logit scale > 0 (logit_scale / output_multiplier / "
+                "lm_head_multiplier / logits_scaling) folds into the temperature")
+    if _zero3_enabled() or (weight is not None and (hasattr(weight, "ds_id") or weight.numel() == 0)):
+        return ("DeepSpeed ZeRO-3", "the lm_head weight is partitioned (empty outside the module's forward); gather "
+                "it or use ZeRO stage <= 2")
+    return None
+
+
 def _is_peft_layer(module) -> bool:
     # Checked by module path so that peft need not be installed (it is an optional dependency here).
     return any(cls.__module__.split(".")[0] == "peft" for cls in type(module).__mro__)
@@ -84,13 +110,6 @@ def get_lm_head(model) -> LMHead:
     """
     model = _unwrap_peft(model)
     config = _text_config(model)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(
-            f"final_logit_softcapping={softcap} ({type(model).__name__}) is not supported by the fused linear "
-            "head: the soft-cap cap*tanh(logits/cap) is nonlinear and cannot be folded into the projection. "
-            "Compute the log-probs from the model's own logits for this architecture."
-        )
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
@@ -104,38 +123,17 @@ def get_lm_head(model) -> LMHead:
             f"lm_head must be a torch.nn.Linear for the fused linear head, got {type(head).__name__}"
         )
     scale = logit_scale_of(config)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(
-            f"the model's logit scale (logit_scale / output_multiplier / lm_head_multiplier / logits_scaling) must "
-            f"be a finite number > 0 to fold into the temperature, got {scale!r}"
-        )
+    blocker = fused_head_blocker(getattr(config, "final_logit_softcapping", None), scale, head.weight)
+    if blocker is not None:
+        option, reason = blocker
+        raise ValueError(f"{option} ({type(model).__name__}) is not supported by the fused linear head: {reason}")
     weight, bias = head.weight, head.bias
-    if hasattr(weight, "ds_id") or weight.numel() == 0:
-        raise ValueError(
-            "lm_head.weight is partitioned by DeepSpeed ZeRO-3 (empty outside the module's forward): the fused "
-            "linear head needs the full weight; gather it or use ZeRO stage <= 2"
-        )
     if hasattr(weight, "full_tensor"):
         # FSDP2 shards parameters as DTensors; the kernel needs one plain tensor. full_tensor() is differentiable,
         # so the gradient is sharded back by autograd, as in TRL's fused head.
         weight = weight.full_tensor()
         bias = bias.full_tensor() if bias is not None else None
     return LMHead(weight, bias, float(scale))
-
-
-def autocast_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """Cast the head's inputs like ``torch.autocast`` would cast ``F.linear`` and return a context that turns
-    autocast off for the kernel call.
-
-    Why: under autocast (``bf16=True`` in a Trainer) the hidden states and an fp32 master weight meet in the
-    autocast dtype, as TRL's ``ChunkedLogProbFunction`` does; the kernel then gets one dtype and accumulates in
-    fp32 itself, and the casts' backward returns each gradient in its parameter's dtype.
-    """
-    device_type = hidden.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return hidden, weight, bias, nullcontext()
-    dtype = torch.get_autocast_dtype(device_type)
-    return (*cast_to(dtype, hidden, weight, bias), torch.autocast(device_type, enabled=False))
 
 
 def cast_to(dtype: torch.dtype, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -188,9 +186,9 @@ def causal_lm_token_logprobs(model, input_ids: torch.Tensor, attention_mask: tor
     # With the model split across devices (device_map), the backbone can end on another device than the head.
     hidden = hidden.to(head.weight.device)
     ids = ids.to(head.weight.device)
-    hidden, weight, bias, ctx = autocast_inputs(hidden, head.weight, head.bias)
+    weight, bias = head.weight, head.bias
     if weight.dtype != hidden.dtype:  # e.g. an fp32 head on a bf16 backbone: compute in the wider dtype
         hidden, weight, bias = cast_to(torch.promote_types(hidden.dtype, weight.dtype), hidden, weight, bias)
-    with ctx:
-        return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=temperature / head.logit_scale,
-                                        return_entropy=return_entropy, impl=impl)
+    # under autocast linear_token_logprobs runs the head in the autocast dtype, as F.linear would
+    return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=temperature / head.logit_scale,
+                                    return_entropy=return_entropy, impl=impl)

@@ -41,12 +41,11 @@ the logits in fp32, so the two differ at bf16 precision, grpo_kernels being the 
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 
-from .transformers import autocast_inputs, cast_to, logit_scale_of
+from .transformers import cast_to, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction"]
 
@@ -80,7 +79,7 @@ def is_supported_trl_version(version: str) -> bool:
     return any(tuple(release[:2]) == tuple(int(x) for x in s.split(".")) for s in SUPPORTED_TRL_VERSIONS)
 
 
-def _fallback(reason: str, option: str) -> None:
+def _fallback(option: str, reason: str) -> None:
     """Strict mode: raise naming the option. Otherwise warn once per reason that TRL's own kernel is used."""
     if _STATE["strict"]:
         raise ValueError(f"grpo_kernels.patch_trl(strict=True): {option} is not supported by the fused linear "
@@ -89,18 +88,6 @@ def _fallback(reason: str, option: str) -> None:
         _STATE["warned"].add(reason)
         warnings.warn(f"grpo_kernels: {option}: {reason}; using TRL's own ChunkedLogProbFunction for these calls",
                       UserWarning, stacklevel=3)
-
-
-def _zero3_enabled() -> bool:
-    try:
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    except ImportError:  # pragma: no cover
-        return False
-    return bool(is_deepspeed_zero3_enabled())
-
-
-def _valid_scale(scale) -> bool:
-    return not isinstance(scale, bool) and isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
 
 
 class TRLLogProbFunction:
@@ -125,39 +112,24 @@ class TRLLogProbFunction:
         if not set(outputs) <= _ROUTED_OUTPUTS or hidden.shape[0] == 0 or \
                 (hidden.dtype == torch.float64 and hidden.device.type != "cpu"):
             return original.apply(*args)
-        reason = _unsupported(final_logit_softcapping, logit_scale)
-        if reason is not None:
-            _fallback(*reason)
+        blocker = fused_head_blocker(final_logit_softcapping, logit_scale)
+        if blocker is not None:
+            _fallback(*blocker)
             return original.apply(*args)
 
         import grpo_kernels as gk  # at call time: grpo_kernels/__init__.py may import this package
 
         want_entropy = "entropy" in outputs
-        # Why autocast_inputs: TRL multiplies in the autocast dtype when autocast is on, else in hidden's dtype
-        # (fp32 under cast_lm_head_to_fp32, where TRL has already upcast hidden and disabled autocast).
-        hidden, weight, bias, ctx = autocast_inputs(hidden, weight, bias)
-        # Outside autocast TRL multiplies in hidden's dtype, casting the head to it.
+        # TRL multiplies in hidden's dtype outside autocast (fp32 under cast_lm_head_to_fp32, where TRL has already
+        # upcast hidden and disabled autocast), casting the head to it; under autocast linear_token_logprobs runs
+        # the head in the autocast dtype, as TRL's cuBLAS tiles do.
         hidden, weight, bias = cast_to(hidden.dtype, hidden, weight, bias)
-        with ctx:
-            # logits * logit_scale / temperature == logits / (temperature / logit_scale) for any scale > 0.
-            out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias,
-                                           temperature=float(temperature) / float(logit_scale),
-                                           return_entropy=want_entropy)
+        # logits * logit_scale / temperature == logits / (temperature / logit_scale) for any scale > 0.
+        out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias,
+                                       temperature=float(temperature) / float(logit_scale),
+                                       return_entropy=want_entropy)
         logp, entropy = out if want_entropy else (out, None)
         return logp, entropy, None, None, None
-
-
-def _unsupported(softcap, logit_scale):
-    """(reason, option) when the fused path cannot serve a call or model, else None."""
-    if softcap is not None:
-        return ("the soft-cap cap*tanh(logits/cap) is nonlinear and cannot be folded into the linear head",
-                f"final_logit_softcapping={softcap}")
-    if not _valid_scale(logit_scale):
-        return ("only a finite logit scale > 0 folds into the temperature", f"logit_scale={logit_scale!r}")
-    if _zero3_enabled():
-        return ("TRL regathers the partitioned lm_head inside its backward and grpo_kernels' autograd does not",
-                "DeepSpeed ZeRO-3")
-    return None
 
 
 def _checked_add_fused_lm_head(model, *args, **kwargs):
@@ -167,9 +139,9 @@ def _checked_add_fused_lm_head(model, *args, **kwargs):
     """
     original = _ORIGINALS[("trl.trainer.grpo_trainer", "add_fused_lm_head")]
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    reason = _unsupported(getattr(config, "final_logit_softcapping", None), logit_scale_of(config))
-    if reason is not None:
-        _fallback(*reason)
+    blocker = fused_head_blocker(getattr(config, "final_logit_softcapping", None), logit_scale_of(config))
+    if blocker is not None:
+        _fallback(*blocker)
     return original(model, *args, **kwargs)
 
 

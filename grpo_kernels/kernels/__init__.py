@@ -1,5 +1,12 @@
-"""Triton kernels and their launchers. Nothing here imports Triton at import time: each kernel module creates or
-imports its @triton.jit functions on first use, so TRITON_INTERPRET set before the first launch takes effect.
+"""Triton kernels, one module per op holding its @triton.jit kernels and their launchers (docs/DESIGN.md section 5):
 
-Modules that launch kernels on a GPU expose ``aot_configs(arch)`` for ``grpo_kernels.kernels.aot`` (tests/test_aot.py).
+- ``logits_kernels``: log-prob / logsumexp / entropy vocab sweep over given logits and its d-logits backward;
+- ``token_loss_kernels``: the per-token GRPO terms (ratio, clipping, KL, loss, its gradient, metrics);
+- ``linear_forward_kernels`` / ``linear_backward_kernels``: the fused linear head (shared helpers and the tile
+  table in ``linear_tiles``).
+
+Kernels live at module level and these modules are imported lazily, by the autograd layer on the first launch, so
+TRITON_INTERPRET set any time before then takes effect. Every launch goes through ``launch.launch``; every module
+lists representative launches in ``aot_launches()``, from which ``tools/aot.py`` derives the signatures it
+compiles ahead of time (no hand-written signatures).
 """

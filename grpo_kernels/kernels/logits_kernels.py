@@ -8,100 +8,90 @@ Lengths and the temperature are runtime arguments, so a new T, V or temperature 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .._checks import alloc
-from .._triton import import_triton, interpreting
+from .._triton import import_triton
+from .launch import launch
 
 MAX_BLOCK_V = 4096
 
 
-@functools.lru_cache(maxsize=None)
-def kernels(interpret: bool | None = None):
-    """The @triton.jit kernels, created on first use so TRITON_INTERPRET is read then (DESIGN.md section 4)."""
-    triton, tl = import_triton()
+triton, tl = import_triton()
 
-    # Why do_not_specialize: Triton would otherwise compile a variant per T % 16 / V % 16 and for T == 1.
-    @triton.jit(do_not_specialize=["T", "V"])
-    def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entropy_ptr,
-                            T, V, stride_b, stride_t, inv_temperature,
-                            HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
-        # Why one row per program: a token's statistics need the whole vocab row; rows are independent.
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
-        # Why the row mask: padded tokens (often a third of a GRPO batch) skip the sweep and read nothing;
-        # their outputs are 0, which the loss masks out.
-        n_cols = V
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + row) != 0
-            n_cols = tl.where(keep, V, 0)
-        else:
-            keep = row >= 0
-        cols = tl.arange(0, BLOCK_V)
-        m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
-        s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-        a = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-        # Why a block-wise online logsumexp: one exp per element (the SFU, not memory, would bound a per-lane
-        # online update), and `a` = sum exp(z - m) * z gives the entropy without a second sweep.
-        for start in range(0, n_cols, BLOCK_V):
-            v = start + cols
-            z = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            # Why the guard: a block (or row) of -inf logits must give probability 0, not exp(-inf + inf) = NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            e = tl.exp(z - m_safe)
-            s = s * alpha + tl.sum(e, axis=0)
-            a = a * alpha + tl.sum(e * tl.where(e > 0.0, z, 0.0), axis=0)
-            m = m_new
-        lse = m + tl.log(s)
-        # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
-        target = tl.load(ids_ptr + row).to(tl.int64)
-        z_target = tl.load(base + target).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, tl.where(keep, z_target - lse, 0.0))
-        tl.store(lse_ptr + row, tl.where(keep, lse, 0.0))
-        tl.store(entropy_ptr + row, tl.where(keep, lse - a / s, 0.0))
 
-    @triton.jit(do_not_specialize=["T", "V"])
-    def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-                            dlogits_ptr, T, V, stride_b, stride_t, out_stride_b, out_stride_t, inv_temperature,
-                            HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-        # Why recompute p from the saved logsumexp: storing softmax would be a second B x T x V tensor.
-        row = tl.program_id(0).to(tl.int64)
-        b = row // T
-        t = row % T
-        base = logits_ptr + b * stride_b + t * stride_t
-        out = dlogits_ptr + b * out_stride_b + t * out_stride_t
-        g = tl.load(grad_logp_ptr + row)
-        lse = tl.load(lse_ptr + row)
-        target = tl.load(ids_ptr + row).to(tl.int64)
-        active = g != 0.0
+@triton.jit(do_not_specialize=["T", "V"])
+def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entropy_ptr,
+                        T, V, stride_b, stride_t, inv_temperature,
+                        HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Why one row per program: a token's statistics need the whole vocab row; rows are independent.
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+    # Why the row mask: padded tokens (often a third of a GRPO batch) skip the sweep and read nothing;
+    # their outputs are 0, which the loss masks out.
+    n_cols = V
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + row) != 0
+        n_cols = tl.where(keep, V, 0)
+    else:
+        keep = row >= 0
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    a = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    # Why a block-wise online logsumexp: one exp per element (the SFU, not memory, would bound a per-lane
+    # online update), and `a` = sum exp(z - m) * z gives the entropy without a second sweep.
+    for start in range(0, n_cols, BLOCK_V):
+        v = start + cols
+        z = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        # Why the guard: a block (or row) of -inf logits must give probability 0, not exp(-inf + inf) = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        e = tl.exp(z - m_safe)
+        s = s * alpha + tl.sum(e, axis=0)
+        a = a * alpha + tl.sum(e * tl.where(e > 0.0, z, 0.0), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
+    target = tl.load(ids_ptr + row).to(tl.int64)
+    z_target = tl.load(base + target).to(tl.float32) * inv_temperature
+    tl.store(logp_ptr + row, tl.where(keep, z_target - lse, 0.0))
+    tl.store(lse_ptr + row, tl.where(keep, lse, 0.0))
+    tl.store(entropy_ptr + row, tl.where(keep, lse - a / s, 0.0))
+
+@triton.jit(do_not_specialize=["T", "V"])
+def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+                        dlogits_ptr, T, V, stride_b, stride_t, out_stride_b, out_stride_t, inv_temperature,
+                        HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Why recompute p from the saved logsumexp: storing softmax would be a second B x T x V tensor.
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    base = logits_ptr + b * stride_b + t * stride_t
+    out = dlogits_ptr + b * out_stride_b + t * out_stride_t
+    g = tl.load(grad_logp_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    target = tl.load(ids_ptr + row).to(tl.int64)
+    active = g != 0.0
+    if HAS_ENTROPY_GRAD:
+        g_h = tl.load(grad_entropy_ptr + row)
+        h = tl.load(entropy_ptr + row)
+        active = active | (g_h != 0.0)
+    # Why predicate the loads on `active`: a token without gradient (padding) writes zeros and reads nothing.
+    v_read = tl.where(active, V, 0)
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        v = start + cols
+        z = tl.load(base + v, mask=v < v_read, other=float("-inf")).to(tl.float32) * inv_temperature
+        p = tl.exp(z - lse)
+        # d logp / dz = onehot - p
+        dz = tl.where(v == target, g, 0.0) - g * p
         if HAS_ENTROPY_GRAD:
-            g_h = tl.load(grad_entropy_ptr + row)
-            h = tl.load(entropy_ptr + row)
-            active = active | (g_h != 0.0)
-        # Why predicate the loads on `active`: a token without gradient (padding) writes zeros and reads nothing.
-        v_read = tl.where(active, V, 0)
-        cols = tl.arange(0, BLOCK_V)
-        for start in range(0, V, BLOCK_V):
-            v = start + cols
-            z = tl.load(base + v, mask=v < v_read, other=float("-inf")).to(tl.float32) * inv_temperature
-            p = tl.exp(z - lse)
-            # d logp / dz = onehot - p
-            dz = tl.where(v == target, g, 0.0) - g * p
-            if HAS_ENTROPY_GRAD:
-                # dH/dz_v = -p_v (log p_v + H); the guard keeps p = 0 entries (z = -inf) at 0, not NaN.
-                dz -= g_h * p * tl.where(p > 0.0, z - lse + h, 0.0)
-            # Why store in the logits dtype: in-place mode writes back into the logits buffer.
-            tl.store(out + v, (dz * inv_temperature).to(dlogits_ptr.dtype.element_ty), mask=v < V)
-
-    return logits_logprobs_fwd, logits_logprobs_bwd
-
-
-def _get_kernels():
-    return kernels(interpreting())
+            # dH/dz_v = -p_v (log p_v + H); the guard keeps p = 0 entries (z = -inf) at 0, not NaN.
+            dz -= g_h * p * tl.where(p > 0.0, z - lse + h, 0.0)
+        # Why store in the logits dtype: in-place mode writes back into the logits buffer.
+        tl.store(out + v, (dz * inv_temperature).to(dlogits_ptr.dtype.element_ty), mask=v < V)
 
 
 def _as_btv(logits: torch.Tensor) -> torch.Tensor:
@@ -126,7 +116,6 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
     lse is the logsumexp of ``z = logits / temperature``; the caller has validated ids and shapes. Rows where
     ``row_mask`` (shaped like ids) is 0 are skipped and get 0 in all three outputs.
     """
-    fwd, _ = _get_kernels()
     x = _as_btv(logits)
     B, T, V = x.shape
     N = B * T
@@ -135,8 +124,9 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
     if N:
         bv = _block_v(V, block_v)
         mask = None if row_mask is None else (row_mask.reshape(N) != 0).to(torch.int8)
-        fwd[(N,)](x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy, T, V, x.stride(0),
-                  x.stride(1), 1.0 / temperature, HAS_MASK=mask is not None, BLOCK_V=bv, num_warps=_num_warps(bv))
+        launch(logits_logprobs_fwd, (N,), x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy,
+               T, V, x.stride(0), x.stride(1), 1.0 / temperature, HAS_MASK=mask is not None, BLOCK_V=bv,
+               num_warps=_num_warps(bv))
     return logp, lse, entropy
 
 
@@ -146,7 +136,6 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
 
     Returns a tensor shaped like ``logits`` in its dtype: a new buffer, or ``logits`` itself when ``inplace``.
     """
-    _, bwd = _get_kernels()
     x = _as_btv(logits)
     B, T, V = x.shape
     N = B * T
@@ -157,36 +146,34 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
     if N:
         bv = _block_v(V, block_v)
         has_h = grad_entropy is not None
-        bwd[(N,)](x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
-                  grad_entropy.contiguous() if has_h else grad_logp, out,
-                  T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
-                  HAS_ENTROPY_GRAD=has_h, BLOCK_V=bv, num_warps=_num_warps(bv))
+        launch(logits_logprobs_bwd, (N,), x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
+               grad_entropy.contiguous() if has_h else grad_logp, out,
+               T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
+               HAS_ENTROPY_GRAD=has_h, BLOCK_V=bv, num_warps=_num_warps(bv))
     return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
 
 
-_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+def aot_launches():
+    """(name, thunk) scenarios for ``tools/aot.py``: each calls the launchers above on small CPU tensors of the
+    GPU shape class (V = 151936, a multiple of 16 like real vocabularies) so that the recorded launches carry
+    the argument types and constexprs of a real launch."""
+    scenarios = []
+    for dtype, ty in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        def inputs(dtype=dtype):
+            logits = torch.zeros(2, 3, 151936, dtype=dtype)
+            return logits, torch.zeros(2, 3, dtype=torch.long), torch.zeros(6), torch.zeros(6)
 
+        def forward(masked, inputs=inputs):
+            logits, ids, _, _ = inputs()
+            logits_logprobs_forward(logits, ids, 1.0, row_mask=torch.ones(2, 3, dtype=torch.bool) if masked else None)
 
-def aot_configs():
-    """(name, kernel, signature, constexprs) for every config launched on GPU, for the ahead-of-time test."""
-    fwd, bwd = kernels(False)
-    configs = []
-    for dtype, ty in _TRITON_DTYPES.items():
-        for has_mask in (False, True):
-            configs.append((f"logits_fwd_{ty}{'_masked' if has_mask else ''}", fwd,
-                            {"logits_ptr": f"*{ty}", "ids_ptr": "*i64", "mask_ptr": "*i8", "logp_ptr": "*fp32",
-                             "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "T": "i32", "V": "i32", "stride_b": "i64",
-                             "stride_t": "i64", "inv_temperature": "fp32", "HAS_MASK": "constexpr",
-                             "BLOCK_V": "constexpr"},
-                            {"HAS_MASK": has_mask, "BLOCK_V": MAX_BLOCK_V,
-                             "num_warps": _num_warps(MAX_BLOCK_V)}))
-        for has_h in (False, True):
-            configs.append((f"logits_bwd_{ty}_{'entropy' if has_h else 'logp'}", bwd,
-                            {"logits_ptr": f"*{ty}", "ids_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32",
-                             "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32", "dlogits_ptr": f"*{ty}",
-                             "T": "i32", "V": "i32", "stride_b": "i64", "stride_t": "i64", "out_stride_b": "i64",
-                             "out_stride_t": "i64", "inv_temperature": "fp32", "HAS_ENTROPY_GRAD": "constexpr",
-                             "BLOCK_V": "constexpr"},
-                            {"HAS_ENTROPY_GRAD": has_h, "BLOCK_V": MAX_BLOCK_V,
-                             "num_warps": _num_warps(MAX_BLOCK_V)}))
-    return configs
+        def backward(entropy_grad, inputs=inputs):
+            logits, ids, lse, grad = inputs()
+            logits_logprobs_backward(logits, ids, lse, lse, grad, grad if entropy_grad else None, 1.0)
+
+        for masked in (False, True):
+            scenarios.append((f"logits_fwd_{ty}{'_masked' if masked else ''}", lambda f=forward, m=masked: f(m)))
+        for entropy_grad in (False, True):
+            scenarios.append((f"logits_bwd_{ty}_{'entropy' if entropy_grad else 'logp'}",
+                              lambda f=backward, e=entropy_grad: f(e)))
+    return scenarios

@@ -8,12 +8,11 @@ up in a fixed order (deterministic, no atomics).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .._checks import alloc
-from .._triton import import_triton, interpreting
+from .._triton import import_triton
+from .launch import launch
 
 BLOCK = 1024
 N_SUMS = 6  # sum w*l, sum m*kl, sum m*low, sum m*high, sum m*region, sum m*cispo_clipped
@@ -24,100 +23,97 @@ from ..loss_types import POLICY_TERMS
 KIND_CLIPPED, KIND_CISPO, KIND_SAPO = (POLICY_TERMS.index(p) for p in ("clipped", "cispo", "sapo"))
 
 
-@functools.lru_cache(maxsize=None)
-def kernels(interpret: bool | None = None):
-    triton, tl = import_triton()
+triton, tl = import_triton()
 
-    # Why do_not_specialize: a new batch shape must not compile a new variant (T == 1, T % 16).
-    @triton.jit(do_not_specialize=["N", "T", "adv_stride_b", "adv_stride_t", "is_stride_b", "is_stride_t"])
-    def token_loss_fwd(logp_ptr, old_ptr, ref_ptr, adv_ptr, is_ptr, mask_ptr, w_ptr, grad_ptr, partial_ptr,
-                       N, T, adv_stride_b, adv_stride_t, is_stride_b, is_stride_t,
-                       eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg,
-                       KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS: tl.constexpr,
-                       HAS_DELTA: tl.constexpr, USE_BETA: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-                       BLOCK: tl.constexpr):
-        # Why a 1-D block of tokens per program: every term is elementwise given the precomputed weights.
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < N
-        b = offs // T
-        t = offs % T
-        logp = tl.load(logp_ptr + offs, mask=valid, other=0.0)
-        m = tl.load(mask_ptr + offs, mask=valid, other=0.0)
-        w = tl.load(w_ptr + offs, mask=valid, other=0.0)
-        adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t, mask=valid, other=0.0)
-        if HAS_OLD:
-            log_ratio = logp - tl.load(old_ptr + offs, mask=valid, other=0.0)
+
+# Why do_not_specialize: a new batch shape must not compile a new variant (T == 1, T % 16).
+@triton.jit(do_not_specialize=["N", "T", "adv_stride_b", "adv_stride_t", "is_stride_b", "is_stride_t"])
+def token_loss_fwd(logp_ptr, old_ptr, ref_ptr, adv_ptr, is_ptr, mask_ptr, w_ptr, grad_ptr, partial_ptr,
+                   N, T, adv_stride_b, adv_stride_t, is_stride_b, is_stride_t,
+                   eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg,
+                   KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS: tl.constexpr,
+                   HAS_DELTA: tl.constexpr, USE_BETA: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    # Why a 1-D block of tokens per program: every term is elementwise given the precomputed weights.
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < N
+    b = offs // T
+    t = offs % T
+    logp = tl.load(logp_ptr + offs, mask=valid, other=0.0)
+    m = tl.load(mask_ptr + offs, mask=valid, other=0.0)
+    w = tl.load(w_ptr + offs, mask=valid, other=0.0)
+    adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t, mask=valid, other=0.0)
+    if HAS_OLD:
+        log_ratio = logp - tl.load(old_ptr + offs, mask=valid, other=0.0)
+    else:
+        log_ratio = logp * 0.0  # on-policy: ratio 1, d ratio / d logp = 1
+    rho = tl.exp(log_ratio)
+
+    # Policy term and d term / d rho, with torch's conventions: clamp passes gradient on its closed
+    # interval, min splits it evenly between tied operands.
+    if KIND == 0:
+        lo = 1.0 - eps_low
+        hi = 1.0 + eps_high
+        coef2 = tl.minimum(tl.maximum(rho, lo), hi)
+        dcoef2 = tl.where((rho >= lo) & (rho <= hi), 1.0, 0.0)
+        if HAS_DELTA:
+            rho1 = tl.minimum(rho, delta)
+            drho1 = tl.where(rho <= delta, 1.0, 0.0)
         else:
-            log_ratio = logp * 0.0  # on-policy: ratio 1, d ratio / d logp = 1
-        rho = tl.exp(log_ratio)
-
-        # Policy term and d term / d rho, with torch's conventions: clamp passes gradient on its closed
-        # interval, min splits it evenly between tied operands.
-        if KIND == 0:
-            lo = 1.0 - eps_low
-            hi = 1.0 + eps_high
-            coef2 = tl.minimum(tl.maximum(rho, lo), hi)
-            dcoef2 = tl.where((rho >= lo) & (rho <= hi), 1.0, 0.0)
-            if HAS_DELTA:
-                rho1 = tl.minimum(rho, delta)
-                drho1 = tl.where(rho <= delta, 1.0, 0.0)
-            else:
-                rho1 = rho
-                drho1 = rho * 0.0 + 1.0
-            a = rho1 * adv
-            c = coef2 * adv
-            policy = -tl.minimum(a, c)
-            d_rho = -adv * tl.where(a < c, drho1, tl.where(a > c, dcoef2, 0.5 * (drho1 + dcoef2)))
-            d_policy = d_rho * rho
-        elif KIND == 1:
-            # cispo: -stopgrad(min(rho, eps_high)) * A * logp
             rho1 = rho
-            clamped = tl.minimum(rho, eps_high)
-            policy = -clamped * adv * logp
-            d_policy = -clamped * adv
-        else:
-            # sapo: -sigmoid(t (rho - 1)) * 4 / t * A
-            rho1 = rho
-            temp = tl.where(adv > 0, sapo_t_pos, sapo_t_neg)
-            gate = tl.sigmoid(temp * (rho - 1.0))
-            policy = -gate * 4.0 / temp * adv
-            d_policy = -4.0 * adv * gate * (1.0 - gate) * rho
-        if HAS_IS:
-            isr = tl.load(is_ptr + b * is_stride_b + t * is_stride_t, mask=valid, other=0.0)
-            policy = policy * isr
-            d_policy = d_policy * isr
+            drho1 = rho * 0.0 + 1.0
+        a = rho1 * adv
+        c = coef2 * adv
+        policy = -tl.minimum(a, c)
+        d_rho = -adv * tl.where(a < c, drho1, tl.where(a > c, dcoef2, 0.5 * (drho1 + dcoef2)))
+        d_policy = d_rho * rho
+    elif KIND == 1:
+        # cispo: -stopgrad(min(rho, eps_high)) * A * logp
+        rho1 = rho
+        clamped = tl.minimum(rho, eps_high)
+        policy = -clamped * adv * logp
+        d_policy = -clamped * adv
+    else:
+        # sapo: -sigmoid(t (rho - 1)) * 4 / t * A
+        rho1 = rho
+        temp = tl.where(adv > 0, sapo_t_pos, sapo_t_neg)
+        gate = tl.sigmoid(temp * (rho - 1.0))
+        policy = -gate * 4.0 / temp * adv
+        d_policy = -4.0 * adv * gate * (1.0 - gate) * rho
+    if HAS_IS:
+        isr = tl.load(is_ptr + b * is_stride_b + t * is_stride_t, mask=valid, other=0.0)
+        policy = policy * isr
+        d_policy = d_policy * isr
 
-        # k3 KL to the reference: exp(ref - logp) - (ref - logp) - 1, optionally times the ratio.
-        kl = logp * 0.0
-        if HAS_REF:
-            diff = tl.load(ref_ptr + offs, mask=valid, other=0.0) - logp
-            kl = tl.exp(diff) - diff - 1.0
-            d_kl = 1.0 - tl.exp(diff)
-            if BIAS_CORRECTION:
-                d_kl = d_kl * rho + kl * rho
-                kl = kl * rho
-            if USE_BETA:
-                policy = policy + beta * kl
-                d_policy = d_policy + beta * d_kl
-        # Why `keep`: padded tokens may hold anything (exp overflow to inf); 0 * inf must not leak a NaN.
-        keep = valid & (m != 0.0)
-        tl.store(grad_ptr + offs, tl.where(keep, w * d_policy, 0.0), mask=valid)
+    # k3 KL to the reference: exp(ref - logp) - (ref - logp) - 1, optionally times the ratio.
+    kl = logp * 0.0
+    if HAS_REF:
+        diff = tl.load(ref_ptr + offs, mask=valid, other=0.0) - logp
+        kl = tl.exp(diff) - diff - 1.0
+        d_kl = 1.0 - tl.exp(diff)
+        if BIAS_CORRECTION:
+            d_kl = d_kl * rho + kl * rho
+            kl = kl * rho
+        if USE_BETA:
+            policy = policy + beta * kl
+            d_policy = d_policy + beta * d_kl
+    # Why `keep`: padded tokens may hold anything (exp overflow to inf); 0 * inf must not leak a NaN.
+    keep = valid & (m != 0.0)
+    tl.store(grad_ptr + offs, tl.where(keep, w * d_policy, 0.0), mask=valid)
 
-        # Per-block partial sums for the loss and the metrics; the caller sums blocks in order.
-        low = tl.where((rho1 < 1.0 - eps_low) & (adv < 0), 1.0, 0.0)
-        high = tl.where((rho1 > 1.0 + eps_high) & (adv > 0), 1.0, 0.0)
-        region = tl.maximum(low, high)
-        cispo_clipped = tl.where((rho > eps_high) & (adv > 0), 1.0, 0.0)
-        base = partial_ptr + pid * 6
-        tl.store(base + 0, tl.sum(tl.where(keep, w * policy, 0.0), axis=0))
-        tl.store(base + 1, tl.sum(tl.where(keep, m * kl, 0.0), axis=0))
-        tl.store(base + 2, tl.sum(tl.where(keep, m * low, 0.0), axis=0))
-        tl.store(base + 3, tl.sum(tl.where(keep, m * high, 0.0), axis=0))
-        tl.store(base + 4, tl.sum(tl.where(keep, m * region, 0.0), axis=0))
-        tl.store(base + 5, tl.sum(tl.where(keep, m * cispo_clipped, 0.0), axis=0))
-
-    return token_loss_fwd
+    # Per-block partial sums for the loss and the metrics; the caller sums blocks in order.
+    low = tl.where((rho1 < 1.0 - eps_low) & (adv < 0), 1.0, 0.0)
+    high = tl.where((rho1 > 1.0 + eps_high) & (adv > 0), 1.0, 0.0)
+    region = tl.maximum(low, high)
+    cispo_clipped = tl.where((rho > eps_high) & (adv > 0), 1.0, 0.0)
+    base = partial_ptr + pid * 6
+    tl.store(base + 0, tl.sum(tl.where(keep, w * policy, 0.0), axis=0))
+    tl.store(base + 1, tl.sum(tl.where(keep, m * kl, 0.0), axis=0))
+    tl.store(base + 2, tl.sum(tl.where(keep, m * low, 0.0), axis=0))
+    tl.store(base + 3, tl.sum(tl.where(keep, m * high, 0.0), axis=0))
+    tl.store(base + 4, tl.sum(tl.where(keep, m * region, 0.0), axis=0))
+    tl.store(base + 5, tl.sum(tl.where(keep, m * cispo_clipped, 0.0), axis=0))
 
 
 def _row_col_strides(x: torch.Tensor | None, B: int, T: int):
@@ -132,7 +128,6 @@ def _row_col_strides(x: torch.Tensor | None, B: int, T: int):
 
 def token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg, kind: int):
     """Per-token terms for (B, T) fp32 inputs. Returns (grad (B, T) = w * dl/dlogp, sums (N_SUMS,) fp64 in block order)."""
-    fwd = kernels(interpreting())
     B, T = logps.shape
     N = B * T
     adv, adv_sb, adv_st = _row_col_strides(advantages, B, T)
@@ -143,14 +138,14 @@ def token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f
     old = None if old_logps is None else old_logps.float().contiguous()
     ref = None if ref_logps is None else ref_logps.float().contiguous()
     logp = logps.float().contiguous()
-    fwd[(n_blocks,)](logp, old if old is not None else logp, ref if ref is not None else logp, adv,
-                     isr if isr is not None else logp, mask_f, weights, grad, partial,
-                     N, T, adv_sb, adv_st, is_sb, is_st,
-                     float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0), float(cfg.beta),
-                     float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
-                     KIND=kind, HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_IS=isr is not None,
-                     HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
-                     BIAS_CORRECTION=cfg.use_bias_correction_kl, BLOCK=BLOCK, num_warps=4)
+    launch(token_loss_fwd, (n_blocks,), logp, old if old is not None else logp, ref if ref is not None else logp,
+           adv, isr if isr is not None else logp, mask_f, weights, grad, partial,
+           N, T, adv_sb, adv_st, is_sb, is_st,
+           float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0), float(cfg.beta),
+           float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
+           KIND=kind, HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_IS=isr is not None,
+           HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
+           BIAS_CORRECTION=cfg.use_bias_correction_kl, BLOCK=BLOCK, num_warps=4)
     return grad, partial.double().sum(0)
 
 
@@ -158,19 +153,19 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def aot_configs():
-    fwd = kernels(False)
-    sig = {"logp_ptr": "*fp32", "old_ptr": "*fp32", "ref_ptr": "*fp32", "adv_ptr": "*fp32", "is_ptr": "*fp32",
-           "mask_ptr": "*fp32", "w_ptr": "*fp32", "grad_ptr": "*fp32", "partial_ptr": "*fp32", "N": "i32",
-           "T": "i32", "adv_stride_b": "i32", "adv_stride_t": "i32", "is_stride_b": "i32", "is_stride_t": "i32",
-           "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32", "beta": "fp32", "sapo_t_pos": "fp32",
-           "sapo_t_neg": "fp32"}
-    flags = ("KIND", "HAS_OLD", "HAS_REF", "HAS_IS", "HAS_DELTA", "USE_BETA", "BIAS_CORRECTION", "BLOCK")
-    sig.update({f: "constexpr" for f in flags})
-    configs = []
-    for kind, name in ((KIND_CLIPPED, "clipped"), (KIND_CISPO, "cispo"), (KIND_SAPO, "sapo")):
-        for full in (False, True):
-            consts = {"KIND": kind, "HAS_OLD": full, "HAS_REF": full, "HAS_IS": full, "HAS_DELTA": full,
-                      "USE_BETA": full, "BIAS_CORRECTION": full, "BLOCK": BLOCK}
-            configs.append((f"token_loss_{name}_{'all_options' if full else 'plain'}", fwd, dict(sig), consts))
-    return configs
+def aot_launches():
+    """(name, thunk) scenarios for ``tools/aot.py``: the launcher above on small CPU tensors, once per policy
+    kind without and with every optional input."""
+    from ..config import GRPOLossConfig
+
+    def scenario(kind, full):
+        def thunk():
+            x = torch.zeros(4, 8)
+            cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None)
+            token_loss_forward(x, x if full else None, x if full else None, torch.zeros(4), x if full else None,
+                               x, x, cfg, kind)
+        return thunk
+
+    return [(f"token_loss_{name}_{'all_options' if full else 'plain'}", scenario(kind, full))
+            for kind, name in ((KIND_CLIPPED, "clipped"), (KIND_CISPO, "cispo"), (KIND_SAPO, "sapo"))
+            for full in (False, True)]

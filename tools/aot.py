@@ -7,16 +7,22 @@ from ``ptxas -v`` ("bytes spill stores/loads"), captured while Triton assembles 
 same ptxas on the PTX when the kernel came from Triton's cache). Shared memory is Triton's dynamic allocation
 (``metadata.shared``) plus the cubin's static part.
 
-Conventions for a config (the ``aot_configs(arch)`` functions of the kernel modules):
-``(name, kernel, signature, constexprs)``. ``signature`` maps argument names to Triton types (``"*bf16"``, ``"i32"``,
-``"fp32"``); a ``":16"`` suffix marks a value the JIT would specialize as divisible by 16. Pointers are always
-taken as 16-byte aligned, like the JIT does for torch allocations. Constexpr arguments may be left out of
-``signature``. ``constexprs`` maps constexpr argument names to values and may also carry the launch options
+Where the configs come from: every kernel module of ``grpo_kernels.kernels`` has ``aot_launches()``, a list of
+``(name, thunk)`` scenarios that call the module's real launchers on small CPU tensors of the GPU shape class.
+``module_configs`` runs each thunk under ``grpo_kernels.kernels.launch.recording(arch)``: nothing runs, every
+``launch(kernel, grid, *args, **kwargs)`` is recorded, and ``signature_of`` derives the signature from the actual
+arguments with Triton's own specialization rule (the JIT's ``specialize_impl``: pointer dtypes, i32/i64, ints
+divisible by 16 or equal to 1, 16-byte aligned pointers, ``do_not_specialize``). So no signature is written by
+hand, and a changed kernel argument list cannot drift from what is compiled here.
+
+A config is ``(name, kernel, signature, constexprs)``: ``signature`` maps argument names to Triton types
+(``"*bf16"``, ``"i32"``, ``"fp32"``), a ``":16"`` suffix marking a value specialized as divisible by 16 (or a
+16-byte aligned pointer); ``constexprs`` maps constexpr arguments to values and carries the launch options
 ``num_warps``, ``num_stages``, ``num_ctas``, ``maxnreg`` (names Triton reserves, so they never clash).
 
 Kernels created while ``TRITON_INTERPRET=1`` are interpreter objects, not JITFunctions, and their helper calls
 resolve to interpreter objects too; ``report_module`` therefore compiles in a child process with
-``TRITON_INTERPRET=0`` (``python -m grpo_kernels.kernels.aot --module MOD --arch 90``), which works from any
+``TRITON_INTERPRET=0`` (``python -m tools.aot --module MOD --arch 90``), which works from any
 process, the interpreted test session included. ``compile_config`` compiles in-process.
 """
 from __future__ import annotations
@@ -115,7 +121,7 @@ def compile_config(fn, signature: dict, constexprs: dict, arch: int = 90):
             raise KeyError(f"{jit_fn.__name__}: argument {arg!r} is in neither signature nor constexprs")
         ty, _, hint = signature[arg].partition(":")
         sig[arg] = ty
-        if hint == "16" or ty.startswith("*"):
+        if hint == "16":
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(jit_fn, sig, constexprs, attrs)
     log = io.StringIO()
@@ -193,10 +199,52 @@ def report(name: str, fn, signature: dict, constexprs: dict, arch: int = 90) -> 
 _REPORT_FILE = "grpo_aot_report.json"
 
 
+def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) of one launch ``kernel[grid](*args, **kwargs)``, as the JIT would specialize it."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    jit_fn = _as_jit(kernel)
+    options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+    bound = inspect.signature(jit_fn.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in options})
+    bound.apply_defaults()
+    signature, constexprs = {}, dict(options)
+    for param in jit_fn.params:
+        value = bound.arguments[param.name]
+        if param.is_constexpr:
+            constexprs[param.name] = value
+            continue
+        ty, key = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                         not param.do_not_specialize_on_alignment)
+        if ty == "constexpr":  # an int equal to 1 (or None): the JIT compiles it in as a constant
+            constexprs[param.name] = key
+        else:
+            signature[param.name] = ty + (":16" if key == "D" else "")
+    return signature, constexprs
+
+
 def module_configs(module: str, arch: int):
-    """``module.aot_configs(arch)`` (or ``aot_configs()`` when it takes no argument)."""
-    fn = importlib.import_module(module).aot_configs
-    return fn(arch) if inspect.signature(fn).parameters else fn()
+    """Every distinct kernel config ``module.aot_launches()`` launches for ``sm_<arch>`` (see the module docstring).
+
+    A scenario that launches one kernel names its config; one that launches several (a forward and its merge)
+    names them ``scenario/kernel``. Identical configs reached from several scenarios are listed once."""
+    from grpo_kernels.kernels.launch import recording
+
+    configs, seen = [], set()
+    for name, thunk in importlib.import_module(module).aot_launches():
+        with recording(arch) as records:
+            thunk()
+        if not records:
+            raise RuntimeError(f"{module}: AOT scenario {name!r} launched no kernel")
+        for rec in records:
+            sig, consts = signature_of(rec.kernel, rec.args, rec.kwargs)
+            key = (_as_jit(rec.kernel).fn, tuple(sorted(sig.items())), repr(sorted(consts.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            label = name if len(records) == 1 else f"{name}/{_as_jit(rec.kernel).__name__}"
+            configs.append((label, rec.kernel, sig, consts))
+    return configs
 
 
 def _report_job(job) -> KernelReport:
@@ -213,17 +261,17 @@ def _report_job(job) -> KernelReport:
 
 def report_module(modules, archs=(90, 80), jobs: int | None = None, only: str = "",
                   timeout: float = 3600.0) -> list[KernelReport]:
-    """Compile every ``aot_configs`` entry of ``modules`` (a name or a list) for each arch.
+    """Compile every config of ``module_configs`` for ``modules`` (a name or a list) for each arch.
 
-    Runs ``python -m grpo_kernels.kernels.aot`` in a child process with ``TRITON_INTERPRET=0``, so it works from an
+    Runs ``python -m tools.aot`` in a child process with ``TRITON_INTERPRET=0``, so it works from an
     interpreted test session; ``jobs`` worker processes compile in parallel (default: the CPU count, at most 8).
     """
     env = dict(os.environ, TRITON_INTERPRET="0")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
     # The child must import this package even when it is not installed (tests run from a checkout).
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "grpo_kernels.kernels.aot", "--json", "--only", only]
+    cmd = [sys.executable, "-m", "tools.aot", "--json", "--only", only]
     for module in [modules] if isinstance(modules, str) else modules:
         cmd += ["--module", module]
     for arch in archs:
@@ -238,7 +286,7 @@ def report_module(modules, archs=(90, 80), jobs: int | None = None, only: str = 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--module", action="append", required=True, help="module with aot_configs(arch)")
+    parser.add_argument("--module", action="append", required=True, help="kernel module with aot_launches()")
     parser.add_argument("--arch", action="append", type=int, help="SM version, e.g. 90 or 80 (repeatable)")
     parser.add_argument("--only", default="", help="regex: compile only configs whose name matches")
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compiles")
@@ -254,7 +302,7 @@ def main(argv=None) -> int:
             import concurrent.futures
             import multiprocessing
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                args.jobs, mp_context=multiprocessing.get_context("fork")))
+                args.jobs, mp_context=multiprocessing.get_context("spawn")))
             results = pool.map(_report_job, jobs)
         else:
             results = map(_report_job, jobs)

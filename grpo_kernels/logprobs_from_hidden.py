@@ -1,7 +1,7 @@
 """``linear_token_logprobs``: per-token log-prob and entropy straight from hidden states and the lm_head weight.
 
 logits = hidden @ weight.T (+ bias) are never written to memory: the Triton launchers of
-``kernels/linear_kernels.py`` keep each logit tile on chip; the PyTorch path here (CPU default) streams tiles of
+``kernels/linear_forward_kernels.py`` / ``linear_backward_kernels.py`` keep each logit tile on chip; the PyTorch path here (CPU default) streams tiles of
 TORCH_TILE_ROWS x TORCH_TILE_VOCAB with an online logsumexp and recomputes them in the backward, so its extra
 memory is O(N + tile) on top of the gradient buffers.
 """
@@ -11,7 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _checks
-from ._triton import resolve_impl
+from .inputs import HeadInputs
 
 TORCH_TILE_ROWS = 128
 TORCH_TILE_VOCAB = 4096
@@ -106,8 +106,9 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad
 
 def _launchers(impl):
     if impl == "triton":
-        from .kernels import linear_kernels
-        return linear_kernels.linear_logprobs_forward, linear_kernels.linear_logprobs_backward
+        from .kernels.linear_backward_kernels import linear_logprobs_backward
+        from .kernels.linear_forward_kernels import linear_logprobs_forward
+        return linear_logprobs_forward, linear_logprobs_backward
     return torch_linear_logprobs_forward, torch_linear_logprobs_backward
 
 
@@ -142,66 +143,22 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None, None, None
 
 
-def check_linear_inputs(hidden, weight, ids, bias):
-    """Validate the fused-linear inputs; returns (hidden as (N, H), ids as (N,) int64)."""
-    _checks.tensor("hidden", hidden, floating=True, dims=(2, 3))
-    _checks.tensor("weight", weight, floating=True, dims=(2,))
-    _checks.tensor("ids", ids, integer=True)
-    H = hidden.shape[-1]
-    if weight.shape[1] != H:
-        raise ValueError(f"weight must have shape (V, H) = (V, {H}) to match hidden's last dim, "
-                         f"got {tuple(weight.shape)}")
-    if weight.shape[0] == 0 or H == 0:
-        raise ValueError(f"weight must have non-empty V and H, got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
-    N = hidden.numel() // H
-    if hidden.dim() == 3 and tuple(ids.shape) != tuple(hidden.shape[:2]):
-        raise ValueError(f"ids must have shape {tuple(hidden.shape[:2])} (hidden's leading dims), "
-                         f"got {tuple(ids.shape)}")
-    if ids.numel() != N:
-        raise ValueError(f"ids must have one id per hidden row: hidden has N={N} rows, ids has shape "
-                         f"{tuple(ids.shape)}")
-    if bias is not None:
-        _checks.tensor("bias", bias, floating=True, dims=(1,))
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
-    _checks.same_device(hidden=hidden, weight=weight, ids=ids, bias=bias)
-    _checks.token_ids(ids, weight.shape[0])
-    return hidden.reshape(N, H), ids.reshape(N).long().contiguous()
-
-
-def _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic, row_mask=None):
-    """Validated call: (logp, entropy, lse) shaped like ids.
+def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask=None):
+    """(logp, entropy, lse) shaped like the caller's ids, from validated inputs.
 
     row_mask (like ids, optional): only rows where it is non-zero are computed (the others get 0 and no
     gradient). The valid rows are gathered into a compact (N_valid, H) batch first, so padding costs neither
     the N x V x H matmuls nor their backward; the loss passes its mask here."""
-    temperature = _checks.temperature(temperature)
-    if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type):
-        # Like nn.Linear under autocast: run the head in the autocast dtype (gradients flow back to the fp32
-        # master weights through the casts); the kernels themselves accumulate in fp32.
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    hidden2d, ids1d = check_linear_inputs(hidden, weight, ids, bias)
-    impl = resolve_impl(impl, hidden, weight, bias)
-    if impl == "triton":
-        _checks.kernel_dtype("hidden", hidden)
-        # the kernels read rows with a unit stride on H (autograd maps gradients back through any copy)
-        hidden2d = hidden2d if hidden2d.stride(-1) == 1 else hidden2d.contiguous()
-        weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-        bias = None if bias is None else bias.contiguous()
-    shape = ids.shape
+    hidden, ids, shape = inputs.hidden, inputs.ids, inputs.shape
     rows = None
     if row_mask is not None:
         rows = row_mask.reshape(-1).nonzero().squeeze(1)  # one host sync: the compact batch's size
-        if rows.numel() == ids1d.numel():
+        if rows.numel() == ids.numel():
             rows = None
         else:
-            hidden2d, ids1d = hidden2d.index_select(0, rows), ids1d.index_select(0, rows)
-    logp, entropy, lse = _LinearTokenLogprobs.apply(hidden2d, weight, bias, ids1d, temperature, impl,
-                                                    bool(deterministic))
+            hidden, ids = hidden.index_select(0, rows), ids.index_select(0, rows)
+    logp, entropy, lse = _LinearTokenLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, inputs.temperature,
+                                                    inputs.impl, bool(deterministic))
     if rows is not None:
         # scatter back into zeros; index_copy is differentiable w.r.t. the compact values
         logp, entropy, lse = (torch.zeros(shape.numel(), dtype=t.dtype, device=t.device).index_copy(0, rows, t)
@@ -218,12 +175,13 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     with one id per hidden row, values in [0, V). Returns float32 logp shaped like ids (and the entropy when
     ``return_entropy``). Differentiable w.r.t. hidden, weight and bias, each only when it requires grad; under
     ``torch.no_grad()`` it is the one-sweep old/reference-policy path. Never holds an N x V tensor. With ``mask``
-    (shaped like ids) only the rows where it is non-zero are computed; the others are 0.
+    (shaped like ids) only the rows where it is non-zero are computed; the others are 0. Under ``torch.autocast``
+    the head runs in the autocast dtype, like ``nn.Linear``.
     """
+    inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl)
     if mask is not None:
         _checks.tensor("mask", mask)
         if tuple(mask.shape) != tuple(ids.shape):
             raise ValueError(f"mask must have the shape of ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
-    logp, entropy, _ = _linear_token_logprobs(hidden, weight, ids, bias, temperature, impl, deterministic,
-                                              row_mask=mask)
+    logp, entropy, _ = head_token_logprobs(inputs, deterministic, row_mask=mask)
     return (logp, entropy) if return_entropy else logp

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _checks
-from ._triton import resolve_impl
+from .inputs import LogitsInputs
 
 # Rows per chunk of the PyTorch path: each fp32 temporary is ROWS x V (1 MB at V = 4096, 64 MB at V = 256k).
 TORCH_CHUNK_ROWS = 64
@@ -111,19 +110,15 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     (saves one B x T x V tensor; use it only when nothing else reads the logits afterwards).
     impl: "auto" (Triton on CUDA, chunked PyTorch on CPU), "triton", "torch"; see ``resolve_impl``.
     """
-    logp, entropy, _ = _token_logprobs(logits, ids, temperature, impl, inplace_backward)
+    logp, entropy, _ = logits_token_logprobs(LogitsInputs.validate(logits, ids, temperature, impl),
+                                             inplace_backward)
     return (logp, entropy) if return_entropy else logp
 
 
-def _token_logprobs(logits, ids, temperature, impl, inplace_backward, row_mask=None):
-    """Validated call of the autograd Function: (logp, entropy, lse).
+def logits_token_logprobs(inputs: LogitsInputs, inplace_backward: bool = False, row_mask=None):
+    """(logp, entropy, lse) shaped like the ids, from validated inputs.
 
     row_mask (like ids, optional): the Triton path skips rows where it is 0 (their outputs are 0 and they must get
     no gradient); the loss passes its mask so padded tokens cost no logits traffic."""
-    temperature = _checks.temperature(temperature)
-    _checks.logits_and_ids(logits, ids)
-    impl = resolve_impl(impl, logits, ids)
-    if impl == "triton":
-        _checks.kernel_dtype("logits", logits)
-    return _TokenLogprobs.apply(logits, ids, temperature, impl, bool(inplace_backward),
-                                row_mask if impl == "triton" else None)
+    return _TokenLogprobs.apply(inputs.logits, inputs.ids, inputs.temperature, inputs.impl, bool(inplace_backward),
+                                row_mask if inputs.impl == "triton" else None)

@@ -11,7 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .config import GRPOLossConfig
-from .kernels.token_loss_kernels import token_loss_forward
+from .inputs import LossInputs
 from .loss_types import LOSS_TABLE, reduction_weights
 
 
@@ -24,6 +24,7 @@ def supported(cfg: GRPOLossConfig) -> bool:
 class _FusedTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg, kind):
+        from .kernels.token_loss_kernels import token_loss_forward  # lazy: creates the Triton kernel
         grad, sums = token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg,
                                         kind)
         ctx.save_for_backward(grad)
@@ -37,10 +38,10 @@ class _FusedTokenLoss(torch.autograd.Function):
         return grad_loss * grad, None, None, None, None, None, None, None, None
 
 
-def fused_loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
-                          entropy=None, num_items_in_batch=None, config: GRPOLossConfig | None = None):
-    """Same contract and results as ``reference.loss_from_logps`` for ``supported(config)`` configurations."""
-    cfg = config or GRPOLossConfig()
+def fused_loss_from_logps(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig):
+    """Same contract and results as ``reference.loss_from_logps`` for ``supported(cfg)`` configurations."""
+    mask, old_logps, ref_logps = batch.mask, batch.old_logps, batch.ref_logps
+    advantages, is_ratio, num_items_in_batch = batch.advantages, batch.is_ratio, batch.num_items_in_batch
     B, T = logps.shape
     mask_b = torch.ones(B, T, dtype=torch.bool, device=logps.device) if mask is None else mask.bool()
     mask_f = mask_b.float()

@@ -1,0 +1,159 @@
+"""Validated inputs: every public entry point checks its arguments once, into one of these frozen objects, and
+resolves the implementation once; everything below takes them by name and trusts them.
+
+- ``LogitsInputs``: logits (B, T, V) or (N, V), ids, temperature, impl (``token_logprobs``, ``grpo_loss``);
+- ``HeadInputs``: hidden as (N, H), the lm_head weight / bias, ids as (N,) int64, temperature, impl, in the dtype
+  the head runs in (``linear_token_logprobs``, ``fused_linear_grpo_loss``). This is the one place where autocast
+  decides that dtype, as it would for ``F.linear``;
+- ``LossInputs``: the per-token tensors of the loss on the (B, T) completion grid.
+
+Each ``validate`` raises a ValueError naming the argument (a wrong id would read out of bounds inside a kernel).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import _checks
+from ._triton import resolve_impl
+from .config import GRPOLossConfig
+
+
+@dataclass(frozen=True)
+class LogitsInputs:
+    """logits (B, T, V) or (N, V) with ids shaped like its leading dims; impl resolved ("triton" | "torch")."""
+
+    logits: torch.Tensor
+    ids: torch.Tensor
+    temperature: float
+    impl: str
+
+    @classmethod
+    def validate(cls, logits, ids, temperature, impl, dims=(2, 3)) -> "LogitsInputs":
+        temperature = _checks.temperature(temperature)
+        _checks.tensor("logits", logits, floating=True, dims=dims)
+        _checks.tensor("ids", ids, integer=True, dims=(logits.dim() - 1,))
+        if tuple(ids.shape) != tuple(logits.shape[:-1]):
+            raise ValueError(f"ids must have shape {tuple(logits.shape[:-1])} (logits' leading dims), "
+                             f"got {tuple(ids.shape)}")
+        if logits.shape[-1] == 0:
+            raise ValueError("logits must have a non-empty vocabulary dimension V")
+        _checks.same_device(logits=logits, ids=ids)
+        _checks.token_ids(ids, logits.shape[-1])
+        impl = resolve_impl(impl, logits, ids)
+        if impl == "triton":
+            _checks.kernel_dtype("logits", logits)
+        return cls(logits, ids, temperature, impl)
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """hidden (N, H), weight (V, H), bias (V,) | None, all in the head's compute dtype; ids (N,) int64 contiguous;
+    ``shape`` the shape of the caller's ids (the outputs are reshaped to it)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    ids: torch.Tensor
+    shape: torch.Size
+    temperature: float
+    impl: str
+
+    @classmethod
+    def validate(cls, hidden, weight, ids, bias, temperature, impl, ids_dims=None) -> "HeadInputs":
+        temperature = _checks.temperature(temperature)
+        _checks.tensor("hidden", hidden, floating=True, dims=(2, 3))
+        _checks.tensor("weight", weight, floating=True, dims=(2,))
+        _checks.tensor("ids", ids, integer=True, dims=ids_dims)
+        if bias is not None:
+            _checks.tensor("bias", bias, floating=True, dims=(1,))
+        if torch.is_autocast_enabled(hidden.device.type):
+            # The one autocast site: like nn.Linear under autocast, the head runs in the autocast dtype (gradients
+            # flow back to fp32 master weights through the casts); the kernels accumulate in fp32 themselves.
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        H = hidden.shape[-1]
+        if weight.shape[1] != H:
+            raise ValueError(f"weight must have shape (V, H) = (V, {H}) to match hidden's last dim, "
+                             f"got {tuple(weight.shape)}")
+        if weight.shape[0] == 0 or H == 0:
+            raise ValueError(f"weight must have non-empty V and H, got {tuple(weight.shape)}")
+        if weight.dtype != hidden.dtype:
+            raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+        N = hidden.numel() // H
+        if hidden.dim() == 3 and tuple(ids.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"ids must have shape {tuple(hidden.shape[:2])} (hidden's leading dims), "
+                             f"got {tuple(ids.shape)}")
+        if ids.numel() != N:
+            raise ValueError(f"ids must have one id per hidden row: hidden has N={N} rows, ids has shape "
+                             f"{tuple(ids.shape)}")
+        if bias is not None and bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+        _checks.same_device(hidden=hidden, weight=weight, ids=ids, bias=bias)
+        _checks.token_ids(ids, weight.shape[0])
+        impl = resolve_impl(impl, hidden, weight, bias)
+        hidden2d = hidden.reshape(N, H)
+        if impl == "triton":
+            _checks.kernel_dtype("hidden", hidden)
+            # the kernels read rows with a unit stride on H (autograd maps gradients back through any copy)
+            hidden2d = hidden2d if hidden2d.stride(-1) == 1 else hidden2d.contiguous()
+            weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+            bias = None if bias is None else bias.contiguous()
+        return cls(hidden2d, weight, bias, ids.reshape(N).long().contiguous(), ids.shape, temperature, impl)
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The per-token inputs of the loss on the (B, T) grid, validated; ``num_items_in_batch`` as given."""
+
+    advantages: torch.Tensor
+    mask: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    is_ratio: torch.Tensor | None = None
+    sampling_logps: torch.Tensor | None = None
+    num_items_in_batch: object = None
+
+    @classmethod
+    def validate(cls, B: int, T: int, device: torch.device, config: GRPOLossConfig, advantages, mask=None,
+                 old_logps=None, ref_logps=None, is_ratio=None, sampling_logps=None,
+                 num_items_in_batch=None) -> "LossInputs":
+        _checks.tensor("advantages", advantages, floating=True)
+        if tuple(advantages.shape) not in ((B,), (B, T)):
+            raise ValueError(f"advantages must have shape ({B},) or ({B}, {T}), got {tuple(advantages.shape)}")
+        if mask is not None:
+            _checks.tensor("mask", mask)
+            if tuple(mask.shape) != (B, T):
+                raise ValueError(f"mask must have shape ({B}, {T}), got {tuple(mask.shape)}")
+            if mask.is_complex():
+                raise ValueError(f"mask must be bool, integer or float, got {mask.dtype}")
+        for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps), ("sampling_logps", sampling_logps)):
+            if t is not None:
+                _checks.tensor(name, t, floating=True)
+                if tuple(t.shape) != (B, T):
+                    raise ValueError(f"{name} must have shape ({B}, {T}), got {tuple(t.shape)}")
+        if is_ratio is not None:
+            _checks.tensor("is_ratio", is_ratio, floating=True)
+            if tuple(is_ratio.shape) not in ((B,), (B, 1), (B, T)):
+                raise ValueError(f"is_ratio must have shape ({B},), ({B}, 1) or ({B}, {T}), "
+                                 f"got {tuple(is_ratio.shape)}")
+        n = num_items_in_batch
+        if n is not None:
+            if isinstance(n, torch.Tensor):
+                if n.numel() != 1:
+                    raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(n.shape)}")
+            elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
+                raise ValueError(f"num_items_in_batch must be a number >= 0 or a scalar tensor, got {n!r}")
+        if config.beta != 0.0 and ref_logps is None:
+            raise ValueError(f"ref_logps is required when beta != 0 (beta={config.beta}); pass the reference "
+                             "model's per-token log-probs of shape (B, T)")
+        # num_items_in_batch may live anywhere (a CPU scalar is common): it is moved to the loss's device
+        _checks.same_device(advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
+                            is_ratio=is_ratio, sampling_logps=sampling_logps)
+        if advantages.device != device:
+            raise ValueError(f"advantages must be on the device of the logits / hidden states {device}, "
+                             f"got {advantages.device}")
+        return cls(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch)

@@ -1,0 +1,242 @@
+"""Fused linear head, backward: d hidden, d weight and d bias from the per-token gradients of log-prob and entropy,
+recomputing the logit tiles from the saved logsumexp. Kernels and their launcher ``linear_logprobs_backward``;
+shared helpers and the tile table in ``linear_tiles.py``.
+
+``deterministic=True`` (the default): no float atomics anywhere. The vocab is cut into chunks of Vc columns; per
+chunk a kernel writes d logits (N, Vc) in the input dtype (every program owns its output tile), then fixed-order
+cuBLAS/torch ops finish the job: dW[chunk] = dl^T @ hidden (complete, written once), dbias[chunk] = column sum,
+dh += dl @ W[chunk] (accumulated over chunks in fp32 for bf16/fp16). Vc is the largest multiple of BLOCK_V with
+N * Vc * itemsize <= ``DETERMINISTIC_CHUNK_BYTES`` (256 MiB; at least BLOCK_V columns). cuBLAS is run-to-run
+deterministic on a given GPU and library version (set CUBLAS_WORKSPACE_CONFIG=:4096:8 when streams vary). With fp32
+inputs the matmuls follow torch's fp32 matmul precision setting ("highest" by default, i.e. no TF32).
+
+``deterministic=False``: CCE-style grid n_m_blocks x n_v_blocks (GROUP_M swizzle, so that concurrent programs
+share hidden and W blocks in L2); each program recomputes its logit tile, forms d logits in registers, then for
+each H chunk adds dl @ W[vblock] into dh and dl^T @ h[mblock] into dW with relaxed fp32 atomics (dbias: column
+sums of dl). dh, dW and dbias are each compiled in only when requested (NEED_* constexprs): a frozen / LoRA head
+pays for neither the dW dot nor its atomics. Results vary in the last bits from run to run.
+
+Extra device memory beyond inputs, outputs and the returned gradients (it = itemsize of the input dtype):
+- atomic: fp32 accumulators cast to the input dtype at the end, for bf16/fp16 inputs only: 4 N H if dh is
+  requested, 4 V H if dW, 4 V if dbias (2.5 GB of dW accumulator at V = 152k, H = 4096).
+- deterministic: the d logits chunk, N * min(V, Vc) * it bytes; plus 4 V (fp32 dbias) when dbias is requested with
+  bf16/fp16; plus (4 + it) N H (fp32 dh accumulator and one matmul output) when dh is requested with bf16/fp16
+  and V needs more than one chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import alloc
+from . import linear_tiles as tiles
+from .launch import launch
+from .linear_tiles import _dlogits_tile, _grouped_tile, _logits_tile, _mma, _to_input_dtype, tl, triton
+
+# d logits chunk of the deterministic backward (bytes); tests shrink it to exercise several chunks.
+DETERMINISTIC_CHUNK_BYTES = 256 << 20
+
+
+@triton.jit(do_not_specialize=["N", "n_m_blocks", "n_v_blocks"])
+def linear_bwd_atomic_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr,
+                             dh_ptr, dw_ptr, db_ptr,
+                             N, V, H, stride_h, stride_w, inv_temperature, n_m_blocks, n_v_blocks,
+                             HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, NEED_H: tl.constexpr,
+                             NEED_W: tl.constexpr, NEED_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                             DOT_FP32: tl.constexpr):
+    """One (token block, vocab block) tile of the backward; partial dh, dW, dbias go out by fp32 atomic adds.
+
+    dh_ptr fp32 (N, H), dw_ptr fp32 (V, H), db_ptr fp32 (V,): zero-initialised, contiguous. 1-D grid of
+    n_m_blocks * n_v_blocks programs (CCE-style). Not deterministic: the order of the float adds varies.
+    """
+    pid_m, pid_v = _grouped_tile(tl.program_id(0), n_m_blocks, n_v_blocks, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    col_ok = cols < V
+    rows_c = tl.minimum(rows, N - 1)
+    cols_c = tl.minimum(cols, V - 1)
+    # Why recompute the logit tile (2 * BLOCK_M * BLOCK_V * H FLOPs) instead of loading it: N x V logits are
+    # never stored; recomputing is the price of O(N + V) extra memory.
+    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature,
+                     HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
+    dl = _dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
+                       HAS_ENTROPY_GRAD)
+    if NEED_B:
+        tl.atomic_add(db_ptr + cols, tl.sum(dl, axis=0), mask=col_ok, sem="relaxed")
+    if NEED_H or NEED_W:
+        # Why round d logits to the input dtype: the tensor cores take bf16/fp16 operands (as eager PyTorch's
+        # backward does, which keeps d logits in the logits dtype).
+        dl_c = _to_input_dtype(dl, h_ptr.dtype.element_ty, DOT_FP32)
+        h_rows = h_ptr + rows_c.to(tl.int64)[:, None] * stride_h
+        w_rows = w_ptr + cols_c.to(tl.int64)[:, None] * stride_w
+        dh_rows = dh_ptr + rows.to(tl.int64)[:, None] * H
+        dw_rows = dw_ptr + cols.to(tl.int64)[:, None] * H
+        # Why a second K loop: dh = dl @ W and dW = dl^T @ h consume the finished dl tile chunk by chunk of H;
+        # relaxed atomics (no fences) since the sums are read only after the kernel ends.
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (ks < H)[None, :]
+            if NEED_H:
+                w = tl.load(w_rows + ks[None, :], mask=k_ok, other=0.0)
+                dh = _mma(dl_c, w, tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32), DOT_FP32)
+                tl.atomic_add(dh_rows + ks[None, :], dh, mask=row_ok[:, None] & k_ok, sem="relaxed")
+            if NEED_W:
+                h = tl.load(h_rows + ks[None, :], mask=k_ok, other=0.0)
+                dw = _mma(tl.trans(dl_c), h, tl.zeros((BLOCK_V, BLOCK_K), dtype=tl.float32), DOT_FP32)
+                tl.atomic_add(dw_rows + ks[None, :], dw, mask=col_ok[:, None] & k_ok, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["N", "n_m_blocks", "n_v_blocks", "v_begin", "v_end"])
+def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, dl_ptr,
+                          N, V, H, stride_h, stride_w, stride_dl, inv_temperature, n_m_blocks, n_v_blocks, v_begin, v_end,
+                          HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                          DOT_FP32: tl.constexpr):
+    """Deterministic backward, step 1: d logits for vocab columns [v_begin, v_end) of all N tokens.
+
+    dl_ptr (N, v_end - v_begin) in the input dtype, row stride stride_dl; column j holds vocab v_begin + j.
+    Each program owns one output tile, so there is no reduction here at all; the launcher turns the chunk into
+    dh, dW and dbias with fixed-order matmuls/sums. 1-D grid of n_m_blocks * n_v_blocks,
+    n_v_blocks = ceil((v_end - v_begin) / BLOCK_V).
+    """
+    pid_m, pid_v = _grouped_tile(tl.program_id(0), n_m_blocks, n_v_blocks, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = v_begin + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    col_ok = cols < v_end
+    rows_c = tl.minimum(rows, N - 1)
+    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
+                     HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
+    dl = _dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
+                       HAS_ENTROPY_GRAD)
+    out = dl_ptr + rows.to(tl.int64)[:, None] * stride_dl + (cols - v_begin)[None, :]
+    tl.store(out, _to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
+def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
+                             need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool):
+    """(d_hidden | None, d_weight | None, d_bias | None) in hidden's / weight's / bias' dtype.
+
+    Inputs as in ``linear_logprobs_forward`` plus the forward's lse and entropy and the per-token grads grad_logp
+    and grad_entropy (fp32 (N,); grad_entropy may be None: its term is then not compiled in). Per element
+    dz_v = grad_logp (onehot_v - p_v) - grad_entropy p_v (log p_v + entropy), d logits = dz / temperature.
+    ``deterministic`` selects the atomic-free path (see the module docstring for both paths and their memory).
+    """
+    N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
+    need_bias = bool(need_bias) and bias is not None
+    dev = hidden.device
+    f32 = torch.float32
+    lse, grad_logp = tiles.per_token(lse, N), tiles.per_token(grad_logp, N)
+    has_ent = grad_entropy is not None
+    if has_ent:
+        grad_entropy, entropy = tiles.per_token(grad_entropy, N), tiles.per_token(entropy, N)
+    if N == 0 or not (need_hidden or need_weight or need_bias):
+        return (torch.zeros_like(hidden) if need_hidden else None, torch.zeros_like(weight) if need_weight else None,
+                torch.zeros_like(bias) if need_bias else None)
+    common = dict(hidden=hidden, weight=weight, bias=bias, ids=ids, lse=lse, entropy=entropy if has_ent else lse,
+                  grad_logp=grad_logp, grad_entropy=grad_entropy if has_ent else grad_logp,
+                  inv_temperature=1.0 / temperature, has_ent=has_ent)
+    if deterministic:
+        return _backward_chunked(common, N, V, H, need_hidden, need_weight, need_bias)
+    tile, _, dot_fp32 = tiles.launch_params("bwd", hidden.dtype, dev)
+    dh = torch.zeros((N, H), dtype=f32, device=dev) if need_hidden else None
+    dw = torch.zeros((V, H), dtype=f32, device=dev) if need_weight else None
+    db = torch.zeros((V,), dtype=f32, device=dev) if need_bias else None
+    n_m, n_v = tiles.cdiv(N, tile.block_m), tiles.cdiv(V, tile.block_v)
+    launch(linear_bwd_atomic_kernel, (n_m * n_v,),
+        hidden, weight, weight if bias is None else bias, ids, common["lse"], common["entropy"], grad_logp,
+        common["grad_entropy"], lse if dh is None else dh, lse if dw is None else dw, lse if db is None else db,
+        N, V, H, hidden.stride(0), weight.stride(0), common["inv_temperature"], n_m, n_v,
+        HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent, NEED_H=need_hidden, NEED_W=need_weight,
+        NEED_B=need_bias, BLOCK_M=tile.block_m, BLOCK_V=tile.block_v, BLOCK_K=tile.block_k, GROUP_M=tiles.GROUP_M,
+        DOT_FP32=dot_fp32,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype))
+
+
+def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool):
+    """Deterministic backward: d logits per vocab chunk from a kernel, then fixed-order matmuls and sums."""
+    hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
+    dtype, dev = hidden.dtype, hidden.device
+    tile, _, dot_fp32 = tiles.launch_params("dlogits", dtype, dev)
+    bv = tile.block_v
+    chunk = max(bv, DETERMINISTIC_CHUNK_BYTES // (N * hidden.element_size()) // bv * bv)
+    chunk = min(chunk, tiles.cdiv(V, bv) * bv)
+    n_chunks = tiles.cdiv(V, chunk)
+    buf = alloc((N, min(chunk, V)), dtype, dev)
+    direct_dh = n_chunks == 1 or dtype == torch.float32
+    d_hidden = d_weight = db32 = dh32 = tmp = None
+    if need_hidden:
+        if n_chunks == 1:
+            d_hidden = alloc((N, H), dtype, dev)
+        elif dtype == torch.float32:
+            d_hidden = torch.zeros((N, H), dtype=dtype, device=dev)
+        else:
+            dh32, tmp = torch.zeros((N, H), dtype=torch.float32, device=dev), alloc((N, H), dtype, dev)
+    if need_weight:
+        d_weight = alloc(tuple(weight.shape), weight.dtype, dev)
+    if need_bias:
+        db32 = alloc((V,), torch.float32, dev)
+    n_m = tiles.cdiv(N, tile.block_m)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        dl = buf[:, : v1 - v0]
+        n_v = tiles.cdiv(v1 - v0, bv)
+        launch(linear_dlogits_kernel, (n_m * n_v,),
+            hidden, weight, weight if bias is None else bias, c["ids"], c["lse"], c["entropy"], c["grad_logp"],
+            c["grad_entropy"], buf, N, V, H, hidden.stride(0), weight.stride(0), buf.stride(0), c["inv_temperature"],
+            n_m, n_v, v0, v1, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=c["has_ent"], BLOCK_M=tile.block_m,
+            BLOCK_V=bv, BLOCK_K=tile.block_k, GROUP_M=tiles.GROUP_M, DOT_FP32=dot_fp32, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
+        # Why these three ops are deterministic: each is a fixed-shape cuBLAS GEMM or a torch reduction, and
+        # every output element is produced by exactly one of them per chunk (no cross-program float atomics).
+        if need_weight:
+            torch.mm(dl.t(), hidden, out=d_weight[v0:v1])
+        if need_bias:
+            torch.sum(dl, dim=0, dtype=torch.float32, out=db32[v0:v1])
+        if need_hidden:
+            w_chunk = weight[v0:v1]
+            if n_chunks == 1:
+                torch.mm(dl, w_chunk, out=d_hidden)
+            elif direct_dh:
+                d_hidden.addmm_(dl, w_chunk)
+            else:
+                torch.mm(dl, w_chunk, out=tmp)
+                dh32.add_(tmp)
+    if dh32 is not None:
+        d_hidden = dh32.to(dtype)
+    return d_hidden, d_weight, None if db32 is None else db32.to(bias.dtype)
+
+
+
+
+def aot_launches():
+    """(name, thunk) scenarios for ``tools/aot.py``: both backward modes per dtype, bias and entropy gradient; the
+    atomic kernel also per combination of requested gradients (each is a separate compiled variant)."""
+    def scenario(dtype, has_bias, has_ent, need, deterministic):
+        def thunk():
+            hidden, weight, bias, ids = tiles.aot_inputs(dtype, has_bias)
+            stats = torch.zeros(hidden.shape[0])
+            linear_logprobs_backward(hidden, weight, bias, ids, stats, stats, stats, stats if has_ent else None, 1.0,
+                                     *need, deterministic)
+        return thunk
+
+    scenarios = []
+    for dtype, ty in tiles.TRITON_DTYPES.items():
+        for has_bias in (False, True):
+            b = "bias" if has_bias else "nobias"
+            for has_ent in (False, True):
+                e = "ent" if has_ent else "noent"
+                scenarios.append((f"linear_dlogits_{ty}_{b}_{e}",
+                                  scenario(dtype, has_bias, has_ent, (True, True, has_bias), True)))
+                for need in _need_combos(has_bias):
+                    flags = "".join(n for n, f in zip("hwb", need) if f)
+                    scenarios.append((f"linear_bwd_atomic_{ty}_{b}_{e}_{flags}",
+                                      scenario(dtype, has_bias, has_ent, need, False)))
+    return scenarios
+
+
+def _need_combos(has_bias: bool):
+    """(need_hidden, need_weight, need_bias) combinations the atomic backward is launched with (at least one)."""
+    bias_opts = (False, True) if has_bias else (False,)
+    return [(h, w, b) for h in (False, True) for w in (False, True) for b in bias_opts if h or w or b]

@@ -1,0 +1,148 @@
+"""Fused linear head, forward: per-token log-prob, logsumexp and entropy from hidden states and the lm_head weight,
+without writing the N x V logits. Kernels and their launcher ``linear_logprobs_forward``; shared helpers and the
+tile table in ``linear_tiles.py``.
+
+Grid: n_m_blocks x n_splits programs, split fastest. A program keeps a (BLOCK_M, BLOCK_V) logit tile on chip
+(tl.dot over H in BLOCK_K chunks) and folds it into per-token online statistics (max m, sum e^(z-m),
+sum e^(z-m) (z-m), target z) over its vocab split; it writes them as fp32 partials (4, n_splits, N). n_splits is
+chosen so the grid is about two waves of the GPU (N / BLOCK_M = 32 programs at N = 4k would leave 100 of 132 SMs
+idle). A tiny merge kernel combines the splits in a fixed order: deterministic. Extra memory: 16 n_splits N bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import alloc
+from . import linear_tiles as tiles
+from .launch import launch
+from .linear_tiles import _NEG_BIG, _logits_tile, tl, triton
+
+MERGE_BLOCK_N = 256
+
+
+@triton.jit(do_not_specialize=["N", "n_m_blocks", "n_splits", "v_per_split"])
+def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
+                              N, V, H, stride_h, stride_w, inv_temperature, n_m_blocks, n_splits, v_per_split,
+                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                              BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Per (token block, vocab split): online logsumexp statistics over the split's vocab range.
+
+    part_ptr: fp32 (4, n_splits, N) = running max m, sum exp(z - m), sum exp(z - m) * (z - m), target z
+    (0 in the splits that do not hold the target). 1-D grid of n_m_blocks * n_splits programs.
+    """
+    # Why the split varies fastest: programs running together cover a few token blocks times all splits, so the
+    # L2 working set is (their hidden blocks + one W tile per split), not the whole N x H hidden per step.
+    pid = tl.program_id(0)
+    pid_s = pid % n_splits
+    pid_m = pid // n_splits
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_c = tl.minimum(rows, N - 1)
+    target = tl.load(ids_ptr + rows_c)
+    m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
+    s_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    a_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    t_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    v_start = pid_s * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    # Why split the vocab sweep: N / BLOCK_M programs alone (32 at N = 4k) cannot fill 132 SMs; the launcher picks
+    # n_splits so that n_m_blocks * n_splits is about two waves, and a tiny merge kernel combines the partials.
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
+                         HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
+        # Why a finite floor for the padded columns: exp gives exactly 0 there and e * (z - m) stays 0 * finite,
+        # so no NaN needs masking.
+        z = tl.where(col_ok[None, :], z, _NEG_BIG)
+        # Why track a = sum e^(z-m) (z-m) rather than sum e^(z-m) z: entropy = log s - a / s then has no
+        # cancellation between two large numbers when |z| is large.
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        u = z - m_new[:, None]
+        e = tl.exp(u)
+        # Why the guard: a -inf logit (a banned token's -inf bias) has e = 0 but u = -inf, and 0 * -inf is NaN.
+        a_i = alpha * (a_i - (m_new - m_i) * s_i) + tl.sum(tl.where(e > 0.0, e * u, 0.0), axis=1)
+        s_i = alpha * s_i + tl.sum(e, axis=1)
+        # Why gather in the tile: the target logit is already on chip; exactly one split adds a non-zero.
+        t_i += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+        m_i = m_new
+    row_ok = rows < N
+    plane = N.to(tl.int64) * n_splits
+    out = part_ptr + pid_s.to(tl.int64) * N + rows
+    tl.store(out, m_i, mask=row_ok)
+    tl.store(out + plane, s_i, mask=row_ok)
+    tl.store(out + 2 * plane, a_i, mask=row_ok)
+    tl.store(out + 3 * plane, t_i, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["N", "n_splits"])
+def linear_fwd_merge_kernel(part_ptr, logp_ptr, lse_ptr, ent_ptr, N, n_splits, BLOCK_N: tl.constexpr):
+    """Merge the n_splits partials of each token into logp, lse, entropy (fp32 (N,)), in a fixed split order.
+
+    Why a separate kernel rather than atomics in the partial kernel: a fixed-order merge is deterministic and
+    costs 16 * n_splits bytes per token.
+    """
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    plane = N.to(tl.int64) * n_splits
+    m = tl.full((BLOCK_N,), _NEG_BIG, dtype=tl.float32)
+    for sp in range(0, n_splits):
+        m = tl.maximum(m, tl.load(part_ptr + sp * N + rows, mask=row_ok, other=0.0))
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for sp in range(0, n_splits):
+        p = part_ptr + sp * N + rows
+        m_s = tl.load(p, mask=row_ok, other=0.0)
+        s_s = tl.load(p + plane, mask=row_ok, other=1.0)
+        a_s = tl.load(p + 2 * plane, mask=row_ok, other=0.0)
+        c = tl.exp(m_s - m)
+        # Re-centre each split's sum e^(z-m_s)(z-m_s) on the global max m.
+        s += c * s_s
+        a += c * (a_s + (m_s - m) * s_s)
+        t += tl.load(p + 3 * plane, mask=row_ok, other=0.0)
+    log_s = tl.log(s)
+    lse = m + log_s
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(logp_ptr + rows, t - lse, mask=row_ok)
+    tl.store(ent_ptr + rows, log_s - a / s, mask=row_ok)
+
+
+def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor,
+                            temperature: float):
+    """(logp, lse, entropy), each fp32 (N,), of z = (hidden @ weight.T + bias) / temperature at ``ids``.
+
+    hidden (N, H) and weight (V, H) of one dtype (fp32/bf16/fp16), bias (V,) or None, ids (N,) int64 in [0, V).
+    lse = logsumexp(z); entropy = lse - sum softmax(z) * z. Extra memory: 16 * n_splits * N bytes.
+    """
+    N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
+    dev = hidden.device
+    logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
+    if N == 0:
+        return logp, lse, ent
+    tile, sms, dot_fp32 = tiles.launch_params("fwd", hidden.dtype, dev)
+    n_m = tiles.cdiv(N, tile.block_m)
+    n_vb = tiles.cdiv(V, tile.block_v)
+    # Why: enough (token block, vocab split) programs for ~tiles.WAVES waves, each split at least one vocab block.
+    v_per_split = tiles.cdiv(n_vb, min(n_vb, max(1, tiles.cdiv(tiles.WAVES * sms, n_m)))) * tile.block_v
+    n_splits = tiles.cdiv(V, v_per_split)
+    part = alloc((4, n_splits, N), torch.float32, dev)
+    launch(linear_fwd_partial_kernel, (n_m * n_splits,),
+        hidden, weight, weight if bias is None else bias, ids, part,
+        N, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_m, n_splits, v_per_split,
+        HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_V=tile.block_v, BLOCK_K=tile.block_k,
+        DOT_FP32=dot_fp32, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    launch(linear_fwd_merge_kernel, (tiles.cdiv(N, MERGE_BLOCK_N),), part, logp, lse, ent, N, n_splits,
+           BLOCK_N=MERGE_BLOCK_N, num_warps=4)
+    return logp, lse, ent
+
+
+
+
+def aot_launches():
+    """(name, thunk) scenarios for ``tools/aot.py``: the forward launcher per dtype, with and without bias."""
+    def scenario(dtype, has_bias):
+        return lambda: linear_logprobs_forward(*tiles.aot_inputs(dtype, has_bias), 1.0)
+
+    return [(f"linear_fwd_{ty}_{'bias' if has_bias else 'nobias'}", scenario(dtype, has_bias))
+            for dtype, ty in tiles.TRITON_DTYPES.items() for has_bias in (False, True)]

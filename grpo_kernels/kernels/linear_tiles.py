@@ -1,0 +1,211 @@
+"""Shared pieces of the fused linear head's Triton kernels: the tile table, launch parameters per GPU generation,
+and the @triton.jit helpers both the forward (``linear_forward_kernels.py``) and the backward
+(``linear_backward_kernels.py``) use: the on-chip logit tile, the d-logits tile, the tile swizzle.
+
+Imported lazily (by the kernel modules, which the autograd layer imports on the first launch), so TRITON_INTERPRET
+set any time before then takes effect (docs/DESIGN.md section 5). Kernels live at module level: Triton's
+interpreter re-executes a kernel's source against its module globals only.
+
+Notation: hidden h (N, H), weight W (V, H), optional bias b (V,), logits = h W^T + b,
+z = logits * inv_temperature. Pointers to hidden/weight/bias share one dtype (fp32, bf16 or fp16); every statistic
+and accumulator is fp32. N, V, H, strides and inv_temperature are runtime arguments (a new length or temperature
+does not recompile); only block sizes and HAS_* / NEED_* / DOT_FP32 flags are constexpr. Row/column offsets are
+int64 (N*V and V*H exceed 2^31).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .._triton import import_triton, interpreting
+from .launch import target_arch
+
+triton, tl = import_triton()
+
+# Programs per SM the vocab split aims at (about two waves of one-CTA-per-SM programs).
+WAVES = 2
+# Pretend SM count under TRITON_INTERPRET, small so that CPU tests see several vocab splits.
+INTERPRET_SMS = 4
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Block sizes and launch options of one kernel (block sizes are the only shape constexprs)."""
+
+    block_m: int
+    block_v: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (arch, kernel kind, dtype class) -> Tile. "half" = bf16/fp16 (tensor-core dots, wgmma on sm_90 needs
+# BLOCK_M >= 64 and 4 or 8 warps); "fp32" = IEEE fp32 FMA dots (no TF32), smaller tiles. The AOT test checks
+# that none of them spills on sm_90 / sm_80 and that bf16 lowers to HGMMA on sm_90.
+TILES = {
+    (90, "fwd", "half"): Tile(128, 128, 64, 8, 3),
+    (90, "bwd", "half"): Tile(128, 128, 64, 8, 3),
+    (90, "dlogits", "half"): Tile(128, 64, 64, 8, 3),
+    (80, "fwd", "half"): Tile(128, 128, 32, 8, 3),
+    (80, "bwd", "half"): Tile(128, 128, 32, 8, 2),
+    (80, "dlogits", "half"): Tile(128, 128, 32, 8, 3),
+    **{(arch, kind, "fp32"): Tile(64, 64, 16, 4, 2) for arch in (90, 80) for kind in ("fwd", "dlogits")},
+    **{(arch, "bwd", "fp32"): Tile(32, 32, 32, 4, 2) for arch in (90, 80)},
+}
+# Token blocks per group of the (token block, vocab block) swizzle of the backward kernels.
+GROUP_M = 8
+# CPU interpreter: small blocks, so that small awkward test shapes cross every block boundary.
+INTERPRET_TILE = Tile(16, 32, 16, 4, 1)
+
+TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_and_sms(device: torch.device) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(device)
+    # Why 80 for everything but sm_90/sm_100: the sm_90 tiles need up to 161 KiB of shared memory per block,
+    # sm_86/89/120 offer about 100 KiB. (sm_100 reuses the sm_90 tiles; only sm_90/sm_80 are AOT-checked.)
+    return (90 if props.major in (9, 10) else 80), props.multi_processor_count
+
+
+# SM count assumed when launches are recorded for ahead-of-time compilation (an H100 / H200 has 132).
+RECORDING_SMS = 132
+
+
+def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[Tile, int, bool]:
+    """(tile, number of SMs, DOT_FP32) for a launch on ``device`` (or for ``target_arch()`` while recording)."""
+    arch = target_arch()
+    if arch is not None:
+        return TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], RECORDING_SMS, dtype == torch.float32
+    if device.type != "cuda":
+        assert interpreting(), "CPU tensors need TRITON_INTERPRET=1 (the API layer chooses the implementation)"
+        # Why DOT_FP32 for bf16 here: the interpreter's bf16 tl.dot returns garbage (DESIGN.md section 4).
+        return INTERPRET_TILE, INTERPRET_SMS, dtype in (torch.float32, torch.bfloat16)
+    arch, sms = _arch_and_sms(device)
+    return TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], sms, dtype == torch.float32
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_inputs(hidden, weight, bias, ids) -> tuple[int, int, int]:
+    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], "hidden (N,H), weight (V,H)"
+    assert hidden.dtype == weight.dtype and hidden.dtype in TRITON_DTYPES, "hidden/weight: one of fp32/bf16/fp16"
+    assert hidden.stride(1) == 1 and weight.stride(1) == 1, "hidden/weight need a unit stride on H"
+    assert ids.shape == hidden.shape[:1] and ids.dtype == torch.int64 and ids.is_contiguous(), "ids (N,) int64"
+    assert bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()), "bias (V,) contiguous"
+    return hidden.shape[0], weight.shape[0], hidden.shape[1]
+
+
+def per_token(t, n: int) -> torch.Tensor:
+    """A per-token fp32 (N,) tensor, made contiguous (autograd hands out expanded, stride-0 gradients)."""
+    assert t.shape == (n,) and t.dtype == torch.float32, "per-token tensors: fp32 (N,)"
+    return t.contiguous()
+
+
+# Why -1e30 and not -inf as the empty running max: the rescale `alpha * (a - (m_new - m) * s)` would turn into
+# 0 * inf = NaN on the first block; with a finite floor it is exactly 0 * 0.
+_NEG_BIG = tl.constexpr(-1e30)
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a @ b with fp32 accumulation.
+
+    DOT_FP32: upcast both tiles to fp32 and multiply with IEEE fp32 (no TF32). It is set for fp32 inputs (the fp32
+    contract needs it on GPU) and, under TRITON_INTERPRET only, for bf16 (the interpreter's bf16 tl.dot is
+    wrong); compiled bf16/fp16 dots stay native so they lower to HGMMA/HMMA.
+    """
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _to_input_dtype(x, dtype: tl.constexpr, DOT_FP32: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even into ``dtype`` (the hidden/weight dtype).
+
+    Why by hand for bf16 under DOT_FP32: that pair occurs only under TRITON_INTERPRET, whose fp32 -> bf16 cast
+    truncates (and whose "rtne" mode drops the carry into the exponent); compiled code casts with cvt.rn.
+    """
+    if DOT_FP32 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    """z tile (BLOCK_M, BLOCK_V) fp32 = (h[rows_c] @ W[cols_c]^T + b[cols_c]) * inv_temperature.
+
+    rows_c / cols_c are already clamped into [0, N) / [0, V): out-of-range lanes recompute a valid row or column
+    (discarded by the caller) instead of carrying a mask on every load, so only the H tail is masked.
+    """
+    # Why int64 row offsets: V * H and N * H exceed 2^31 at real sizes (V = 262144, H = 8192).
+    h_rows = h_ptr + rows_c.to(tl.int64)[:, None] * stride_h
+    w_rows = w_ptr + cols_c.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+    # Why a K loop inside each vocab tile: the (BLOCK_M, BLOCK_V) logit tile lives only in registers; N x V logits
+    # are never written to memory.
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (ks < H)[None, :]
+        h = tl.load(h_rows + ks[None, :], mask=k_ok, other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=k_ok, other=0.0)
+        acc = _mma(h, tl.trans(w), acc, DOT_FP32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
+    return acc * inv_temperature
+
+
+@triton.jit
+def _grouped_tile(pid, n_m_blocks, n_v_blocks, GROUP_M: tl.constexpr):
+    """(token block, vocab block) of program ``pid``, GROUP_M token blocks at a time (matmul-style swizzle).
+
+    Why: programs running together then form a roughly square patch of tiles and share both their hidden
+    blocks and their W blocks through L2, instead of streaming all of W (or all of hidden) per wave.
+    """
+    per_group = GROUP_M * n_v_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(n_m_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def _dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
+                  HAS_ENTROPY_GRAD: tl.constexpr):
+    """d loss / d logits tile (fp32) from the z tile: (g (onehot - p) - g_H p (log p + H)) * inv_temperature.
+
+    Zero outside the valid rows and columns, so padded lanes add nothing to dW, dbias or dh.
+    """
+    lse = tl.load(lse_ptr + rows_c)
+    g = tl.load(gl_ptr + rows_c)
+    target = tl.load(ids_ptr + rows_c)
+    # Why recompute p from the saved lse: the softmax is never stored; one exp per element.
+    logp = z - lse[:, None]
+    p = tl.exp(logp)
+    dz = tl.where(cols[None, :] == target[:, None], g[:, None], 0.0) - g[:, None] * p
+    if HAS_ENTROPY_GRAD:
+        # Why a constexpr: without an entropy bonus this term (two loads, three FLOPs per element) is not compiled.
+        g_h = tl.load(ge_ptr + rows_c)
+        ent = tl.load(ent_ptr + rows_c)
+        dz -= g_h[:, None] * p * tl.where(p > 0.0, logp + ent[:, None], 0.0)
+    return tl.where(row_ok[:, None] & col_ok[None, :], dz * inv_temperature, 0.0)
+
+
+
+
+def aot_inputs(dtype: torch.dtype, has_bias: bool, N: int = 256, V: int = 2048, H: int = 64):
+    """Small CPU inputs of the GPU shape class (N, V, H multiples of 16, unit stride on H) for the ``aot_launches``
+    scenarios of the linear kernel modules: the recorded launches get the types and specializations of a real
+    launch at N = 8192, V = 151936, H = 4096 without allocating a real lm_head."""
+    hidden, weight = torch.zeros(N, H, dtype=dtype), torch.zeros(V, H, dtype=dtype)
+    bias = torch.zeros(V, dtype=dtype) if has_bias else None
+    return hidden, weight, bias, torch.zeros(N, dtype=torch.long)
