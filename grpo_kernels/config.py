@@ -45,6 +45,12 @@ class GRPOLossConfig:
     deterministic: fused-linear Triton backward without float atomics (bitwise reproducible; the default). False
         selects the CCE-style backward that accumulates d hidden / d weight with fp32 atomics: no d-logits chunk
         buffer, but run-to-run differences in the last bits (and fp32 accumulators for bf16/fp16 weights).
+    grad_in_forward: on the Triton path, compute the gradient of the loss in the forward pass when every token's
+        gradient is known as soon as its log-prob is (``loss_types.per_token_gradient_known``); the backward then
+        only scales it by the incoming gradient. False forces the separate forward / backward sweeps.
+    memory_budget: bytes of scratch memory the fused-linear path may use beyond its inputs and outputs (its
+        logits chunks); None picks the default documented in README.md. Below what the gradient-in-forward path
+        needs, the memory-light recompute path runs.
     """
 
     loss_type: str = "dapo"
@@ -66,6 +72,8 @@ class GRPOLossConfig:
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
     deterministic: bool = True
+    grad_in_forward: bool = True
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -97,8 +105,12 @@ class GRPOLossConfig:
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}")
         _finite("entropy_coef", self.entropy_coef)
-        if not isinstance(self.use_bias_correction_kl, bool) or not isinstance(self.deterministic, bool):
-            raise ValueError("use_bias_correction_kl and deterministic must be bools")
+        for name in ("use_bias_correction_kl", "deterministic", "grad_in_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
+                                               or not isinstance(self.memory_budget, int) or self.memory_budget < 0):
+            raise ValueError(f"memory_budget must be None or an int number of bytes >= 0, got {self.memory_budget!r}")
 
     @property
     def needs_entropy(self) -> bool:

@@ -15,6 +15,7 @@ from . import triton_loss_stage
 from .config import GRPOLossConfig, resolve_config
 from .inputs import HeadInputs, LogitsInputs, LossInputs
 from .logprobs_from_hidden import head_token_logprobs
+from .loss_types import per_token_gradient_known
 from .logprobs_from_logits import logits_token_logprobs
 from .reference import loss_from_logps
 
@@ -22,7 +23,7 @@ from .reference import loss_from_logps
 def _loss_stage(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig, impl: str):
     """The per-token loss, masks and reduction: one Triton kernel where it applies, else the reference."""
     B, T = logps.shape
-    if impl == "triton" and triton_loss_stage.supported(cfg) and B * T > 0:
+    if impl == "triton" and per_token_gradient_known(cfg) and B * T > 0:
         return triton_loss_stage.fused_loss_from_logps(logps, entropy, batch, cfg)
     return loss_from_logps(logps, batch.advantages, batch.mask, batch.old_logps, batch.ref_logps, batch.is_ratio,
                            entropy, batch.num_items_in_batch, batch.sampling_logps, cfg)

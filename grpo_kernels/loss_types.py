@@ -68,6 +68,15 @@ LOSS_TYPES = tuple(LOSS_TABLE)
 CLIPPED_LOSS_TYPES = tuple(name for name, lt in LOSS_TABLE.items() if lt.policy == "clipped")
 
 
+def per_token_gradient_known(config) -> bool:
+    """Whether, for ``config`` (a ``GRPOLossConfig``), each token's loss term and its gradient ``d loss / d logp``
+    depend on that token alone once the reduction weights are known: token-level ratios, a token-local policy
+    term (not vespo), no off-policy sequence mask, no top-entropy quantile mask. Then a kernel can compute the
+    gradient as soon as a token's log-prob is known (the Triton per-token stage; gradients in the forward)."""
+    return (config.importance_sampling_level == "token" and LOSS_TABLE[config.loss_type].token_local
+            and config.off_policy_mask_threshold is None and config.top_entropy_quantile == 1.0)
+
+
 def reduction_weights(mask: torch.Tensor, loss_type: str, num_items_in_batch=None,
                       max_completion_length: int | None = None) -> torch.Tensor:
     """Per-token weights ``w`` (B, T), zero at padded positions, with ``loss = sum(w * per_token_loss)``.

@@ -12,13 +12,7 @@ from torch.autograd.function import once_differentiable
 
 from .config import GRPOLossConfig
 from .inputs import LossInputs
-from .loss_types import LOSS_TABLE, reduction_weights
-
-
-def supported(cfg: GRPOLossConfig) -> bool:
-    """Whether every per-token term of ``cfg`` is local to its token (then the fused stage applies)."""
-    return (cfg.importance_sampling_level == "token" and LOSS_TABLE[cfg.loss_type].token_local
-            and cfg.off_policy_mask_threshold is None and cfg.top_entropy_quantile == 1.0)
+from .loss_types import LOSS_TABLE, per_token_gradient_known, reduction_weights
 
 
 class _FusedTokenLoss(torch.autograd.Function):
@@ -39,7 +33,8 @@ class _FusedTokenLoss(torch.autograd.Function):
 
 
 def fused_loss_from_logps(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig):
-    """Same contract and results as ``reference.loss_from_logps`` for ``supported(cfg)`` configurations."""
+    """Same contract and results as ``reference.loss_from_logps`` when ``per_token_gradient_known(cfg)``."""
+    assert per_token_gradient_known(cfg), "the Triton per-token stage needs a token-local configuration"
     mask, old_logps, ref_logps = batch.mask, batch.old_logps, batch.ref_logps
     advantages, is_ratio, num_items_in_batch = batch.advantages, batch.is_ratio, batch.num_items_in_batch
     B, T = logps.shape

@@ -13,6 +13,7 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
+from .token_terms import token_terms
 
 BLOCK = 1024
 N_SUMS = 6  # sum w*l, sum m*kl, sum m*low, sum m*high, sum m*region, sum m*cispo_clipped
@@ -44,60 +45,18 @@ def token_loss_fwd(logp_ptr, old_ptr, ref_ptr, adv_ptr, is_ptr, mask_ptr, w_ptr,
     m = tl.load(mask_ptr + offs, mask=valid, other=0.0)
     w = tl.load(w_ptr + offs, mask=valid, other=0.0)
     adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t, mask=valid, other=0.0)
+    old = logp
+    ref = logp
+    isr = logp
     if HAS_OLD:
-        log_ratio = logp - tl.load(old_ptr + offs, mask=valid, other=0.0)
-    else:
-        log_ratio = logp * 0.0  # on-policy: ratio 1, d ratio / d logp = 1
-    rho = tl.exp(log_ratio)
-
-    # Policy term and d term / d rho, with torch's conventions: clamp passes gradient on its closed
-    # interval, min splits it evenly between tied operands.
-    if KIND == 0:
-        lo = 1.0 - eps_low
-        hi = 1.0 + eps_high
-        coef2 = tl.minimum(tl.maximum(rho, lo), hi)
-        dcoef2 = tl.where((rho >= lo) & (rho <= hi), 1.0, 0.0)
-        if HAS_DELTA:
-            rho1 = tl.minimum(rho, delta)
-            drho1 = tl.where(rho <= delta, 1.0, 0.0)
-        else:
-            rho1 = rho
-            drho1 = rho * 0.0 + 1.0
-        a = rho1 * adv
-        c = coef2 * adv
-        policy = -tl.minimum(a, c)
-        d_rho = -adv * tl.where(a < c, drho1, tl.where(a > c, dcoef2, 0.5 * (drho1 + dcoef2)))
-        d_policy = d_rho * rho
-    elif KIND == 1:
-        # cispo: -stopgrad(min(rho, eps_high)) * A * logp
-        rho1 = rho
-        clamped = tl.minimum(rho, eps_high)
-        policy = -clamped * adv * logp
-        d_policy = -clamped * adv
-    else:
-        # sapo: -sigmoid(t (rho - 1)) * 4 / t * A
-        rho1 = rho
-        temp = tl.where(adv > 0, sapo_t_pos, sapo_t_neg)
-        gate = tl.sigmoid(temp * (rho - 1.0))
-        policy = -gate * 4.0 / temp * adv
-        d_policy = -4.0 * adv * gate * (1.0 - gate) * rho
+        old = tl.load(old_ptr + offs, mask=valid, other=0.0)
+    if HAS_REF:
+        ref = tl.load(ref_ptr + offs, mask=valid, other=0.0)
     if HAS_IS:
         isr = tl.load(is_ptr + b * is_stride_b + t * is_stride_t, mask=valid, other=0.0)
-        policy = policy * isr
-        d_policy = d_policy * isr
-
-    # k3 KL to the reference: exp(ref - logp) - (ref - logp) - 1, optionally times the ratio.
-    kl = logp * 0.0
-    if HAS_REF:
-        diff = tl.load(ref_ptr + offs, mask=valid, other=0.0) - logp
-        kl = tl.exp(diff) - diff - 1.0
-        d_kl = 1.0 - tl.exp(diff)
-        if BIAS_CORRECTION:
-            d_kl = d_kl * rho + kl * rho
-            kl = kl * rho
-        if USE_BETA:
-            policy = policy + beta * kl
-            d_policy = d_policy + beta * d_kl
+    policy, d_policy, kl, rho, rho1 = token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta,
+                                                  sapo_t_pos, sapo_t_neg, KIND, HAS_OLD, HAS_REF, HAS_IS,
+                                                  HAS_DELTA, USE_BETA, BIAS_CORRECTION)
     # Why `keep`: padded tokens may hold anything (exp overflow to inf); 0 * inf must not leak a NaN.
     keep = valid & (m != 0.0)
     tl.store(grad_ptr + offs, tl.where(keep, w * d_policy, 0.0), mask=valid)
