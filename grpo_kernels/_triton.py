@@ -1,7 +1,7 @@
 """Lazy Triton import and the choice of implementation (``impl``), shared by every op.
 
 Triton is imported on first use only, so ``import grpo_kernels`` stays cheap and works without Triton, and
-``TRITON_INTERPRET=1`` set any time before the first kernel call takes effect (DESIGN.md section 4).
+``TRITON_INTERPRET=1`` set any time before the first kernel call takes effect (docs/DESIGN.md section 6).
 """
 from __future__ import annotations
 

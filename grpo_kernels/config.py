@@ -1,4 +1,4 @@
-"""Options of the GRPO loss, in one frozen dataclass validated once (DESIGN.md section 6).
+"""Options of the GRPO loss, in one frozen dataclass validated once (docs/DESIGN.md section 4).
 
 Defaults follow TRL's ``GRPOConfig`` (TRL 1.16) so that a config built from a trainer's arguments reproduces
 the trainer's numbers.
@@ -26,7 +26,7 @@ def _finite(name: str, value, *, positive: bool = False, nonneg: bool = False) -
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
-    """Every non-tensor option of the GRPO loss (DESIGN.md section 2).
+    """Every non-tensor option of the GRPO loss (docs/DESIGN.md section 2).
 
     loss_type: one of ``LOSS_TYPES``; the reduction and the policy term follow TRL's ``_compute_loss``.
     beta: KL coefficient; ``ref_logps`` is required when it is not 0.

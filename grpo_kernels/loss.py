@@ -3,8 +3,8 @@
 Both losses validate their arguments once (``inputs.py``), then run two stages: a vocab sweep (Triton or chunked
 PyTorch) that yields per-token log-prob, entropy and logsumexp, then the contract's per-token loss, masks and
 reduction on B x T tensors: ``reference.loss_from_logps``, or on the Triton path for token-level configurations the
-per-token kernel of ``triton_loss_stage``. The gradient of the second stage w.r.t. (logp, entropy) is the per-token scalar ``g`` of DESIGN.md
-section 3 that the sweep's backward turns into d logits / d hidden / d weight.
+per-token kernel of ``triton_loss_stage``. The gradient of the second stage w.r.t. (logp, entropy) is the per-token
+scalar ``g`` of docs/DESIGN.md section 3 that the sweep's backward turns into d logits / d hidden / d weight.
 """
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ def _loss_stage(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig, impl: st
     B, T = logps.shape
     if impl == "triton" and per_token_gradient_known(cfg) and B * T > 0:
         return triton_loss_stage.fused_loss_from_logps(logps, entropy, batch, cfg)
-    return loss_from_logps(logps, batch.advantages, batch.mask, batch.old_logps, batch.ref_logps, batch.is_ratio,
-                           entropy, batch.num_items_in_batch, batch.sampling_logps, cfg)
+    return loss_from_logps(logps, batch.advantages, mask=batch.mask, old_logps=batch.old_logps,
+                           ref_logps=batch.ref_logps, is_ratio=batch.is_ratio, entropy=entropy,
+                           num_items_in_batch=batch.num_items_in_batch, sampling_logps=batch.sampling_logps,
+                           config=cfg)
 
 
 def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,

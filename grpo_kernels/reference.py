@@ -1,4 +1,4 @@
-"""The eager reference of the GRPO loss contract (DESIGN.md section 2): the single source of truth.
+"""The eager reference of the GRPO loss contract (docs/DESIGN.md section 2): the single source of truth.
 
 Everything here is plain differentiable PyTorch, valid in float64. The kernels only replace the part that touches
 the vocabulary (``logprobs_and_entropy``); the per-token loss, masks, reductions and metrics of every
@@ -119,10 +119,10 @@ def _masked_mean(x, mask, n_valid) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum() / n_valid.clamp(min=1)
 
 
-def loss_from_logps(logps, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
+def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None,
                     entropy=None, num_items_in_batch=None, sampling_logps=None,
                     config: GRPOLossConfig | None = None):
-    """GRPO loss of DESIGN.md section 2 from per-token log-probs: returns ``(loss, metrics)``.
+    """GRPO loss of docs/DESIGN.md section 2 from per-token log-probs: returns ``(loss, metrics)``.
 
     logps (B, T) differentiable (fp32 or fp64); advantages (B,) or (B, T); mask (B, T) bool/int/float or None;
     old_logps, ref_logps, sampling_logps (B, T); is_ratio (B,), (B, 1) or (B, T); entropy (B, T), differentiable
@@ -230,5 +230,6 @@ def reference_grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_
     """Full-logits eager GRPO loss (the ground truth of the tests): logits (B, T, V) -> (loss, metrics)."""
     cfg = config or GRPOLossConfig()
     logps, entropy = logprobs_and_entropy(logits, ids, cfg.temperature)
-    return loss_from_logps(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy,
-                           num_items_in_batch, sampling_logps, cfg)
+    return loss_from_logps(logps, advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
+                           is_ratio=is_ratio, entropy=entropy, num_items_in_batch=num_items_in_batch,
+                           sampling_logps=sampling_logps, config=cfg)

@@ -1,6 +1,6 @@
 """Test setup: Triton kernels run on the CPU interpreter unless a CUDA GPU is present.
 
-TRITON_INTERPRET must be set before the first @triton.jit function is created (DESIGN.md section 4); the package
+TRITON_INTERPRET must be set before the first @triton.jit function is created (docs/DESIGN.md section 6); the package
 creates its kernels lazily, so setting it here, before any test imports a kernel, is enough.
 """
 import os

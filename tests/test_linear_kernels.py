@@ -3,7 +3,7 @@
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on CPU tensors, with the
 interpreter's small tile (16 x 32 x 16), so the shapes below cross every block boundary: N = 1, N not a multiple
 of BLOCK_M, V below / above / not a multiple of BLOCK_V, H not a multiple of BLOCK_K, several vocab splits and
-several deterministic vocab chunks. Pass rule (DESIGN.md section 6):
+several deterministic vocab chunks. Pass rule (docs/DESIGN.md section 6):
 ``err(kernel) <= K * err(torch in the same dtype) + ATOL[dtype] * max(1, |truth|)``, errors measured against
 float64 on the same (already rounded) inputs. Outputs the launchers allocate with ``alloc`` are NaN-poisoned.
 """

@@ -1,4 +1,4 @@
-"""The three-way tolerance rule of DESIGN.md section 6.
+"""The three-way tolerance rule of docs/DESIGN.md section 6.
 
 A result in dtype D passes when ``err(ours) <= K * err(torch in D) + ATOL[D]``, errors measured against float64
 ground truth: our kernels may not be much worse than what plain PyTorch in the same precision achieves.

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of Triton kernels for a GPU that is not there (DESIGN.md section 4).
+"""Ahead-of-time compilation of Triton kernels for a GPU that is not there (docs/DESIGN.md section 6).
 
 ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))`` builds a real cubin on a
 machine without a GPU; the ``cuobjdump`` shipped in Triton's wheel then reports registers, stack/local bytes and

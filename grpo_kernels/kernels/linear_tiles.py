@@ -81,7 +81,7 @@ def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[
         return TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], RECORDING_SMS, dtype == torch.float32
     if device.type != "cuda":
         assert interpreting(), "CPU tensors need TRITON_INTERPRET=1 (the API layer chooses the implementation)"
-        # Why DOT_FP32 for bf16 here: the interpreter's bf16 tl.dot returns garbage (DESIGN.md section 4).
+        # Why DOT_FP32 for bf16 here: the interpreter's bf16 tl.dot returns garbage (docs/DESIGN.md section 6).
         return INTERPRET_TILE, INTERPRET_SMS, dtype in (torch.float32, torch.bfloat16)
     arch, sms = _arch_and_sms(device)
     return TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], sms, dtype == torch.float32
