@@ -231,6 +231,7 @@ def _logp_of(rows_to_logits, ids_flat: torch.Tensor, chunk: int = 1024) -> torch
 
 NOT_RUN: list[dict] = []
 _TIMED_OUT: dict = {}  # (provider, path) -> reason: later benchmarks of it are not attempted
+_FELL_BACK: dict = {}  # (provider, path) -> why its first choice failed: later benchmarks use its fallback
 
 
 class WarmupTimeout(Exception):
@@ -300,16 +301,22 @@ def run(benchmark, path: str, variant: str, shape: Shape, provider, mode: str) -
     case = get_case(path, shape, variant)
     benchmark.group = f"{path} {variant} {mode} {shape.id}"
 
-    note = provider.notes.get(path, "")
+    key = (provider.name, path)
+    builder, note = provider.builders[path], provider.notes.get(path, "")
+    if key in _FELL_BACK:  # the provider's first choice failed earlier in this run: straight to its fallback
+        _, builder, fallback_note = provider.fallbacks[path]
+        note = f"{fallback_note} ({_FELL_BACK[key]})"
     try:
-        fn, value = _attempt(provider.builders[path], case, mode, s, provider)
+        fn, value = _attempt(builder, case, mode, s, provider)
     except _NotRunnable as primary:
-        fallback = provider.fallbacks.get(path)
+        fallback = None if key in _FELL_BACK else provider.fallbacks.get(path)
         if fallback is None:
             not_run(primary.status, primary.reason)
         label, builder, fallback_note = fallback
         _record(dict(spec, provider=f"{provider.name} [{label}]"), primary.status, primary.reason)
-        note = f"{fallback_note} ({label} {primary.status}: {primary.reason})"
+        _FELL_BACK[key] = f"{label} {primary.status}: {primary.reason}"
+        _TIMED_OUT.pop(key, None)
+        note = f"{fallback_note} ({_FELL_BACK[key]})"
         try:
             fn, value = _attempt(builder, case, mode, s, provider)
         except _NotRunnable as second:

@@ -9,6 +9,7 @@
   ceiling is flagged, benchmarks that did not run are listed with their reason, and the summary picks the peer.
 - A provider's warm-up is bounded in time, and a peer's failure is recorded rather than raised.
 """
+import dataclasses
 import json
 
 import pytest
@@ -194,3 +195,34 @@ def test_warmup_is_bounded_and_peer_failures_are_recorded():
     with pytest.raises(RuntimeError, match="torch._guards"):  # ours failing is a failure, not a result
         harness._attempt(fails, case, "fwdbwd", s, OURS)
     harness.NOT_RUN.clear()
+
+
+class _FakeBenchmark:
+    """The part of pytest-benchmark's fixture ``harness.run`` uses: one timed call, no statistics."""
+
+    def __init__(self):
+        self.extra_info, self.group, self.stats = {}, None, None
+
+    def pedantic(self, target, setup, rounds, warmup_rounds, iterations):
+        args, kwargs = setup()
+        target(*args, **kwargs)
+
+
+def test_a_failing_first_choice_falls_back_and_says_so(monkeypatch):
+    def broken(c):
+        raise RuntimeError("torch._guards.GuardOnDataDependentSymNode: compiled loss failed")
+
+    flaky = dataclasses.replace(EAGER, name="flaky", builders={"linear": broken},
+                                fallbacks={"linear": ("compiled=True", EAGER.builders["linear"], "measured eager")})
+    monkeypatch.setattr(harness, "SETTINGS", harness.Settings(
+        device=torch.device("cpu"), dtype=torch.float32, grid="quick", rounds=1, warmup=0, interpret=False,
+        budget_s=None, warmup_limit_s=30))
+    monkeypatch.setattr(harness, "NOT_RUN", [])
+    monkeypatch.setattr(harness, "_FELL_BACK", {})
+    for _ in range(2):  # the second run goes straight to the fallback, recording nothing new
+        bench = _FakeBenchmark()
+        harness.run(bench, "linear", "valid", SHAPE, flaky, "fwdbwd")
+        assert bench.extra_info["note"] == "measured eager (compiled=True failed: RuntimeError: torch._guards." \
+                                           "GuardOnDataDependentSymNode: compiled loss failed)"
+        assert bench.extra_info["work_formula"] == "6RHV" and bench.extra_info["rows"] == SHAPE.N
+    assert [(n["provider"], n["status"]) for n in harness.NOT_RUN] == [("flaky [compiled=True]", "failed")]
