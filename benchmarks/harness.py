@@ -170,7 +170,8 @@ def get_case(path: str, shape: Shape, variant: str = "valid") -> Case:
     s = settings()
     key = (path == "logits", shape)  # linear and logprob share hidden / weight
     if key not in _CASES:
-        while len(_CASES) >= CASE_CACHE_SIZE:
+        # a long row (B=1: 8.6 GB of bf16 logits on GPU) gets the device to itself, so eager has its best chance
+        while _CASES and (len(_CASES) >= CASE_CACHE_SIZE or shape.B == 1):
             _CASES.popitem(last=False)
         gc.collect()
         if s.cuda:

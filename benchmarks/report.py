@@ -198,7 +198,9 @@ def summary(rows: list[dict], not_run: list[dict]) -> str:
         for r in groups.get(case, []):
             by_shape[(r["N"], r["H"], r["V"], r.get("T"))].append(r)
         if not by_shape:
-            out.append(f"| {label} | | not run | | | | | | |")
+            why = sorted({n["status"] for n in not_run if (n["path"], n["variant"], n["mode"]) == case
+                          and n["provider"] == "ours"})
+            out.append(f"| {label} | | not run{' (' + ', '.join(why) + ')' if why else ''} | | | | | | |")
             continue
         for key in sorted(by_shape):
             srs = by_shape[key]
