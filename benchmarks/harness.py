@@ -299,6 +299,14 @@ def run(benchmark, path: str, variant: str, shape: Shape, provider, mode: str) -
         not_run("cannot run here", reason)
     if (provider.name, path) in _TIMED_OUT:
         not_run("not attempted", _TIMED_OUT[(provider.name, path)])
+    try:
+        _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run)
+    except KeyboardInterrupt:  # the hard time limit (SIGINT): say which benchmark it stopped
+        _record(spec, "interrupted", "stopped by SIGINT (the caller's hard time limit) before it finished")
+        raise
+
+
+def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> None:
     case = get_case(path, shape, variant)
     benchmark.group = f"{path} {variant} {mode} {shape.id}"
 

@@ -186,9 +186,7 @@ def tables(rows: list[dict]) -> str:
 def summary(rows: list[dict], not_run: list[dict]) -> str:
     """One row per (case, shape): ours (the default provider) against the fastest peer."""
     groups = _grouped(rows)
-    cases = _case_order(groups)
-    cases += [c for c in CASES if c not in groups and any((n["path"], n["variant"], n["mode"]) == c
-                                                          for n in not_run)]
+    cases = list(CASES) + sorted(c for c in groups if c not in CASES)  # a case never reached still gets its row
     out = ["| case | shape | ours ms | fastest peer | peer ms | ours / peer | ours % of ceiling | "
            "peer % of ceiling | rows ours / peer |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for case in cases:
@@ -200,7 +198,8 @@ def summary(rows: list[dict], not_run: list[dict]) -> str:
         if not by_shape:
             why = sorted({n["status"] for n in not_run if (n["path"], n["variant"], n["mode"]) == case
                           and n["provider"] == "ours"})
-            out.append(f"| {label} | | not run{' (' + ', '.join(why) + ')' if why else ''} | | | | | | |")
+            why = ", ".join(why) if why else "never reached: the run stopped before it"
+            out.append(f"| {label} | | not run ({why}) | | | | | | |")
             continue
         for key in sorted(by_shape):
             srs = by_shape[key]
