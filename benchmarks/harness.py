@@ -343,6 +343,8 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
         if provider.kind == "ours":
             _record(spec, "failed", _describe(exc))
             raise
+        if key not in _FELL_BACK and path in provider.fallbacks:  # later benchmarks of it use the fallback
+            _FELL_BACK[key] = f"{provider.fallbacks[path][0]} failed in its timed rounds: {_describe(exc)}"
         not_run("failed", _describe(exc))
     finally:
         case.clear_grads()
