@@ -1,20 +1,29 @@
-"""Options of the benchmark suite and the generation of its (shape, provider, mode) cases.
+"""Options of the benchmark suite and the generation of its (path, variant, mode, shape, provider) cases.
 
     pytest benchmarks/ --benchmark-only [--benchmark-json OUT.json] [options]
 
 options (each also an environment variable, for CI / scripts):
-  --bench-grid quick|full   GRPO_BENCH_GRID      shape set; quick (default): CPU N in {256, 512}, H 64, V 8000;
-                                                 GPU N in {4096, 8192, 16384}, H 4096, V 151936 (bf16).
-                                                 full: GPU N x H {2048, 4096} x V {32000, 128256, 151936}.
+  --bench-grid quick|full   GRPO_BENCH_GRID      shape set; quick (default): CPU N=512 (T=64), H 64, V 8000;
+                                                 GPU N=8192 (T=1024), H 4096, V 151936 (bf16). full: CPU N in
+                                                 {128, 256, 512} x H {64, 128} x V {4000, 8000}; GPU N in {4096,
+                                                 8192, 16384} x H {2048, 4096} x V {32000, 128256, 151936}.
+                                                 The long row is B=1, T=131072, V=32768 on GPU (T=4096, V=4000
+                                                 on CPU) in both.
   --bench-rounds N          GRPO_BENCH_ROUNDS    timed rounds per benchmark (default 3 on CPU, 5 on CUDA)
   --bench-warmup N          GRPO_BENCH_WARMUP    untimed rounds after the first (compiling) call (default 0 on
                                                  CPU, 1 on CUDA)
-  --bench-budget-s S        GRPO_BENCH_BUDGET_S  skip the remaining benchmarks once S seconds have passed
+  --bench-budget-s S        GRPO_BENCH_BUDGET_S  no benchmark starts once S seconds have passed (the rest are
+                                                 listed as not run)
+  --bench-warmup-limit-s S  GRPO_BENCH_WARMUP_LIMIT_S  bound on a provider's first call (torch.compile,
+                                                 autotuning): past it the provider is reported as timed out on
+                                                 that path and not tried again (default 120)
   --bench-interpret         GRPO_BENCH_INTERPRET=1  CPU only: run the Triton providers (ours impl=triton, Liger's
                                                  and TRL's logits kernels) on the Triton interpreter, at one
                                                  extra tiny shape (slow; off by default)
-Rounds are fixed (``benchmark.pedantic``), so ``--benchmark-min-rounds`` / ``--benchmark-max-time`` do not apply.
-Each benchmark's ``extra_info`` carries peak memory, work, ceiling and achieved rate: see ``harness.py``.
+Benchmarks run in ``harness.CASES`` order (headline first), whatever the file. Rounds are fixed
+(``benchmark.pedantic``), so ``--benchmark-min-rounds`` / ``--benchmark-max-time`` do not apply. Each benchmark's
+``extra_info`` carries rows, work, peak memory, ceiling and achieved rate (see ``harness.py``, ``work.py``); the
+JSON also gets ``grpo_not_run`` (benchmarks that did not run, with the reason) and ``grpo_settings``.
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ import os
 import pytest
 import torch
 
-from . import harness
+from . import harness, probes
 from .providers import providers_for
 
 
@@ -32,7 +41,9 @@ def pytest_addoption(parser):
     group.addoption("--bench-grid", choices=("quick", "full"), default=None, help="shape set (default quick)")
     group.addoption("--bench-rounds", type=int, default=None, help="timed rounds per benchmark")
     group.addoption("--bench-warmup", type=int, default=None, help="untimed warmup rounds per benchmark")
-    group.addoption("--bench-budget-s", type=float, default=None, help="skip benchmarks after this many seconds")
+    group.addoption("--bench-budget-s", type=float, default=None, help="start no benchmark after this many seconds")
+    group.addoption("--bench-warmup-limit-s", type=float, default=None,
+                    help="time limit of a provider's first (compiling) call")
     group.addoption("--bench-interpret", action="store_true", default=None,
                     help="CPU: run the Triton providers on the Triton interpreter (slow)")
 
@@ -57,7 +68,7 @@ def pytest_configure(config):
             # One thread: on a small shared CI box, OpenMP workers spinning against other processes made calls
             # 3-10x slower and noisier than one thread. OMP_NUM_THREADS overrides.
             torch.set_num_threads(1)
-        harness.MALLOC.configure()
+        probes.MALLOC.configure()
     harness.SETTINGS = harness.Settings(
         device=torch.device("cuda" if cuda else "cpu"),
         dtype=torch.bfloat16 if cuda else torch.float32,
@@ -66,6 +77,7 @@ def pytest_configure(config):
         warmup=_opt(config, "--bench-warmup", "GRPO_BENCH_WARMUP", int, 1 if cuda else 0),
         interpret=interpret,
         budget_s=_opt(config, "--bench-budget-s", "GRPO_BENCH_BUDGET_S", float, None),
+        warmup_limit_s=_opt(config, "--bench-warmup-limit-s", "GRPO_BENCH_WARMUP_LIMIT_S", float, 120.0),
     )
 
 
@@ -75,8 +87,8 @@ def pytest_report_header(config):
         return None
     dev = torch.cuda.get_device_name(s.device) if s.cuda else f"cpu ({torch.get_num_threads()} threads)"
     return (f"grpo-kernels benchmarks: device={dev} dtype={s.dtype} grid={s.grid} rounds={s.rounds} "
-            f"warmup={s.warmup} interpret={s.interpret} budget_s={s.budget_s} "
-            f"memory={harness.memory_method(s.device)}")
+            f"warmup={s.warmup} interpret={s.interpret} budget_s={s.budget_s} warmup_limit_s={s.warmup_limit_s} "
+            f"memory={probes.memory_method(s.device)}")
 
 
 def pytest_generate_tests(metafunc):
@@ -85,10 +97,35 @@ def pytest_generate_tests(metafunc):
         return
     path = marker.args[0]
     s = harness.settings()
-    modes = ("nograd",) if path == "logprob" else harness.LOSS_MODES
-    params = [pytest.param((shape, provider, mode), id=f"{shape.id}-{provider.name}-{mode}")
-              for shape in s.shapes(path) for provider in providers_for(path, s) for mode in modes]
+    params = [pytest.param((variant, shape, provider, mode), id=f"{variant}-{mode}-{shape.id}-{provider.name}")
+              for p, variant, mode in harness.CASES if p == path
+              for shape in s.shapes(path, variant)
+              for provider in providers_for(path, variant, mode, s)]
     metafunc.parametrize("spec", params)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the benchmarks in ``harness.CASES`` order across files (the memory probe first); stable otherwise."""
+    order = {case: i for i, case in enumerate(harness.CASES)}
+
+    def key(item):
+        marker = item.get_closest_marker("bench_path")
+        spec = getattr(getattr(item, "callspec", None), "params", {}).get("spec")
+        if marker is None or spec is None:
+            return -1
+        variant, _, _, mode = spec
+        return order.get((marker.args[0], variant, mode), len(order))
+
+    items[:] = [it for _, it in sorted(enumerate(items), key=lambda p: (key(p[1]), p[0]))]
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    s = harness.SETTINGS
+    output_json["grpo_not_run"] = list(harness.NOT_RUN)
+    if s is not None:
+        output_json["grpo_settings"] = dict(grid=s.grid, rounds=s.rounds, warmup=s.warmup, budget_s=s.budget_s,
+                                            warmup_limit_s=s.warmup_limit_s, interpret=s.interpret,
+                                            padded_fraction=harness.PADDED_FRACTION)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -1,94 +1,143 @@
 #!/usr/bin/env bash
-# One prepared GPU check for an H200 machine without network access (about 5-6 minutes in all):
-#   install the peers from carried wheels -> GPU tests -> GPU benchmark set -> report, table printed last.
+# The check for a GPU machine without network access: at most 6 minutes of wall time, installs included.
+#   1. install the peers (TRL, Liger-Kernel and what TRL's trainer imports) from a wheel folder, offline;
+#   2. the whole test suite (slow-marked variants excepted), one pytest per test file, several at a time, no -x:
+#      every failure is listed;
+#   3. the benchmark set (pytest benchmarks/ --benchmark-only), headline cases first;
+#   4. the report: all tables into the output folder; one summary table printed last.
 #
-# The image has torch, triton, pytest, pytest-benchmark and transformers, but not trl / liger-kernel. Fetch their
-# wheels once, at the repo root, on a machine with PyPI access (both are pure-Python wheels, ~1.9 MB together):
+# The wheel folder, .whl/ at the repo root, is filled once on a machine with network access (pure-Python wheels,
+# about 2.7 MB; versions as in constraints.txt):
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl trl==1.16.0 liger-kernel==0.8.5
+#       --platform manylinux2014_x86_64 -d .whl \
+#       trl==1.16.0 liger-kernel==0.8.5 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 #
-# No other wheel is needed: liger-kernel needs only torch + triton, and of TRL the benchmarks use only
-# trl.kernels (imports transformers only). TRL's chunked backward imports trl.trainer.utils (accelerate, datasets,
-# pandas, pyarrow: ~60 MB of wheels) for one DeepSpeed ZeRO-3 helper; where that import fails,
-# benchmarks/providers.py stubs that helper with the nullcontext TRL itself returns without ZeRO-3, and says so
-# in the report. Test modules of tests/ that import trl's trainer cannot be collected on that image: step 2 ignores
-# them (and says which); their dependencies (69 MB of wheels, pyarrow alone 53 MB) exceed the 64 MiB carry limit.
+# The GPU machine is expected to have torch, triton, pytest, pytest-benchmark, transformers, pandas, pyarrow and
+# accelerate already; nothing is downloaded. Everything goes into one folder: $OUT if set, else
+# bench-out/gpu-check-<UTC time>/ (git-ignored): env.txt, tests/<file>.log, tests_summary.md, bench.json,
+# bench.log, bench.md (every table), summary.md. Plots, where matplotlib is installed:
+#   python -m benchmarks.report <folder>/bench.json --out <folder>
 #
-# Run on the device machine (the `run` tool), carrying the ignored wheel folder:
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=420)
-# Results go to $OUT (or benchmarks/results/ when OUT is unset): gpu_bench.json (pytest-benchmark), gpu_bench.md
-# (all tables), gpu_tests.log, gpu_bench.log. Render the plots afterwards where matplotlib is installed:
-#   python -m benchmarks.report <OUT>/gpu_bench.json
+# Time limits per section, taken from what is left of TOTAL_S (345 s: the 6 minutes less a margin for starting
+# Python and copying results): installs 30 s; tests TESTS_LIMIT_S (150 s) at most, stopped with SIGINT so pytest
+# still reports what ran; benchmarks get the rest less 25 s for the report: no benchmark starts in its last 45 s
+# (the budget), a warm-up (a peer's torch.compile, autotuning) is stopped after WARMUP_LIMIT_S (60 s) and reported
+# as timed out, and SIGINT at the hard limit still writes the JSON of the finished benchmarks. Without CUDA the
+# same steps run on the CPU (the CPU benchmark set; Triton tests under the interpreter).
 #
-# Knobs (environment): PY (python command, default python3), WHL_DIR (default .whl), TESTS_LIMIT_S (80),
-# BENCH_BUDGET_S (180: no new benchmark starts after it), BENCH_LIMIT_S (235: hard stop, JSON still written),
-# GRPO_BENCH_GRID=full (whole N x H x V grid: far longer than this script's budget), GRPO_BENCH_ROUNDS.
+# Knobs (environment): PY (python3), WHL_DIR (.whl), TOTAL_S, TESTS_LIMIT_S, TEST_JOBS (6 parallel test files),
+# TEST_FILES (default: every tests/test_*.py), TEST_MARKERS ("not slow"; "" runs the slow variants too),
+# WARMUP_LIMIT_S, GRPO_BENCH_GRID=full (far longer than this budget), GRPO_BENCH_ROUNDS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-OUT_DIR=${OUT:-benchmarks/results}
 WHL_DIR=${WHL_DIR:-.whl}
-mkdir -p "$OUT_DIR"
+TOTAL_S=${TOTAL_S:-345}
+OUT_DIR=${OUT:-bench-out/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$OUT_DIR/tests"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
 T0=$SECONDS
+left() { echo $((TOTAL_S - (SECONDS - T0))); }
 log() { echo "[gpu_check +$((SECONDS - T0))s] $*"; }
+min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 
-# 1. peers from the carried wheels; our package from the working tree (no build, no network)
+# 1. peers from the wheel folder; our package from the working tree (no build, no network)
 if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$WHL_DIR"/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    log "installed $(ls "$WHL_DIR"/*.whl | xargs -n1 basename | tr '\n' ' ')"
+    SITE=$(mktemp -d)
+    timeout 30 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+        "$WHL_DIR"/*.whl > "$OUT_DIR/install.log" 2>&1 && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    log "install of $(ls "$WHL_DIR"/*.whl | xargs -n1 basename | tr '\n' ' '): exit $? (install.log)"
 else
-    log "no wheels in $WHL_DIR/: the Liger and TRL providers will be skipped (see the header for the download)"
+    log "no wheels in $WHL_DIR/: unless already installed, the Liger and TRL providers and the TRL tests are skipped"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version \
-    --format=csv,noheader
-$PY - <<'EOF'
+{
+    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version \
+        --format=csv,noheader
+    timeout 30 $PY - <<'PYEOF'
 import importlib
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
       torch.cuda.get_device_name() if torch.cuda.is_available() else "NONE (CPU run)")
-for name in ("triton", "transformers", "pytest_benchmark", "trl", "liger_kernel", "matplotlib", "grpo_kernels"):
+for name in ("triton", "transformers", "pytest_benchmark", "trl", "liger_kernel", "datasets", "accelerate",
+             "pandas", "matplotlib", "grpo_kernels"):
     try:
         m = importlib.import_module(name)
         print(f"  {name} {getattr(m, '__version__', '?')}")
     except Exception as exc:
         print(f"  {name}: not importable ({type(exc).__name__}: {exc})")
-EOF
+PYEOF
+} 2>&1 | tee "$OUT_DIR/env.txt"
 
-# 2. GPU tests, time-boxed. A test module that cannot be imported here (e.g. one importing trl's trainer, whose
-# dependencies are not on the image) would stop the whole -x run at collection: it is ignored, and listed.
-IGNORES=$($PY -m pytest tests -m "not slow" --co -q -p no:cacheprovider 2>&1 \
-    | sed -n 's/^ERROR \(tests\/[^ ]*\.py\).*/--ignore=\1/p' | sort -u | tr '\n' ' ')
-[ -n "$IGNORES" ] && log "not importable here, ignored: $IGNORES"
-log "compiled-kernel tests first: tests/test_gpu.py"
-timeout -s INT -k 10 "${GPU_TESTS_LIMIT_S:-60}" $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider \
-    > "$OUT_DIR/gpu_kernel_tests.log" 2>&1
-echo "tests/test_gpu.py exit code $?; last lines:"
-tail -n 12 "$OUT_DIR/gpu_kernel_tests.log"
-log "tests (limit ${TESTS_LIMIT_S:-80}s)"
-timeout -s INT -k 10 "${TESTS_LIMIT_S:-80}" $PY -m pytest tests -m "not slow" -x -q -p no:cacheprovider $IGNORES \
-    > "$OUT_DIR/gpu_tests.log" 2>&1
-echo "tests exit code $? (124: time limit); last lines:"
-tail -n 15 "$OUT_DIR/gpu_tests.log"
+# 2. the test suite: one pytest per file, TEST_JOBS at a time, biggest files first; no -x
+ROOM=$(($(left) - 150))  # leave 150 s for the benchmarks and the report
+[ "$ROOM" -lt 30 ] && ROOM=30
+TESTS_S=$(min "${TESTS_LIMIT_S:-150}" "$ROOM")
+FILES=${TEST_FILES:-$(ls -S tests/test_*.py)}
+log "tests: $(echo $FILES | wc -w) files, ${TEST_JOBS:-6} at a time, markers '${TEST_MARKERS-not slow}', limit ${TESTS_S}s"
+export TESTS_DEADLINE=$(($(date +%s) + TESTS_S)) OUT_DIR PY TEST_MARKERS=${TEST_MARKERS-not slow}
+printf '%s\n' $FILES | xargs -P "${TEST_JOBS:-6}" -I{} sh -c '
+    log="$OUT_DIR/tests/$(basename {} .py).log"
+    rem=$((TESTS_DEADLINE - $(date +%s)))
+    if [ "$rem" -lt 5 ]; then
+        printf "not started: the section time limit was reached\nexit notrun\n" > "$log"; exit 0
+    fi
+    timeout -s INT -k 5 "$rem" $PY -m pytest {} -q -rfE -p no:cacheprovider ${TEST_MARKERS:+-m "$TEST_MARKERS"} \
+        > "$log" 2>&1
+    echo "exit $?" >> "$log"'
+$PY - "$OUT_DIR" <<'PYEOF' | tee "$OUT_DIR/tests_summary.md"
+import pathlib, re, sys
+out = pathlib.Path(sys.argv[1])
+totals, failed, stopped = {}, [], []
+for log in sorted((out / "tests").glob("*.log")):
+    text = log.read_text(errors="replace")
+    lines = text.strip().splitlines()
+    code = lines[-1].split()[-1] if lines and lines[-1].startswith("exit ") else "?"
+    result = next((l for l in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error|deselected)", l)), "")
+    for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", result):
+        totals[what.rstrip("s") if what.startswith("error") else what] = \
+            totals.get(what.rstrip("s") if what.startswith("error") else what, 0) + int(n)
+    failed += [l for l in lines if l.startswith(("FAILED ", "ERROR "))]
+    if code == "notrun":
+        stopped.append(f"{log.stem}.py (not started: the section time limit was reached)")
+    elif code in ("124", "130", "137") or "KeyboardInterrupt" in text:
+        stopped.append(f"{log.stem}.py (stopped at the time limit; counts above include what ran)")
+    elif code not in ("0", "1", "5"):
+        stopped.append(f"{log.stem}.py (exit {code}: see tests/{log.name})")
+order = ("passed", "failed", "error", "skipped", "deselected", "xfailed", "xpassed")
+print("Tests: " + ", ".join(f"{totals[k]} {k}" for k in order if totals.get(k)))
+for line in failed:
+    print("  " + line[:300])
+for line in stopped:
+    print("  not finished: " + line)
+PYEOF
 
-# 3. GPU benchmark set: no benchmark starts after BENCH_BUDGET_S; SIGINT at BENCH_LIMIT_S still writes the JSON
-log "benchmarks (budget ${BENCH_BUDGET_S:-180}s, hard limit ${BENCH_LIMIT_S:-235}s)"
-GRPO_BENCH_BUDGET_S=${BENCH_BUDGET_S:-180} timeout -s INT -k 15 "${BENCH_LIMIT_S:-235}" \
-    $PY -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider --benchmark-sort=name \
-    --benchmark-columns=min,median,rounds --benchmark-json "$OUT_DIR/gpu_bench.json" \
-    > "$OUT_DIR/gpu_bench.log" 2>&1
-echo "benchmarks exit code $? (124: hard limit); skips:"
-grep -E "^SKIPPED|^FAILED|^ERROR" "$OUT_DIR/gpu_bench.log" \
-    | sed -e 's/^SKIPPED \[\([0-9]*\)\] [^:]*:[0-9]*:/SKIPPED [\1]/' | sort | uniq | cut -c1-300
-tail -n 1 "$OUT_DIR/gpu_bench.log"
-
-# 4. report: all tables to $OUT_DIR/gpu_bench.md; forward+backward and no-grad tables printed last
-log "done; report follows"
-if [ -s "$OUT_DIR/gpu_bench.json" ]; then
-    $PY -m benchmarks.report "$OUT_DIR/gpu_bench.json" --out "$OUT_DIR" --brief 2> "$OUT_DIR/report.log" \
-        || cat "$OUT_DIR/report.log"
+# 3. benchmarks: budget, warm-up limit and hard limit from what is left (25 s kept for the report)
+BENCH_HARD_S=$(($(left) - 25))
+BENCH_BUDGET_S=$((BENCH_HARD_S - 45))
+if [ "$BENCH_HARD_S" -lt 30 ]; then
+    log "benchmarks not run: only $(left)s left of ${TOTAL_S}s"
 else
-    echo "no $OUT_DIR/gpu_bench.json: see $OUT_DIR/gpu_bench.log"; tail -n 40 "$OUT_DIR/gpu_bench.log"
+    log "benchmarks: no start after ${BENCH_BUDGET_S}s, warm-up limit ${WARMUP_LIMIT_S:-60}s, hard limit ${BENCH_HARD_S}s"
+    GRPO_BENCH_BUDGET_S=$BENCH_BUDGET_S GRPO_BENCH_WARMUP_LIMIT_S=${WARMUP_LIMIT_S:-60} \
+        timeout -s INT -k 5 "$BENCH_HARD_S" $PY -m pytest benchmarks/ --benchmark-only -q -rfE -p no:cacheprovider \
+        --benchmark-columns=min,median,rounds --benchmark-json "$OUT_DIR/bench.json" > "$OUT_DIR/bench.log" 2>&1
+    log "benchmarks exit code $? (124: stopped at the hard limit); failures:"
+    grep -E "^(FAILED|ERROR)" "$OUT_DIR/bench.log" | cut -c1-300
+    tail -n 1 "$OUT_DIR/bench.log"
+fi
+
+# 4. report: every table into bench.md; the tests line and the benchmark summary table printed last
+log "done in $((SECONDS - T0))s; results in $OUT_DIR"
+echo
+echo "## Summary"
+echo
+grep '^Tests:' "$OUT_DIR/tests_summary.md"
+echo
+if [ -s "$OUT_DIR/bench.json" ]; then
+    timeout 15 $PY -m benchmarks.report "$OUT_DIR/bench.json" --out "$OUT_DIR" --no-plots --print summary \
+        2> "$OUT_DIR/report.log" | tee "$OUT_DIR/summary.md" || cat "$OUT_DIR/report.log"
+else
+    echo "no $OUT_DIR/bench.json: see $OUT_DIR/bench.log"; tail -n 40 "$OUT_DIR/bench.log"
 fi

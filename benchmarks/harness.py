@@ -1,21 +1,30 @@
-"""Benchmark harness: settings, shape sets, shared inputs, peak-memory probe, ceilings and the timed run.
+"""Benchmark harness: settings, the benchmark cases, shared inputs and the timed run.
 
-Every benchmark is one (path, shape, provider, mode):
-- path "linear": GRPO loss from hidden (B, T, H) and the lm_head weight (V, H), both trainable;
+Every benchmark is one (path, variant, mode, shape, provider):
+- path "linear": GRPO loss from hidden (B, T, H) and the lm_head weight (V, H);
 - path "logits": GRPO loss from given logits (B, T, V), trainable;
 - path "logprob": per-token log-probs from hidden and weight under ``torch.no_grad()`` (old / reference policy);
+- variant "valid" (every token valid: the headline tables), "padded" (a third of the tokens right-padded, as in
+  a GRPO batch), "frozen" (the lm_head weight does not require grad), "longrow" (one row of T = 131072 tokens
+  at V = 32768 on the logits path; a scaled-down row on CPU);
 - mode "fwd", "bwd" (backward only; the forward runs untimed in the round's setup), "fwdbwd", "nograd".
 
-Each run records in ``benchmark.extra_info``: the shape, the peak memory above the inputs, the work of the mode
-(FLOPs for linear / logprob, bytes for logits), a ceiling measured in the same session (a bare matmul of the same
-shape; a device-to-device copy of the logits), the achieved rate against it, and the loss / mean log-prob value,
-so the report can show that every provider computed the same number.
+``CASES`` lists the (path, variant, mode) triples in the order they run (most important first, so that a time
+budget cuts the breakdown, not the headline). Each run records in ``benchmark.extra_info`` the shape, the rows
+valid and computed, the peak memory above the inputs, the work of the call from the provider's declared work
+model (``work.py``), the ceiling measured in the same session (``probes.py``) and the achieved rate against it,
+and the loss / mean log-prob value, so the report can show that every provider computed the same number.
+Benchmarks that do not run (no CUDA, a peer that fails or runs out of memory, a warm-up over its time limit, the
+time budget) are recorded in ``NOT_RUN`` with the reason; the report lists them.
 """
 from __future__ import annotations
 
-import ctypes
+import collections
+import contextlib
 import dataclasses
 import gc
+import importlib.metadata
+import signal
 import time
 
 import pytest
@@ -24,12 +33,26 @@ import torch
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.reference import logprobs_and_entropy
 
+from . import probes
+from .work import work
+
 # The one loss config of every provider: TRL's GRPO defaults with a KL term (beta 0.04, reference log-probs given,
 # TRL's default bias-corrected KL), off-policy old log-probs so clipping is exercised.
 CONFIG = GRPOLossConfig(loss_type="dapo", beta=0.04, epsilon_low=0.2, epsilon_high=0.2, temperature=1.0,
                         use_bias_correction_kl=True)
 
-LOSS_MODES = ("fwd", "bwd", "fwdbwd")
+VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens padded (right-padded rows)",
+                  "frozen": "frozen lm_head (weight.requires_grad=False), every token valid",
+                  "longrow": "one long row, every token valid"}
+
+# (path, variant, mode) in run order: headline first, then the padded batch, the frozen head, the long row, and
+# the forward / backward breakdown last.
+CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
+         ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),
+         ("linear", "frozen", "fwdbwd"), ("logits", "longrow", "fwdbwd"),
+         ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "fwd"),
+         ("logits", "valid", "bwd"))
+PADDED_FRACTION = 1 / 3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -52,7 +75,8 @@ class Shape:
 
     @property
     def id(self) -> str:
-        return f"N{self.N}-H{self.H}-V{self.V}" if self.H else f"N{self.N}-V{self.V}"
+        return (f"N{self.N}-H{self.H}-V{self.V}" if self.H else f"N{self.N}-V{self.V}") + \
+            (f"-T{self.T}" if self.B == 1 else "")
 
 
 @dataclasses.dataclass
@@ -64,18 +88,22 @@ class Settings:
     warmup: int
     interpret: bool  # run Triton providers on CPU through TRITON_INTERPRET=1
     budget_s: float | None
+    warmup_limit_s: float | None = None  # bound on a provider's first (compiling) call
     start: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def shapes(self, path: str) -> list[Shape]:
+    def shapes(self, path: str, variant: str) -> list[Shape]:
+        if variant == "longrow":
+            T, V = (131072, 32768) if self.cuda else (4096, 4000)
+            return [Shape(T, 0, V, T)]
         if self.cuda:
-            Ns, T = (4096, 8192, 16384), 1024
+            Ns, T = ((4096, 8192, 16384) if self.grid == "full" else (8192,)), 1024
             Hs, Vs = ((2048, 4096), (32000, 128256, 151936)) if self.grid == "full" else ((4096,), (151936,))
         else:
-            Ns, T = ((128, 256, 512) if self.grid == "full" else (256, 512)), 64
+            Ns, T = ((128, 256, 512) if self.grid == "full" else (512,)), 64
             Hs, Vs = ((64, 128), (4000, 8000)) if self.grid == "full" else ((64,), (8000,))
         if path == "logits":
             Hs = (0,)
@@ -93,13 +121,11 @@ def settings() -> Settings:
     return SETTINGS
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+sync = probes.sync
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# inputs, shared by all providers of a shape (built once, the previous shape's tensors are released)
+# inputs, shared by all providers and variants of a shape
 
 
 @dataclasses.dataclass
@@ -110,13 +136,25 @@ class Case:
     dtype: torch.dtype
     ids: torch.Tensor  # (B, T) int64
     advantages: torch.Tensor  # (B,) fp32
-    mask: torch.Tensor  # (B, T) bool, right-padded
+    mask: torch.Tensor  # (B, T) bool: the variant's mask (all True, or right-padded)
     old_logps: torch.Tensor  # (B, T) fp32, off-policy
     ref_logps: torch.Tensor  # (B, T) fp32
     hidden: torch.Tensor | None = None  # (B, T, H) leaf, requires grad
-    weight: torch.Tensor | None = None  # (V, H) leaf, requires grad
+    weight: torch.Tensor | None = None  # (V, H) leaf; requires grad unless the variant is "frozen"
     logits: torch.Tensor | None = None  # (B, T, V) leaf, requires grad
+    padded_mask: torch.Tensor | None = None  # (B, T) bool, a third of the tokens padded
+    variant: str = "valid"
     extra: dict = dataclasses.field(default_factory=dict)  # provider-private inputs (Liger's (B, T+1, V) logits)
+
+    @property
+    def valid_rows(self) -> int:
+        return int(self.mask.sum())
+
+    def view(self, variant: str) -> "Case":
+        """The same tensors under ``variant``'s mask; "frozen" sees a weight that does not require grad."""
+        mask = self.padded_mask if variant == "padded" else torch.ones_like(self.mask)
+        weight = self.weight.detach() if variant == "frozen" and self.weight is not None else self.weight
+        return dataclasses.replace(self, mask=mask, weight=weight, variant=variant)
 
     def clear_grads(self) -> None:
         for t in (self.hidden, self.weight, self.logits, *self.extra.values()):
@@ -124,21 +162,35 @@ class Case:
                 t.grad = None
 
 
-_CASE: dict = {}
+_CASES: collections.OrderedDict = collections.OrderedDict()
+CASE_CACHE_SIZE = 2  # one linear / logprob case and one logits case at a time
 
 
-def get_case(path: str, shape: Shape) -> Case:
+def get_case(path: str, shape: Shape, variant: str = "valid") -> Case:
     s = settings()
     key = (path == "logits", shape)  # linear and logprob share hidden / weight
-    if key not in _CASE:
-        _CASE.clear()
+    if key not in _CASES:
+        # a long row (B=1: 8.6 GB of bf16 logits on GPU) gets the device to itself, so eager has its best chance
+        while _CASES and (len(_CASES) >= CASE_CACHE_SIZE or shape.B == 1):
+            _CASES.popitem(last=False)
         gc.collect()
         if s.cuda:
             torch.cuda.empty_cache()
-        _CASE[key] = _build_case(path, shape, s.device, s.dtype)
-    case = _CASE[key]
+        _CASES[key] = _build_case(path, shape, s.device, s.dtype)
+    _CASES.move_to_end(key)
+    case = _CASES[key].view(variant)
     case.clear_grads()
     return case
+
+
+def padded_mask(B: int, T: int, device, generator) -> torch.Tensor:
+    """Right-padded rows whose lengths run evenly from T/3 to T (shuffled): a third of the tokens padded."""
+    if B == 1:
+        lengths = torch.tensor([round(T * (1 - PADDED_FRACTION))])
+    else:
+        lengths = torch.linspace(T * (1 - 2 * PADDED_FRACTION), T, B).round().long()
+    lengths = lengths[torch.randperm(B, generator=torch.Generator().manual_seed(0))].to(device)
+    return torch.arange(T, device=device).unsqueeze(0) < lengths.unsqueeze(1)
 
 
 def _build_case(path, shape: Shape, device, dtype) -> Case:
@@ -146,8 +198,6 @@ def _build_case(path, shape: Shape, device, dtype) -> Case:
     g = torch.Generator(device=device).manual_seed(0)
     B, T, H, V = shape.B, shape.T, shape.H, shape.V
     ids = torch.randint(0, V, (B, T), generator=g, device=device)
-    lengths = torch.randint(T // 2, T + 1, (B,), generator=g, device=device)
-    mask = torch.arange(T, device=device).unsqueeze(0) < lengths.unsqueeze(1)
     advantages = torch.randn(B, generator=g, device=device)
     case_kw = {}
     if path == "logits":
@@ -161,8 +211,9 @@ def _build_case(path, shape: Shape, device, dtype) -> Case:
         logp = _logp_of(lambda r: hidden.detach().view(-1, H)[r] @ weight.detach().T, ids.view(-1))
     logp = logp.view(B, T)
     noise = torch.randn(2, B, T, generator=g, device=device)
-    return Case(path, shape, device, dtype, ids, advantages, mask, old_logps=logp + 0.1 * noise[0],
-                ref_logps=logp + 0.1 * noise[1], **case_kw)
+    return Case(path, shape, device, dtype, ids, advantages, torch.ones(B, T, dtype=torch.bool, device=device),
+                old_logps=logp + 0.1 * noise[0], ref_logps=logp + 0.1 * noise[1],
+                padded_mask=padded_mask(B, T, device, g), **case_kw)
 
 
 def _logp_of(rows_to_logits, ids_flat: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -176,179 +227,109 @@ def _logp_of(rows_to_logits, ids_flat: torch.Tensor, chunk: int = 1024) -> torch
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# peak memory above the inputs
+# benchmarks that did not run, with the reason (written into the JSON by conftest, listed by the report)
 
 
-class _Malloc:
-    """glibc knobs (CPU only): every block >= 128 KiB becomes its own fresh mapping, returned to the OS when freed,
-    so each tensor a measured call allocates shows up in the RSS in full, once.
-
-    glibc's default mmap threshold is dynamic: it grows (up to 32 MiB) as mapped blocks are freed, after which
-    tensors come from freed heap memory that may or may not still be resident, so the RSS high-water mark would
-    miss some allocations and double-count others. A threshold set with ``mallopt`` stays fixed. It is set for the
-    whole session (switching it only around the probe leaves large free heap blocks that glibc reuses before it
-    consults the threshold); the cost is a page fault per fresh page in the timed CPU rounds too, as in a process
-    that has not yet freed anything.
-    """
-
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-
-    def __init__(self):
-        try:
-            self.libc = ctypes.CDLL("libc.so.6")
-        except OSError:
-            self.libc = None
-
-    def configure(self) -> None:
-        if self.libc is not None:
-            self.libc.mallopt(self.M_MMAP_THRESHOLD, 128 << 10)
-            self.libc.mallopt(self.M_TRIM_THRESHOLD, 128 << 10)
-
-    def trim(self) -> None:
-        if self.libc is not None:
-            self.libc.malloc_trim(0)
+NOT_RUN: list[dict] = []
+_TIMED_OUT: dict = {}  # (provider, path) -> reason: later benchmarks of it are not attempted
+_FELL_BACK: dict = {}  # (provider, path) -> why its first choice failed: later benchmarks use its fallback
 
 
-MALLOC = _Malloc()
+class WarmupTimeout(Exception):
+    pass
 
 
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+class _NotRunnable(Exception):
+    def __init__(self, status: str, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
 
 
-def _cpu_probe_available() -> bool:
+def _record(spec: dict, status: str, reason: str) -> None:
+    NOT_RUN.append(dict(spec, status=status, reason=reason))
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, state: dict):
+    """Raise ``WarmupTimeout`` in the main thread after ``seconds`` (SIGALRM), and again every second until the
+    block exits (code that catches and wraps the first one, as torch.compile may, still gets stopped);
+    ``state["fired"]`` tells afterwards whether the limit was hit. No limit when ``seconds`` is None."""
+    state["fired"] = False
+    if not seconds or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        state["fired"] = True
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        raise WarmupTimeout(f"warm-up (first call, compilation included) exceeded its {seconds:g} s limit")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        _proc_status_kib("VmHWM")
-        return True
-    except OSError:
-        return False
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
-def memory_method(device: torch.device) -> str:
-    if device.type == "cuda":
-        return "cuda.max_memory_allocated"
-    return "VmHWM (clear_refs=5)" if _cpu_probe_available() else "unavailable"
-
-
-def measure_peak(device: torch.device, fn) -> int | None:
-    """Peak bytes allocated while ``fn()`` runs, above what was allocated before it (the inputs).
-
-    CUDA: the caching allocator's ``max_memory_allocated``. CPU: the process's resident-set high-water mark
-    (``VmHWM``), reset to the current RSS by writing 5 to ``/proc/self/clear_refs``, minus the RSS before the call;
-    with the glibc mmap threshold fixed by ``MALLOC.configure`` a materialized N x V tensor is counted in full
-    (``test_memory_probe.py`` checks it every run).
-    """
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    if not _cpu_probe_available():
-        return None
-    MALLOC.trim()
-    base = _proc_status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    fn()
-    return max(0, _proc_status_kib("VmHWM") - base) * 1024
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# ceilings: measured once per shape in this session
-
-
-_CEILING: dict = {}
-
-
-def _best_time(device, fn, reps: int) -> float:
-    """Fastest of ``reps`` timed calls after one warm call: a ceiling is the best the machine does."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def ceiling(case: Case) -> dict:
-    """The rate a bare kernel of the same shape reaches here: TFLOP/s of ``(N, H) @ (H, V)`` in the input dtype for
-    the linear paths; GB/s (read + write) of copying the (B, T, V) logits for the logits path."""
-    s = settings()
-    key = (case.path == "logits", case.shape)
-    if key not in _CEILING:
-        reps = 10 if s.cuda else 5
-        sh = case.shape
-        with torch.no_grad():
-            if case.path == "logits":
-                src = case.logits.detach()
-                dst = torch.empty_like(src)
-                t = _best_time(s.device, lambda: dst.copy_(src), reps)
-                nbytes = 2 * src.numel() * src.element_size()
-                _CEILING[key] = {"ceiling": nbytes / t / 1e9, "ceiling_unit": "GB/s", "ceiling_time_s": t,
-                                 "ceiling_what": f"copy of the {tuple(src.shape)} {src.dtype} logits"}
-                del dst
-            else:
-                h = case.hidden.detach().view(-1, sh.H)
-                w = case.weight.detach()
-                out = torch.empty(sh.N, sh.V, dtype=h.dtype, device=h.device)
-                t = _best_time(s.device, lambda: torch.mm(h, w.T, out=out), reps)
-                _CEILING[key] = {"ceiling": 2 * sh.N * sh.H * sh.V / t / 1e12, "ceiling_unit": "TFLOP/s",
-                                 "ceiling_time_s": t,
-                                 "ceiling_what": f"{h.dtype} matmul ({sh.N}, {sh.H}) @ ({sh.H}, {sh.V})"}
-                del out
-    return dict(_CEILING[key])
-
-
-def work(case: Case, mode: str) -> tuple[float, str]:
-    """Work of one call: FLOPs (linear, logprob) or bytes moved (logits).
-
-    linear: forward 2NHV (the logits GEMM), backward 6NHV (recomputed logits, d hidden, d weight), fwd+bwd 8NHV,
-    the convention of DESIGN.md section 5; logprob 2NHV. logits: forward reads the logits once (NV elements),
-    backward reads them and writes d logits (2NV), fwd+bwd 3NV.
-    """
-    sh = case.shape
-    if case.path == "logits":
-        per = {"fwd": 1, "bwd": 2, "fwdbwd": 3}[mode]
-        return per * sh.N * sh.V * case.logits.element_size(), "B"
-    per = {"fwd": 2, "bwd": 6, "fwdbwd": 8, "nograd": 2}[mode]
-    return float(per) * sh.N * sh.H * sh.V, "FLOP"
+def _describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:240] if lines else ''}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the timed run
 
 
-_SKIP_ERRORS = (ImportError, NotImplementedError, torch.cuda.OutOfMemoryError)
-
-
-def run(benchmark, path: str, shape: Shape, provider, mode: str) -> None:
-    """Time ``provider`` on ``path``/``shape``/``mode`` with pytest-benchmark and fill ``extra_info``."""
+def run(benchmark, path: str, variant: str, shape: Shape, provider, mode: str) -> None:
+    """Time ``provider`` on one case with pytest-benchmark and fill ``extra_info``."""
     s = settings()
+    spec = dict(path=path, variant=variant, mode=mode, provider=provider.name, provider_kind=provider.kind,
+                N=shape.N, H=shape.H, V=shape.V, T=shape.T)
+
+    def not_run(status, reason):
+        _record(spec, status, reason)
+        pytest.skip(f"{provider.name}: {status}: {reason}")
+
     if s.budget_s is not None and time.monotonic() - s.start > s.budget_s:
-        pytest.skip(f"time budget exhausted ({s.budget_s:.0f} s, --bench-budget-s)")
+        not_run("not started", f"time budget of {s.budget_s:.0f} s exhausted (--bench-budget-s)")
     reason = provider.skip_reason(path, shape, s)
     if reason:
-        pytest.skip(reason)
-    case = get_case(path, shape)
-    benchmark.group = f"{path} {mode} {shape.id}"
+        not_run("cannot run here", reason)
+    if (provider.name, path) in _TIMED_OUT:
+        not_run("not attempted", _TIMED_OUT[(provider.name, path)])
     try:
-        fn = provider.build(path, case)
-        value = _first_call(case, fn, mode)  # compiles / autotunes; also the loss value check
-    except _SKIP_ERRORS as exc:
-        _release(case)
-        pytest.skip(f"{provider.name} cannot run here: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run)
+    except KeyboardInterrupt:  # the hard time limit (SIGINT): say which benchmark it stopped
+        _record(spec, "interrupted", "stopped by SIGINT (the caller's hard time limit) before it finished")
+        raise
+
+
+def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> None:
+    case = get_case(path, shape, variant)
+    benchmark.group = f"{path} {variant} {mode} {shape.id}"
+
+    key = (provider.name, path)
+    builder, note = provider.builders[path], provider.notes.get(path, "")
+    if key in _FELL_BACK:  # the provider's first choice failed earlier in this run: straight to its fallback
+        _, builder, fallback_note = provider.fallbacks[path]
+        note = f"{fallback_note} ({_FELL_BACK[key]})"
+    try:
+        fn, value = _attempt(builder, case, mode, s, provider)
+    except _NotRunnable as primary:
+        fallback = None if key in _FELL_BACK else provider.fallbacks.get(path)
+        if fallback is None:
+            not_run(primary.status, primary.reason)
+        label, builder, fallback_note = fallback
+        _record(dict(spec, provider=f"{provider.name} [{label}]"), primary.status, primary.reason)
+        _FELL_BACK[key] = f"{label} {primary.status}: {primary.reason}"
+        _TIMED_OUT.pop(key, None)
+        note = f"{fallback_note} ({_FELL_BACK[key]})"
+        try:
+            fn, value = _attempt(builder, case, mode, s, provider)
+        except _NotRunnable as second:
+            not_run(second.status, second.reason)
 
     setup, target = _mode_functions(case, fn, mode)
     try:
@@ -356,25 +337,68 @@ def run(benchmark, path: str, shape: Shape, provider, mode: str) -> None:
         peak = _peak_of_mode(case, fn, mode)
     except torch.cuda.OutOfMemoryError as exc:
         _release(case)
-        pytest.skip(f"{provider.name}: out of memory at {shape.id}: {str(exc).splitlines()[0][:200]}")
+        not_run("out of memory", _describe(exc))
+    except Exception as exc:  # a peer failing in its timed rounds is a result; ours failing is a test failure
+        _release(case)
+        if provider.kind == "ours":
+            _record(spec, "failed", _describe(exc))
+            raise
+        if key not in _FELL_BACK and path in provider.fallbacks:  # later benchmarks of it use the fallback
+            _FELL_BACK[key] = f"{provider.fallbacks[path][0]} failed in its timed rounds: {_describe(exc)}"
+        not_run("failed", _describe(exc))
     finally:
         case.clear_grads()
 
+    w = work(provider.work, path, mode, N=shape.N, H=shape.H, V=shape.V, valid_rows=case.valid_rows,
+             frozen=variant == "frozen", triton=provider.runs_triton(path, s),
+             element_size=(case.logits.element_size() if path == "logits" else case.dtype.itemsize))
     info = benchmark.extra_info
-    info.update(path=path, mode=mode, provider=provider.name, provider_kind=provider.kind, N=shape.N, B=shape.B,
-                T=shape.T, H=shape.H, V=shape.V, dtype=str(case.dtype).replace("torch.", ""),
+    info.update(spec)
+    info.update(B=shape.B, dtype=str(case.dtype).replace("torch.", ""), valid_rows=case.valid_rows, rows=w.rows,
                 device=torch.cuda.get_device_name(s.device) if s.cuda else "cpu", torch=torch.__version__,
-                threads=None if s.cuda else torch.get_num_threads(), peak_mem_bytes=peak,
-                mem_method=memory_method(s.device), value=value, note=provider.notes.get(path, ""),
-                grads_in_forward=path in provider.grads_in_forward)
-    w, unit = work(case, mode)
-    info.update(work=w, work_unit=unit)
-    info.update(ceiling(case))
+                triton=_version("triton"), threads=None if s.cuda else torch.get_num_threads(),
+                peak_mem_bytes=peak, mem_method=probes.memory_method(s.device), value=value, note=note,
+                grads_in_forward=path in provider.grads_in_forward, work=w.amount, work_unit=w.unit,
+                work_formula=w.formula, work_exact=w.exact, work_source=provider.work.source)
+    info.update(probes.ceiling(case))
     stats = getattr(getattr(benchmark, "stats", None), "stats", None)
-    if stats is not None and stats.median > 0:
-        scale = 1e12 if unit == "FLOP" else 1e9
-        info["achieved"] = w / stats.median / scale
+    if stats is not None and stats.median > 0 and w.amount > 0:
+        info["achieved"] = w.amount / stats.median / (1e12 if w.unit == "FLOP" else 1e9)
         info["frac_of_ceiling"] = info["achieved"] / info["ceiling"]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _attempt(builder, case: Case, mode: str, s: Settings, provider):
+    """Build and make the first (compiling / autotuning, untimed) call within the warm-up limit."""
+    state: dict = {}
+    try:
+        with time_limit(s.warmup_limit_s, state):
+            fn = builder(case)
+            value = _first_call(case, fn, mode)
+        return fn, value
+    except Exception as exc:
+        _release(case)
+        if state.get("fired"):
+            reason = (f"warm-up (first call, compilation included) exceeded its {s.warmup_limit_s:g} s limit "
+                      "(--bench-warmup-limit-s)")
+            _TIMED_OUT[(provider.name, case.path)] = f"its warm-up timed out earlier in this run ({reason})"
+            raise _NotRunnable("timed out", reason) from None
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise _NotRunnable("out of memory", _describe(exc)) from None
+        if isinstance(exc, (ImportError, NotImplementedError)):
+            raise _NotRunnable("cannot run here", _describe(exc)) from None
+        if provider.kind == "ours":
+            _record(dict(path=case.path, variant=case.variant, mode=mode, provider=provider.name,
+                         provider_kind=provider.kind, N=case.shape.N, H=case.shape.H, V=case.shape.V,
+                         T=case.shape.T), "failed", _describe(exc))
+            raise
+        raise _NotRunnable("failed", _describe(exc)) from None
 
 
 def _release(case: Case) -> None:
@@ -452,6 +476,6 @@ def _peak_of_mode(case: Case, fn, mode: str):
     _prepare(fn)
     if mode == "bwd":
         loss = fn()
-        return measure_peak(case.device, loss.backward)
+        return probes.measure_peak(case.device, loss.backward)
     _, target = _mode_functions(case, fn, mode)
-    return measure_peak(case.device, target)
+    return probes.measure_peak(case.device, target)

@@ -2,8 +2,11 @@
 
 A builder takes a ``harness.Case`` and returns ``fn()`` giving the scalar loss (paths "linear" and "logits") or the
 (B, T) log-probs (path "logprob", called under ``torch.no_grad()``). All providers use ``harness.CONFIG``
-(dapo, beta 0.04 with reference log-probs, eps 0.2/0.2, bias-corrected KL, temperature 1) and score every one of
-the N positions (TRL's trainer scores only the unmasked ones on CUDA; here all providers do the same work).
+(dapo, beta 0.04 with reference log-probs, eps 0.2/0.2, bias-corrected KL, temperature 1) and get the case's mask;
+each declares the work it does (``work.WorkDecl``: how its lm_head runs, which rows it computes), read from its
+own code, so the report's rates count what each one really computes. Providers that can skip padded rows are
+given the mask the way their own trainers pass it (ours: ``mask=``; TRL's logits kernel: ``row_mask=``; Liger's
+logits kernel: ``completion_mask=``); Liger's and TRL's chunked heads take no mask and compute every row.
 The loss stage of the TRL providers is ``grpo_kernels.reference.loss_from_logps`` (TRL's own loss maths is a
 method of ``GRPOTrainer`` and cannot be imported on its own); the eager provider is the package's one reference,
 ``reference_grpo_loss`` on full logits.
@@ -23,6 +26,7 @@ import grpo_kernels as gk
 from grpo_kernels.reference import logprobs_and_entropy, loss_from_logps, reference_grpo_loss
 
 from .harness import CONFIG, Case, Settings, Shape
+from .work import WorkDecl
 
 # trl 1.16 trainer/utils.py: _CHUNKED_LOGPROB_CHUNK_SIZE, the vocabulary width of TRL's projection tiles.
 TRL_VOCAB_CHUNK = 32768
@@ -37,6 +41,13 @@ class Provider:
     triton: tuple = ()  # paths on which this provider is a Triton kernel (CUDA, or the CPU interpreter)
     grads_in_forward: tuple = ()  # paths on which the forward already computes the gradients
     notes: dict = dataclasses.field(default_factory=dict)  # path -> note for the report (mutable on purpose)
+    work: WorkDecl = WorkDecl()
+    triton_on_cuda: tuple = ()  # paths on which impl="auto" runs Triton kernels on CUDA
+    fallbacks: dict = dataclasses.field(default_factory=dict)  # path -> (label of the failed try, builder, note)
+    only: tuple | None = None  # (variant, mode) pairs this provider runs; None: all
+
+    def runs_triton(self, path: str, s: Settings) -> bool:
+        return path in self.triton or (s.cuda and path in self.triton_on_cuda)
 
     def skip_reason(self, path: str, shape: Shape, s: Settings) -> str | None:
         for module in self.requires:
@@ -111,12 +122,12 @@ def _compiled(path, fn):
 # grpo-kernels
 
 
-def _ours_builders(impl: str):
+def _ours_builders(impl: str, **overrides):
     return {
         "linear": lambda c: lambda: gk.fused_linear_grpo_loss(c.hidden, c.weight, c.ids, c.advantages,
-                                                              impl=impl, **_cfg_args(c))[0],
+                                                              impl=impl, **_cfg_args(c), **overrides)[0],
         "logits": lambda c: lambda: gk.grpo_loss(c.logits, c.ids, c.advantages, impl=impl, **_cfg_args(c))[0],
-        "logprob": lambda c: lambda: gk.linear_token_logprobs(c.hidden, c.weight, c.ids, impl=impl),
+        "logprob": lambda c: lambda: gk.linear_token_logprobs(c.hidden, c.weight, c.ids, impl=impl, mask=c.mask),
     }
 
 
@@ -124,11 +135,12 @@ def _ours_builders(impl: str):
 # Liger-Kernel
 
 
-def _liger_chunked_linear(case: Case):
+def _liger_chunked_linear(case: Case, compiled: bool | None = None):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    # compiled=True (Liger's default) torch.compiles its loss maths; on CPU the brief's setting is compiled=False.
-    module = LigerFusedLinearGRPOLoss(beta=CONFIG.beta, compiled=case.device.type == "cuda", use_ref_model=True,
+    # compiled=True (Liger's default) torch.compiles its loss maths on CUDA; on CPU compiled=False.
+    compiled = case.device.type == "cuda" if compiled is None else compiled
+    module = LigerFusedLinearGRPOLoss(beta=CONFIG.beta, compiled=compiled, use_ref_model=True,
                                       chunk_size=1, epsilon_low=CONFIG.epsilon_low,
                                       epsilon_high=CONFIG.epsilon_high, loss_type=CONFIG.loss_type,
                                       temperature=CONFIG.temperature,
@@ -218,7 +230,8 @@ def _trl_triton_logits(case: Case):
     from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
 
     def fn():
-        logp, entropy = selective_log_softmax_and_entropy(case.logits, case.ids, temperature=CONFIG.temperature)
+        logp, entropy = selective_log_softmax_and_entropy(case.logits, case.ids, temperature=CONFIG.temperature,
+                                                          row_mask=case.mask)
         return loss_from_logps(logp, case.advantages, entropy=entropy, **_cfg_args(case))[0]
     return fn
 
@@ -226,43 +239,76 @@ def _trl_triton_logits(case: Case):
 # ----------------------------------------------------------------------------------------------------------------
 # the registry, in report order
 
-OURS = Provider("ours", "ours", _ours_builders("auto"),
-                notes={"linear": "impl=auto: Triton on CUDA, chunked torch on CPU",
+_OURS_SRC = ("grpo_kernels/linear.py: forward sweep, backward recomputes the logit tiles then dH / dW; "
+             "mask= gathers the valid rows first (CPU and Triton); logits path: the Triton sweep skips padded rows")
+OURS = Provider("ours", "ours", _ours_builders("auto"), triton_on_cuda=("linear", "logits", "logprob"),
+                work=WorkDecl("recompute", {"linear": "always", "logprob": "always", "logits": "triton"},
+                              exact_logits_traffic="triton", source=_OURS_SRC),
+                notes={"linear": "impl=auto: Triton on CUDA, chunked torch on CPU; deterministic backward",
                        "logits": "impl=auto: Triton on CUDA, chunked torch on CPU",
-                       "logprob": "impl=auto under no_grad"})
+                       "logprob": "impl=auto under no_grad, mask= (valid rows only)"})
+OURS_ATOMIC = Provider("ours-atomic", "ours", {"linear": _ours_builders("triton", deterministic=False)["linear"]},
+                       triton=("linear",),
+                       work=WorkDecl("recompute", {"linear": "always"}, source=_OURS_SRC),
+                       only=(("valid", "fwdbwd"), ("valid", "bwd"), ("padded", "fwdbwd")),
+                       notes={"linear": "deterministic=False: one backward kernel, float atomics for dH / dW "
+                                        "(the torch path on CPU is always deterministic: CUDA only)"})
 OURS_INTERP = Provider("ours-triton-interp", "ours", _ours_builders("triton"), triton=("linear", "logits", "logprob"),
+                       work=WorkDecl("recompute", {"linear": "always", "logprob": "always", "logits": "triton"},
+                                     exact_logits_traffic="triton", source=_OURS_SRC),
                        notes={p: "impl=triton under TRITON_INTERPRET=1" for p in ("linear", "logits", "logprob")})
-EAGER = Provider("eager", "peer", _eager_builders(lambda path, f: f),
+_EAGER_WORK = WorkDecl("materialize", exact_logits_traffic="never",
+                       source="hidden @ W.T kept for autograd (no recompute); several passes over the logits")
+EAGER = Provider("eager", "peer", _eager_builders(lambda path, f: f), work=_EAGER_WORK,
                  notes={"linear": "reference_grpo_loss(hidden @ W.T): full logits",
                         "logits": "reference_grpo_loss", "logprob": "logprobs_and_entropy(hidden @ W.T)"})
-COMPILE = Provider("compile", "peer", _eager_builders(_compiled),
-                   notes={p: "torch.compile of the eager provider" for p in ("linear", "logits", "logprob")})
-LIGER_CHUNKED = Provider("liger-chunked", "peer", {"linear": _liger_chunked_linear, "logprob": _liger_chunked_logprob},
-                         requires=("liger_kernel.chunked_loss",), grads_in_forward=("linear",),
-                         notes={"linear": "LigerFusedLinearGRPOLoss (chunk_size=1, compiled on CUDA only); "
-                                          "computes the gradients inside its forward",
-                                "logprob": "LigerFusedLinearPPOBase.chunk_forward (log-probs only)"})
+COMPILE = Provider("compile", "peer", _eager_builders(_compiled), work=_EAGER_WORK,
+                   notes={p: "torch.compile of the eager provider (compilation untimed)"
+                          for p in ("linear", "logits", "logprob")})
+LIGER_CHUNKED = Provider(
+    "liger-chunked", "peer", {"linear": _liger_chunked_linear, "logprob": _liger_chunked_logprob},
+    requires=("liger_kernel.chunked_loss",), grads_in_forward=("linear",),
+    work=WorkDecl("grads-in-forward", source="liger_kernel/chunked_loss/fused_linear_ppo.py: the forward runs "
+                  "chunk_forward (logits), then autograd.grad through _ChunkedSelectiveLogProbFunction (recompute, "
+                  "dH, dW) per chunk of rows, all rows"),
+    fallbacks={"linear": ("compiled=True", lambda c: _liger_chunked_linear(c, compiled=False),
+                          "measured with compiled=False")},
+    notes={"linear": "LigerFusedLinearGRPOLoss (chunk_size=1, compiled on CUDA only); computes the gradients "
+                     "inside its forward",
+           "logprob": "LigerFusedLinearPPOBase.chunk_forward (log-probs only)"})
 LIGER_TRITON = Provider("liger-triton", "peer", {"logits": _liger_triton_logits},
                         requires=("liger_kernel.transformers.grpo_loss",), triton=("logits",),
+                        work=WorkDecl(skips_padded={"logits": "always"},
+                                      source="liger_kernel/ops/grpo_loss.py: one read per valid row forward; "
+                                             "backward reads valid rows, writes d logits (zeros at padding) "
+                                             "in place"),
                         notes={"logits": "triton_grpo_loss(inplace=True, reduce=True) on (B, T+1, V) logits"})
 TRL_CHUNKED = Provider("trl-chunked", "peer", {"linear": _trl_chunked_linear, "logprob": _trl_chunked_logprob},
                        requires=("trl.kernels.chunked_logprob",),
+                       work=WorkDecl("recompute", source="trl/kernels/chunked_logprob.py: forward GEMM per "
+                                     "(4096 x 32768) tile; backward recomputes each tile, then dH and dW GEMMs "
+                                     "(dW skipped for a frozen head); no mask: all rows"),
                        notes={"linear": "ChunkedLogProbFunction(outputs=('entropy',)) + loss_from_logps",
                               "logprob": "ChunkedLogProbFunction(outputs=()) (log-probs only)"})
 TRL_TRITON = Provider("trl-triton", "peer", {"logits": _trl_triton_logits},
                       requires=("trl.kernels.logprob_entropy",), triton=("logits",),
-                      notes={"logits": "selective_log_softmax_and_entropy + loss_from_logps"})
+                      work=WorkDecl(skips_padded={"logits": "always"},
+                                    source="trl/kernels/logprob_entropy.py: one read per valid row (row_mask) "
+                                           "forward; backward reads valid rows, writes a new d logits buffer"),
+                      notes={"logits": "selective_log_softmax_and_entropy(row_mask=mask) + loss_from_logps"})
 
-PROVIDERS = (OURS, OURS_INTERP, EAGER, COMPILE, LIGER_CHUNKED, LIGER_TRITON, TRL_CHUNKED, TRL_TRITON)
+PROVIDERS = (OURS, OURS_ATOMIC, OURS_INTERP, EAGER, COMPILE, LIGER_CHUNKED, LIGER_TRITON, TRL_CHUNKED, TRL_TRITON)
 
 
-def providers_for(path: str, s: Settings) -> list[Provider]:
-    """Providers benchmarked on ``path`` here; ``ours-triton-interp`` only with --bench-interpret on CPU."""
+def providers_for(path: str, variant: str, mode: str, s: Settings) -> list[Provider]:
+    """Providers benchmarked on this case here; ``ours-triton-interp`` only with --bench-interpret on CPU."""
     out = []
     for p in PROVIDERS:
         if path not in p.builders:
             continue
         if p is OURS_INTERP and (s.cuda or not s.interpret):
+            continue
+        if p.only is not None and (variant, mode) not in p.only:
             continue
         out.append(p)
     return out

@@ -1,13 +1,15 @@
-"""Markdown table and plots from a pytest-benchmark JSON file of this suite.
+"""Markdown tables (and optional plots) from a pytest-benchmark JSON file of this suite.
 
-    python -m benchmarks.report RESULTS.json [--out DIR] [--no-plots] [--brief]
+    python -m benchmarks.report RESULTS.json [--out DIR] [--no-plots] [--print all|summary]
 
-Prints the markdown (also written to DIR/<stem>.md; DIR defaults to benchmarks/results/) and, when matplotlib is
-installed, writes DIR/<stem>_<path>_<shape>.png: median time and peak memory against N, one row per mode, one line
-per provider. Columns: median time; peak memory above the inputs; both as a ratio to the best *peer* (the fastest /
-leanest provider that is not ours) of the same path, mode and shape; the achieved rate and its fraction of the
-ceiling measured in the same run (matmul TFLOP/s for the linear paths, logits-copy GB/s for the logits path); and
-the loss (or mean log-prob) relative to the eager reference's, to show every provider computed the same thing.
+Writes DIR/<stem>.md (DIR defaults to bench-out/, git-ignored) with every table, and prints it (``--print
+summary``: only the summary table, one row per case). One section per (path, variant, mode) of
+``harness.CASES``: median time; peak memory above the inputs; both as a ratio to the best *peer* (the fastest /
+leanest provider that is not ours) at the same shape; the rows each provider computed; its work per call from its
+declared work model (``work.py``: matmul FLOPs as a multiple of R*H*V, or logits bytes); the achieved rate and its
+fraction of the ceiling measured in the same run (a bare matmul of the same shape; a device copy of the logits);
+and the loss (or mean log-prob) relative to the eager reference's. Then the benchmarks that did not run, with the
+reason (no CUDA, a peer that failed or ran out of memory, a warm-up over its limit, the time budget).
 """
 from __future__ import annotations
 
@@ -17,25 +19,36 @@ import pathlib
 import sys
 from collections import defaultdict
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-PATH_TITLES = {"linear": "Fused linear head: GRPO loss from hidden (B,T,H) and a trainable lm_head (V,H)",
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench-out"
+PATH_TITLES = {"linear": "Fused linear head: GRPO loss from hidden (B,T,H) and the lm_head (V,H)",
                "logits": "Logits path: GRPO loss from given (B,T,V) logits",
                "logprob": "Old / reference policy: log-probs from hidden and lm_head under no_grad"}
 MODE_TITLES = {"fwdbwd": "forward + backward", "fwd": "forward", "bwd": "backward (forward untimed)",
                "nograd": "no-grad forward"}
 MODE_ORDER = ("fwdbwd", "fwd", "bwd", "nograd")
+VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens padded",
+                  "frozen": "frozen lm_head, every token valid", "longrow": "one long row, every token valid"}
+# harness.CASES, repeated here so that the report runs without torch
+CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
+         ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),
+         ("linear", "frozen", "fwdbwd"), ("logits", "longrow", "fwdbwd"),
+         ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "fwd"),
+         ("logits", "valid", "bwd"))
+MEM_RATIO_FLOOR = 1 << 20  # below 1 MiB the best peer's figure is allocator noise, not a denominator
 
 
-def load(path: pathlib.Path) -> tuple[dict, list[dict]]:
+def load(path: pathlib.Path) -> tuple[dict, list[dict], list[dict]]:
     data = json.loads(path.read_text())
     rows = []
     for b in data.get("benchmarks", []):
         e = dict(b.get("extra_info", {}))
+        e.setdefault("variant", "valid")
         e["median_s"] = b["stats"]["median"]
         e["min_s"] = b["stats"]["min"]
         e["rounds"] = b["stats"]["rounds"]
         rows.append(e)
-    return data, rows
+    return data, rows, list(data.get("grpo_not_run", []))
 
 
 def _mem(nbytes) -> str:
@@ -57,17 +70,21 @@ def _ratio(x, best, floor: float = 0.0) -> str:
     return f"{x / best:.2f}x"
 
 
-MEM_RATIO_FLOOR = 1 << 20  # below 1 MiB the best peer's figure is allocator noise, not a denominator
+def shape_id(r: dict) -> str:
+    s = f"N={r['N']} H={r['H']} V={r['V']}" if r["H"] else f"N={r['N']} V={r['V']}"
+    return s + (f" (B=1, T={r['T']})" if r.get("T") == r["N"] else "")
 
 
-def _shape_id(r: dict) -> str:
-    return f"N={r['N']} H={r['H']} V={r['V']}" if r["H"] else f"N={r['N']} V={r['V']}"
-
-
-def _achieved(r: dict) -> float | None:
+def achieved(r: dict) -> float | None:
+    """Work per second from the provider's declared work (TFLOP/s or GB/s); None when there is no work."""
     if not r.get("work") or not r["median_s"]:
         return None
     return r["work"] / r["median_s"] / (1e12 if r["work_unit"] == "FLOP" else 1e9)
+
+
+def frac_of_ceiling(r: dict) -> float | None:
+    a = achieved(r)
+    return None if a is None or not r.get("ceiling") else a / r["ceiling"]
 
 
 def _value_check(r: dict, eager: dict | None) -> str:
@@ -79,75 +96,166 @@ def _value_check(r: dict, eager: dict | None) -> str:
     return f"{abs(r['value'] - eager['value']) / den:.1e}"
 
 
-def _excluded_from_best(r: dict) -> bool:
+def excluded_from_best(r: dict) -> bool:
     # Liger's chunked loss computes the gradients in its forward: its "backward" is a copy, not a peer time.
     return r["mode"] == "bwd" and r.get("grads_in_forward", False)
 
 
-def table(rows: list[dict], modes=MODE_ORDER) -> str:
-    """One markdown section per (path, mode); rows grouped by shape, providers sorted by time."""
+def best_peer(rs: list[dict]) -> dict | None:
+    peers = [r for r in rs if r.get("provider_kind") == "peer" and not excluded_from_best(r)]
+    return min(peers, key=lambda r: r["median_s"], default=None)
+
+
+def _rows(r: dict) -> str:
+    rows, n = r.get("rows", r["N"]), r["N"]
+    return f"{rows} of {n}" if rows != n else f"all {n}"
+
+
+def _rate(r: dict) -> tuple[str, str, bool]:
+    """(achieved, % of ceiling, above the ceiling?) as printed; "≥" marks a lower-bound work model."""
+    a, f = achieved(r), frac_of_ceiling(r)
+    if a is None:
+        return "—", "—", False
+    lb = "" if r.get("work_exact", True) else "≥ "
+    return f"{lb}{a:.3g}", ("n/a" if f is None else f"{lb}{100 * f:.1f}" + (" (!)" if f > 1 else "")), \
+        f is not None and f > 1
+
+
+def section(path: str, variant: str, mode: str, rs: list[dict]) -> list[str]:
+    unit = "TFLOP/s" if rs[0]["work_unit"] == "FLOP" else "GB/s"
+    out = [f"### {path}, {VARIANT_TITLES.get(variant, variant)}: {MODE_TITLES[mode]}", "",
+           f"{PATH_TITLES[path]}.", "",
+           f"| shape | provider | median ms | time / best peer | peak mem | mem / best peer | rows computed | "
+           f"work / call | {unit} | % of ceiling | {'mean log-prob' if path == 'logprob' else 'loss'} check |",
+           "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    by_shape = defaultdict(list)
+    for r in rs:
+        by_shape[(r["N"], r["H"], r["V"])].append(r)
+    above = daggers = False
+    for key in sorted(by_shape, key=lambda k: (k[1], k[2], k[0])):
+        srs = sorted(by_shape[key], key=lambda r: r["median_s"])
+        best = best_peer(srs)
+        mems = [r["peak_mem_bytes"] for r in srs if r.get("provider_kind") == "peer" and not excluded_from_best(r)
+                and r.get("peak_mem_bytes") is not None]
+        best_m = min(mems, default=None)
+        eager = next((r for r in srs if r["provider"] == "eager"), None)
+        for r in srs:
+            dagger = excluded_from_best(r)
+            daggers |= dagger
+            name = r["provider"] + (" †" if dagger else "")
+            name = f"**{name}**" if r.get("provider_kind") == "ours" else name
+            rate, frac, over = _rate(r)
+            above |= over
+            t_ratio = "—" if dagger else _ratio(r["median_s"], best["median_s"] if best else None)
+            m_ratio = "—" if dagger else _ratio(r.get("peak_mem_bytes"), best_m, MEM_RATIO_FLOOR)
+            out.append(f"| {shape_id(r)} | {name} | {_ms(r['median_s'])} | {t_ratio} | "
+                       f"{_mem(r.get('peak_mem_bytes'))} | {m_ratio} | {_rows(r)} | {r.get('work_formula', '?')} | "
+                       f"{rate} | {frac} | {_value_check(r, eager)} |")
+    ceilings = {(shape_id(r), r["ceiling_what"], r["ceiling"]) for r in rs if r.get("ceiling")}
+    out += ["", "Ceilings measured in this run: " + "; ".join(
+        f"{s}: {w} = {c:.3g} {rs[0]['ceiling_unit']}" for s, w, c in sorted(ceilings)) + "."]
+    if daggers:
+        out.append("\n† computes its gradients inside the forward; its backward only scales them (not counted as a "
+                   "peer here).")
+    if above:
+        out.append("\n(!) above the ceiling measured in this run: the work model or the ceiling is wrong for that "
+                   "row; do not read it as a rate.")
+    return out + [""]
+
+
+def _grouped(rows: list[dict]) -> dict:
     groups = defaultdict(list)
     for r in rows:
         if r.get("path") in PATH_TITLES:
-            groups[(r["path"], r["mode"])].append(r)
+            groups[(r["path"], r["variant"], r["mode"])].append(r)
+    return groups
+
+
+def _case_order(groups) -> list:
+    return [c for c in CASES if c in groups] + sorted(c for c in groups if c not in CASES)
+
+
+def tables(rows: list[dict]) -> str:
+    groups = _grouped(rows)
     out = []
-    for path in PATH_TITLES:
-        for mode in modes:
-            rs = groups.get((path, mode))
-            if not rs:
-                continue
-            unit = "TFLOP/s" if rs[0]["work_unit"] == "FLOP" else "GB/s"
-            out.append(f"### {path}: {MODE_TITLES[mode]}\n\n{PATH_TITLES[path]}.\n")
-            out.append(f"| shape | provider | median ms | peak mem | time / best peer | mem / best peer | "
-                       f"achieved {unit} | % of ceiling | {'mean log-prob' if path == 'logprob' else 'loss'} check |")
-            out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-            by_shape = defaultdict(list)
-            for r in rs:
-                by_shape[(r["N"], r["H"], r["V"])].append(r)
-            for key in sorted(by_shape, key=lambda k: (k[1], k[2], k[0])):
-                srs = sorted(by_shape[key], key=lambda r: r["median_s"])
-                peers = [r for r in srs if r.get("provider_kind") == "peer" and not _excluded_from_best(r)]
-                best_t = min((r["median_s"] for r in peers), default=None)
-                mems = [r["peak_mem_bytes"] for r in peers if r.get("peak_mem_bytes") is not None]
-                best_m = min(mems, default=None)
-                eager = next((r for r in srs if r["provider"] == "eager"), None)
-                for r in srs:
-                    ach = _achieved(r)
-                    frac = f"{100 * ach / r['ceiling']:.1f}" if ach is not None and r.get("ceiling") else "n/a"
-                    dagger = _excluded_from_best(r)
-                    name = r["provider"] + (" †" if dagger else "")
-                    name = f"**{name}**" if r.get("provider_kind") == "ours" else name
-                    t_ratio = "—" if dagger else _ratio(r["median_s"], best_t)
-                    m_ratio = "—" if dagger else _ratio(r.get("peak_mem_bytes"), best_m, MEM_RATIO_FLOOR)
-                    rate = "—" if dagger else "n/a" if ach is None else f"{ach:.3g}"
-                    out.append(f"| {_shape_id(r)} | {name} | {_ms(r['median_s'])} | {_mem(r.get('peak_mem_bytes'))}"
-                               f" | {t_ratio} | {m_ratio} | {rate} | {'—' if dagger else frac} | "
-                               f"{_value_check(r, eager)} |")
-            ceilings = {(_shape_id(r), r["ceiling_what"], r["ceiling"]) for r in rs if r.get("ceiling")}
-            out.append("")
-            out.append("Ceilings measured in this run: " + "; ".join(
-                f"{s}: {w} = {c:.3g} {rs[0]['ceiling_unit']}" for s, w, c in sorted(ceilings)) + ".")
-            if any(_excluded_from_best(r) for r in rs):
-                out.append("\n† computes its gradients inside the forward; its backward only scales them (not "
-                           "counted as a peer here).")
-            out.append("")
+    for case in _case_order(groups):
+        out += section(*case, groups[case])
     return "\n".join(out)
+
+
+def summary(rows: list[dict], not_run: list[dict]) -> str:
+    """One row per (case, shape): ours (the default provider) against the fastest peer."""
+    groups = _grouped(rows)
+    cases = list(CASES) + sorted(c for c in groups if c not in CASES)  # a case never reached still gets its row
+    out = ["| case | shape | ours ms | fastest peer | peer ms | ours / peer | ours % of ceiling | "
+           "peer % of ceiling | rows ours / peer |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for case in cases:
+        path, variant, mode = case
+        label = f"{path} {MODE_TITLES[mode]}, {VARIANT_TITLES.get(variant, variant)}"
+        by_shape = defaultdict(list)
+        for r in groups.get(case, []):
+            by_shape[(r["N"], r["H"], r["V"], r.get("T"))].append(r)
+        if not by_shape:
+            why = sorted({n["status"] for n in not_run if (n["path"], n["variant"], n["mode"]) == case
+                          and n["provider"] == "ours"})
+            why = ", ".join(why) if why else "never reached: the run stopped before it"
+            out.append(f"| {label} | | not run ({why}) | | | | | | |")
+            continue
+        for key in sorted(by_shape):
+            srs = by_shape[key]
+            ours = next((r for r in srs if r["provider"] == "ours"), None)
+            best = best_peer(srs)
+            f_o = frac_of_ceiling(ours) if ours else None
+            f_p = frac_of_ceiling(best) if best else None
+
+            def pct(r, f):
+                if f is None:
+                    return "n/a"
+                return ("" if r.get("work_exact", True) else "≥ ") + f"{100 * f:.1f}" + (" (!)" if f > 1 else "")
+            out.append(f"| {label} | {shape_id(srs[0])} | {_ms(ours['median_s']) if ours else 'not run'} | "
+                       f"{best['provider'] if best else 'none ran'} | {_ms(best['median_s']) if best else '—'} | "
+                       f"{_ratio(ours['median_s'], best['median_s']) if ours and best else 'n/a'} | "
+                       f"{pct(ours, f_o) if ours else '—'} | {pct(best, f_p) if best else '—'} | "
+                       f"{ours.get('rows', '?') if ours else '—'} / {best.get('rows', '?') if best else '—'} |")
+    return "\n".join(out) + "\n"
+
+
+def not_run_table(not_run: list[dict]) -> str:
+    """Benchmarks that did not run, grouped by (provider, status, reason)."""
+    if not not_run:
+        return "Every benchmark of the run finished.\n"
+    groups = defaultdict(list)
+    for n in not_run:
+        groups[(n["provider"], n["status"], n["reason"])].append(n)
+    out = ["| provider | status | cases | reason |", "|---|---|---|---|"]
+    for (provider, status, reason), ns in sorted(groups.items()):
+        cases = ", ".join(sorted({f"{n['path']} {n['variant']} {n['mode']} {shape_id(n)}" for n in ns}))
+        out.append(f"| {provider} | {status} | {cases} | {reason.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
 
 
 def header(data: dict, rows: list[dict]) -> str:
     first = next((r for r in rows if r.get("path") in PATH_TITLES), {})
     machine = data.get("machine_info", {})
     commit = data.get("commit_info", {})
+    settings = data.get("grpo_settings", {})
     cpu = machine.get("cpu", {}).get("brand_raw", machine.get("processor", "?"))
     lines = [f"## grpo-kernels benchmarks: {first.get('device', '?')} ({first.get('dtype', '?')})", "",
-             f"- run: {data.get('datetime', '?')}; torch {first.get('torch', '?')}; python "
-             f"{machine.get('python_version', '?')}; host CPU: {cpu}"
+             f"- run: {data.get('datetime', '?')}; torch {first.get('torch', '?')}; triton "
+             f"{first.get('triton', '?')}; python {machine.get('python_version', '?')}; host CPU: {cpu}"
              + (f"; {first['threads']} CPU thread(s)" if first.get("threads") else ""),
              f"- commit: {commit.get('id', '?')[:12]}{' (dirty)' if commit.get('dirty') else ''}",
-             f"- peak memory: {first.get('mem_method', '?')}, above the inputs (backward: above the state after the "
-             "forward); time: median of the timed rounds",
+             "- settings: " + (", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in settings.items()) or "?"),
+             f"- time: median of the timed rounds, after an untimed first call (compilation, autotuning) and the "
+             f"warm-up rounds; peak memory: {first.get('mem_method', '?')}, above the inputs (backward: above the "
+             "state after the forward)",
              "- loss config for every provider: dapo, beta 0.04 with reference log-probs, eps 0.2/0.2, "
-             "bias-corrected KL, temperature 1, off-policy old log-probs, right-padded mask",
+             "bias-corrected KL, temperature 1, off-policy old log-probs; each provider gets the mask",
+             "- work / call: the provider's own work (benchmarks/work.py): matmul FLOPs as a multiple of R*H*V "
+             "(R = rows computed: 2 per GEMM; 6 when the logits are kept for the backward, 8 when the backward "
+             "recomputes them, 2 less for a frozen head) or, on the logits path, bytes of B x T x V traffic (≥: a "
+             "lower bound for providers that make several passes); rate and % of ceiling follow from it",
              "- check column: the eager reference's value (=), and every other provider's relative difference to "
              "it; ratios: to the best peer (fastest / leanest provider other than ours) at the same shape; memory "
              "ratios are n/a when that best figure is under 1 MiB"]
@@ -161,94 +269,48 @@ def header(data: dict, rows: list[dict]) -> str:
     notes = sorted({(r["provider"], r["path"], r["note"]) for r in rows if r.get("note")})
     if notes:
         lines += ["", "Providers:", ""] + [f"- `{p}` ({path}): {n}" for p, path, n in notes]
+    sources = sorted({(r["provider"], r["work_source"]) for r in rows if r.get("work_source")})
+    if sources:
+        lines += ["", "What each provider computes (read from its code):", ""] + \
+            [f"- `{p}`: {src}" for p, src in sources]
     return "\n".join(lines) + "\n"
 
 
-_COLORS = {"ours": "tab:blue", "ours-triton-interp": "tab:cyan", "eager": "tab:green", "compile": "tab:orange",
-           "liger-chunked": "tab:red", "liger-triton": "tab:pink", "trl-chunked": "tab:purple",
-           "trl-triton": "tab:brown"}
-
-
-def _color(provider: str) -> str:
-    return _COLORS.get(provider, "tab:gray")
-
-
-def plots(rows: list[dict], out_dir: pathlib.Path, stem: str) -> list[pathlib.Path]:
-    """Time and memory against N, per (path, H, V); a row of two panels per mode."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plots (the table is complete)", file=sys.stderr)
-        return []
-    written = []
-    groups = defaultdict(list)
-    for r in rows:
-        if r.get("path") in PATH_TITLES:
-            groups[(r["path"], r["H"], r["V"])].append(r)
-    for (path, H, V), rs in sorted(groups.items()):
-        modes = [m for m in MODE_ORDER if any(r["mode"] == m for r in rs)]
-        fig, axes = plt.subplots(len(modes), 2, figsize=(11, 3.4 * len(modes)), squeeze=False)
-        providers = sorted({r["provider"] for r in rs}, key=lambda p: (not p.startswith("ours"), p))
-        Ns = sorted({r["N"] for r in rs})
-        for i, mode in enumerate(modes):
-            for p in providers:
-                pts = sorted((r["N"], r["median_s"] * 1e3, r.get("peak_mem_bytes")) for r in rs
-                             if r["mode"] == mode and r["provider"] == p)
-                if not pts:
-                    continue
-                dagger = any(_excluded_from_best(r) for r in rs if r["mode"] == mode and r["provider"] == p)
-                style = dict(marker="o", linewidth=2.5 if p.startswith("ours") else 1.3, color=_color(p),
-                             label=p + (" (grads computed in fwd)" if dagger else ""))
-                axes[i][0].plot([n for n, _, _ in pts], [t for _, t, _ in pts], **style)
-                # log axis: an all-small-blocks peak of 0 bytes is drawn at the 0.01 MiB floor
-                mem = [(n, max(m / (1 << 20), 0.01)) for n, _, m in pts if m is not None]
-                if mem:
-                    axes[i][1].plot([n for n, _ in mem], [m for _, m in mem], **style)
-            for j, ylabel in enumerate(("median time (ms)", "peak memory above inputs (MiB)")):
-                ax = axes[i][j]
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(Ns, [str(n) for n in Ns])
-                ax.minorticks_off() if len(Ns) > 1 else None
-                ax.set_yscale("log")
-                ax.set_xlabel("N tokens")
-                ax.set_ylabel(ylabel)
-                ax.set_title(f"{path} {MODE_TITLES[mode]}", fontsize=10)
-                ax.grid(True, which="both", alpha=0.3)
-            axes[i][0].legend(fontsize=8)
-        dev = rs[0].get("device", "?")
-        fig.suptitle(f"{PATH_TITLES[path]}\n{dev} {rs[0].get('dtype', '')}, {f'H={H} ' if H else ''}V={V}",
-                     fontsize=11)
-        fig.tight_layout()
-        name = f"{stem}_{path}_{'H%d_' % H if H else ''}V{V}.png"
-        fig.savefig(out_dir / name, dpi=90)
-        plt.close(fig)
-        written.append(out_dir / name)
-    return written
+def render(data: dict, rows: list[dict], not_run: list[dict]) -> str:
+    return (header(data, rows) + "\n### Summary: ours against the fastest peer\n\n" + summary(rows, not_run)
+            + "\n" + tables(rows) + "\n### Not run\n\n" + not_run_table(not_run))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", type=pathlib.Path, help="pytest-benchmark --benchmark-json output")
-    ap.add_argument("--out", type=pathlib.Path, default=RESULTS, help="output folder (default benchmarks/results)")
+    ap.add_argument("--out", type=pathlib.Path, default=OUT, help="output folder (default bench-out/)")
     ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--brief", action="store_true",
-                    help="print only the forward+backward and no-grad tables (the file has all of them)")
+    ap.add_argument("--print", dest="show", choices=("all", "summary"), default="all",
+                    help="what to print (the file always has everything)")
     args = ap.parse_args(argv)
-    data, rows = load(args.results)
-    if not any(r.get("path") in PATH_TITLES for r in rows):
+    data, rows, not_run = load(args.results)
+    if not any(r.get("path") in PATH_TITLES for r in rows) and not not_run:
         print(f"{args.results}: no benchmark of this suite in the file", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.results.stem
-    pngs = [] if args.no_plots else plots(rows, args.out, stem)
-    md = header(data, rows) + "\n" + table(rows)
+    md = render(data, rows, not_run)
+    pngs = []
+    if not args.no_plots:
+        from .plots import plots
+        pngs = plots(rows, args.out, stem)
     if pngs:
         md += "\nPlots: " + ", ".join(f"`{p.name}`" for p in pngs) + "\n"
     (args.out / f"{stem}.md").write_text(md)
-    print(header(data, rows) + "\n" + table(rows, ("fwdbwd", "nograd")) if args.brief else md)
+    if args.show == "summary":
+        first = next((r for r in rows if r.get("path") in PATH_TITLES), {})
+        print(f"Benchmark summary: {first.get('device', '?')} ({first.get('dtype', '?')}), torch "
+              f"{first.get('torch', '?')}, triton {first.get('triton', '?')}; all tables in "
+              f"{args.out / (stem + '.md')}\n")
+        print(summary(rows, not_run))
+    else:
+        print(md)
     print(f"wrote {args.out / (stem + '.md')}" + "".join(f"\nwrote {p}" for p in pngs), file=sys.stderr)
     return 0
 

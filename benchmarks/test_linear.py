@@ -1,4 +1,5 @@
-"""Fused linear head: GRPO loss from hidden states and a trainable lm_head, forward / backward / both."""
+"""Fused linear head: GRPO loss from hidden states and the lm_head: forward + backward, forward, backward, a frozen
+head, and a padded batch (cases in ``harness.CASES``)."""
 import pytest
 
 from . import harness
@@ -6,5 +7,5 @@ from . import harness
 
 @pytest.mark.bench_path("linear")
 def test_linear_loss(benchmark, spec):
-    shape, provider, mode = spec
-    harness.run(benchmark, "linear", shape, provider, mode)
+    variant, shape, provider, mode = spec
+    harness.run(benchmark, "linear", variant, shape, provider, mode)

@@ -1,4 +1,5 @@
-"""Logits path: GRPO loss from given (B, T, V) logits, forward / backward / both."""
+"""Logits path: GRPO loss from given (B, T, V) logits: forward + backward, forward, backward, a padded batch and
+one long row (cases in ``harness.CASES``)."""
 import pytest
 
 from . import harness
@@ -6,5 +7,5 @@ from . import harness
 
 @pytest.mark.bench_path("logits")
 def test_logits_loss(benchmark, spec):
-    shape, provider, mode = spec
-    harness.run(benchmark, "logits", shape, provider, mode)
+    variant, shape, provider, mode = spec
+    harness.run(benchmark, "logits", variant, shape, provider, mode)

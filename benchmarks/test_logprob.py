@@ -1,4 +1,5 @@
-"""Old / reference policy: per-token log-probs from hidden states and the lm_head under torch.no_grad()."""
+"""Old / reference policy: per-token log-probs from hidden states and the lm_head under torch.no_grad(), every token
+valid and a padded batch."""
 import pytest
 
 from . import harness
@@ -6,5 +7,5 @@ from . import harness
 
 @pytest.mark.bench_path("logprob")
 def test_logprob_nograd(benchmark, spec):
-    shape, provider, mode = spec
-    harness.run(benchmark, "logprob", shape, provider, mode)
+    variant, shape, provider, mode = spec
+    harness.run(benchmark, "logprob", variant, shape, provider, mode)

@@ -1,4 +1,6 @@
 """Inputs that pass validation but once gave wrong numbers (review findings, kept as regressions)."""
+import os
+
 import pytest
 import torch
 
@@ -6,6 +8,9 @@ import grpo_kernels as gk
 from grpo_kernels.config import LOSS_TYPES
 
 IMPLS = ["torch", "triton"]
+# A test that compares the impls inside one call runs Triton on CUDA tensors on a GPU machine and under the CPU
+# interpreter elsewhere (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA).
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
 
 
 def _logits_case(seed=0, B=2, T=3, V=40):
@@ -17,9 +22,10 @@ def _logits_case(seed=0, B=2, T=3, V=40):
 @pytest.mark.parametrize("mask_kind", ["float-half", "int-256"])
 def test_non_binary_masks_count_like_bool(mask_kind):
     """Any non-zero mask value is a valid token, on every path (an int8 cast once skipped 0.5 and 256)."""
-    logits, ids, adv, old = _logits_case()
+    logits, ids, adv, old = (t.to(DEVICE) for t in _logits_case())
     mask = torch.tensor([[1.0, 0.5, 0.0], [1.0, 1.0, 1.0]]) if mask_kind == "float-half" else \
         torch.tensor([[1, 256, 0], [1, 1, 1]], dtype=torch.int32)
+    mask = mask.to(DEVICE)
     results = []
     for impl in IMPLS:
         x = logits.clone().requires_grad_(True)
