@@ -85,7 +85,8 @@ class _GradInForwardLoss(torch.autograd.Function):
         sums = terms.double().sum(0)  # in row order: deterministic
         ctx.dlogits, ctx.mask_f = dlogits, mask_f
         ctx.mark_non_differentiable(sums)
-        loss = (sums[0] - cfg.entropy_coef * sums[6] / count.double()).float()
+        loss = sums[0] if cfg.entropy_coef == 0.0 else sums[0] - cfg.entropy_coef * sums[6] / count.double()
+        loss = loss.float()
         return loss, sums
 
     @staticmethod
