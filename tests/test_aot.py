@@ -6,7 +6,8 @@ process with TRITON_INTERPRET=0, on the ``aot_launches()`` scenarios of every ke
 local memory) and shared memory over the GPU's limit; checks that bf16/fp16 fused-linear configs use Hopper's
 HGMMA on sm_90 (HMMA on sm_80) and that fp32 configs use no tensor-core MMA at all (input_precision="ieee", i.e.
 no silent TF32), and that the half-precision logits kernels stream rows with 16-byte vector loads / stores
-(``LDG.E.128`` / ``STG.E.128``, no 2-byte ``LDG.E.U16`` / ``STG.E.U16``). Prints registers / spills / shared memory per kernel (pytest -s). The default test compiles a subset
+(``LDG.E.128`` / ``STG.E.128``, no 2-byte ``LDG.E.U16`` / ``STG.E.U16``). Prints registers / spills / shared
+memory per kernel (pytest -s). The default test compiles a subset
 (each fused-linear kernel with its heaviest flags, in fp32 and bf16, plus all configs of the other modules:
 ~25 s cold on 2 busy cores); the ``slow`` one compiles everything (~190 kernels: 1.5-3.5 min cold on 2 busy
 cores, seconds once Triton's cache is warm).

@@ -130,14 +130,16 @@ def test_nan_logit_at_a_valid_token_propagates(loss_type, mode, monkeypatch):
         assert torch.isnan(grad[1, 2]).all() and torch.isfinite(grad[0]).all()
 
 
-SHAPES = {"T1-V37": (3, 1, 37, None), "V1000-blocks256": (2, 5, 1000, 256), "V37": (4, 7, 37, None)}
+SHAPES = {"T1-V37": (3, 1, 37, None), "V1000-blocks256": (2, 5, 1000, 256), "V256-blocks64-no-tail": (2, 3, 256, 64),
+          "V37": (4, 7, 37, None)}
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_awkward_shapes_and_fully_masked_rows(shape, mode, monkeypatch):
-    """T = 1, V not a multiple of 16, multi-block rows with a tail, a fully masked sequence (make_inputs masks
-    row 1): equal to the torch path, padded tokens get an exactly zero gradient, NaN logits there change nothing."""
+    """T = 1, V not a multiple of 16, multi-block rows with and without a tail, a fully masked sequence
+    (make_inputs masks row 1): equal to the torch path, padded tokens get an exactly zero gradient, NaN logits there
+    change nothing."""
     B, T, V, block = shape
     if block:
         monkeypatch.setattr(logits_kernels, "MAX_BLOCK_V", block)

@@ -33,7 +33,7 @@ def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entrop
         keep = tl.load(mask_ptr + row) != 0
     else:
         keep = row >= 0
-    lse, entropy = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V)
+    lse, entropy = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, "")
     # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
     target = tl.load(ids_ptr + row).to(tl.int64)
     z_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32) * inv_temperature

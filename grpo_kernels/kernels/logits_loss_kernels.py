@@ -58,7 +58,7 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
         # Why `keep`: padded tokens read no logits; their d logits are written as zeros.
         keep = m != 0.0
         base = logits_ptr + b * stride_b + t * stride_t
-        lse, h = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V)
+        lse, h = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, "evict_last")
         target = tl.load(ids_ptr + row).to(tl.int64)
         logp = tl.load(base + target, mask=keep, other=0.0).to(tl.float32) * inv_temperature - lse
         w = tl.load(w_ptr + row)

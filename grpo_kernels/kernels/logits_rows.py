@@ -106,23 +106,32 @@ def _online_update(z, m, s, a):
 
 
 @triton.jit
-def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr):
+def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr, EVICTION: tl.constexpr):
     """(lse, entropy) of ``z = row / temperature`` for the row at ``base`` (unit stride); a row with ``keep``
-    false reads nothing and returns (0, 0). A NaN anywhere in the row makes both NaN (the sum carries it)."""
+    false reads nothing and returns (0, 0). A NaN anywhere in the row makes both NaN (the sum carries it).
+    EVICTION: the L2 hint of the loads, "evict_last" when the row is swept again right after, else "evict_first"."""
     cols = tl.arange(0, BLOCK_V)
     m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
     s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
     a = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-    n_full = tl.where(keep, (V // BLOCK_V) * BLOCK_V, 0)
-    # Why unmasked: full blocks at multiples of BLOCK_V from an aligned row start load as 16-byte vectors.
-    for start in range(0, n_full, BLOCK_V):
-        start = tl.multiple_of(start, BLOCK_V)
-        z = tl.load(base + start + cols).to(tl.float32) * inv_temperature
+    n_blocks = tl.where(keep, V // BLOCK_V, 0)
+    # Why full blocks at multiples of BLOCK_V under all-or-nothing masks: from an aligned row start they load as
+    # 16-byte vectors. Why the next block is loaded before the current one is reduced: the loads of two blocks
+    # are in flight at once (a GPU warp stalls at the first use of a load, so without it each block's latency
+    # would be paid in turn).
+    z_next = tl.load(base + cols, mask=cols < tl.where(n_blocks > 0, BLOCK_V, 0), other=float("-inf"),
+                     eviction_policy=EVICTION)
+    for i in range(0, n_blocks):
+        z = z_next.to(tl.float32) * inv_temperature
+        start = tl.multiple_of((i + 1) * BLOCK_V, BLOCK_V)
+        z_next = tl.load(base + start + cols, mask=cols < tl.where(i + 1 < n_blocks, BLOCK_V, 0),
+                         other=float("-inf"), eviction_policy=EVICTION)
         m, s, a = _online_update(z, m, s, a)
+    n_full = n_blocks * BLOCK_V
     if keep & (n_full < V):
         v = n_full + cols
-        z = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
-        m, s, a = _online_update(z, m, s, a)
+        z = tl.load(base + v, mask=v < V, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
+        m, s, a = _online_update(z * inv_temperature, m, s, a)
     lse = m + tl.log(s)
     entropy = lse - a / s
     return tl.where(keep, lse, 0.0), tl.where(keep, entropy, 0.0)
@@ -154,11 +163,18 @@ def write_row_dlogits(base, out, V, keep, target, lse, h, g, g_h, inv_temperatur
         z = tl.load(base + v, mask=v < tl.where(keep, V, 0), other=float("-inf")).to(tl.float32) * inv_temperature
         dz = _dlogits_block(z, v, target, lse, h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD)
         tl.store(out + v, dz.to(out.dtype.element_ty), mask=v < V)
-    # Why this mask: constant over the block (all or nothing), so the load stays a predicated 16-byte vector.
-    read = cols < tl.where(keep, BLOCK_V, 0)
-    for i in range(0, V // BLOCK_V):
+    # Why these masks: constant over the block (all or nothing), so loads stay predicated 16-byte vectors; and
+    # as in the first sweep the next block's load is issued before the current block is computed and stored.
+    # Why evict_first: the row is dead after this sweep (the stores write it back).
+    n_blocks = V // BLOCK_V
+    z_next = tl.load(base + n_full - BLOCK_V + cols, mask=cols < tl.where(keep & (n_blocks > 0), BLOCK_V, 0),
+                     other=float("-inf"), eviction_policy="evict_first")
+    for i in range(0, n_blocks):
         start = tl.multiple_of(n_full - (i + 1) * BLOCK_V, BLOCK_V)
+        z = z_next.to(tl.float32) * inv_temperature
+        more = keep & (i + 1 < n_blocks)
+        z_next = tl.load(base + start - BLOCK_V + cols, mask=cols < tl.where(more, BLOCK_V, 0), other=float("-inf"),
+                         eviction_policy="evict_first")
         v = start + cols
-        z = tl.load(base + v, mask=read, other=float("-inf")).to(tl.float32) * inv_temperature
         dz = _dlogits_block(z, v, target, lse, h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD)
         tl.store(out + v, dz.to(out.dtype.element_ty))
