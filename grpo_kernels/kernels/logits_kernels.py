@@ -66,7 +66,7 @@ def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr
                       BLOCK_V)
 
 
-def _as_btv(logits: torch.Tensor) -> torch.Tensor:
+def as_btv(logits: torch.Tensor) -> torch.Tensor:
     """A (B, T, V) view with unit vocab stride (copies only when the vocab dim is strided)."""
     x = logits if logits.dim() == 3 else logits.unsqueeze(0)
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -92,7 +92,7 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
     lse is the logsumexp of ``z = logits / temperature``; the caller has validated ids and shapes. Rows where
     ``row_mask`` (shaped like ids) is 0 are skipped and get 0 in all three outputs.
     """
-    x = _as_btv(logits)
+    x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
     ids_flat = ids.reshape(N).contiguous()  # a strided view (ids[:, ::2]) must not be read with unit stride
@@ -112,7 +112,7 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
 
     Returns a tensor shaped like ``logits`` in its dtype: a new buffer, or ``logits`` itself when ``inplace``.
     """
-    x = _as_btv(logits)
+    x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
     if inplace and x.data_ptr() == (logits if logits.dim() == 3 else logits.unsqueeze(0)).data_ptr():

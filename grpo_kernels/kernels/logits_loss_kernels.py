@@ -20,9 +20,9 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .logits_kernels import _as_btv, tiles
+from .logits_kernels import as_btv, tiles
 from .logits_rows import num_sms, row_logsumexp_entropy, write_row_dlogits
-from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, _row_col_strides
+from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
 from .token_terms import token_terms
 
 # Per-row terms: w*l, m*kl, m*low, m*high, m*region, m*cispo_clipped (token_loss_kernels' sums), then m*entropy.
@@ -119,13 +119,13 @@ def grad_in_forward(logits, ids, mask_f, weights, old_logps, ref_logps, advantag
     (B*T, N_TERMS) fp32). ``mask_f``, ``weights`` (B, T) fp32; ``h_scale`` a one-element fp32 tensor
     ``-entropy_coef / max(n_valid, 1)`` or None; ``kind`` the policy term's index. With ``inplace`` the d logits
     overwrite the logits buffer (a copy is made only when the vocab dim is strided)."""
-    x = _as_btv(logits)
+    x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
     out = x if inplace else alloc((B, T, V), x.dtype, x.device)
     terms = alloc((N, N_TERMS), torch.float32, x.device)
-    adv, adv_sb, adv_st = _row_col_strides(advantages, B, T)
-    isr, is_sb, is_st = _row_col_strides(is_ratio, B, T)
+    adv, adv_sb, adv_st = row_col_strides(advantages, B, T)
+    isr, is_sb, is_st = row_col_strides(is_ratio, B, T)
     old = None if old_logps is None else old_logps.float().contiguous()
     ref = None if ref_logps is None else ref_logps.float().contiguous()
     if N:
@@ -147,7 +147,7 @@ def grad_in_forward(logits, ids, mask_f, weights, old_logps, ref_logps, advantag
 def scale_dlogits_(dlogits: torch.Tensor, scale: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
     """``dlogits *= scale`` in place (``scale`` a one-element tensor read on the device: nothing is read or written
     when it is 1, and padded rows (``mask_f`` 0, exact zeros) are skipped for a finite scale)."""
-    x = _as_btv(dlogits)
+    x = as_btv(dlogits)
     B, T, V = x.shape
     if B * T:
         t = tiles("backward", x)
