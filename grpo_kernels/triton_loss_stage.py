@@ -82,7 +82,7 @@ class _GradInForwardLoss(torch.autograd.Function):
         dlogits, terms = grad_in_forward(logits, ids, mask_f, weights, batch.old_logps, batch.ref_logps,
                                          batch.advantages, batch.is_ratio, h_scale, cfg,
                                          LOSS_TABLE[cfg.loss_type].policy_kind, inplace)
-        sums = terms.double().sum(0)  # in row order: deterministic
+        sums = terms.sum(0, dtype=torch.float64)  # no fp64 copy of the terms; deterministic
         ctx.dlogits, ctx.mask_f = dlogits, mask_f
         ctx.mark_non_differentiable(sums)
         loss = sums[0] if cfg.entropy_coef == 0.0 else sums[0] - cfg.entropy_coef * sums[6] / count.double()
