@@ -2,15 +2,15 @@
 
 Why these helpers exist: a kernel that streams a vocab row is bound by memory traffic, so each load and store must
 be a 16-byte vector (``LDG.E.128`` / ``STG.E.128`` for 8 bf16 values). Triton emits vectors only when it can prove
-16-byte alignment and a mask that is constant over 16-byte groups. So every sweep here is a main loop over the
-full ``BLOCK_V`` blocks (offsets ``tl.multiple_of`` the block, masks all-or-nothing per block: no per-element
-bound) plus one masked tail block, and ``V`` is a specialized argument (Triton's divisibility-by-16 class): with
-``V % 16 == 0`` (every real vocabulary) the tail mask is constant per 16 values and vectorizes too; with
-``V % 16 != 0`` the main loop stays vectorized where the row start is aligned, and the tail is scalar. Row strides and pointers keep the JIT's 16-divisibility
-specialization (no ``do_not_specialize`` on them) so the row start is provably aligned. Variants per kernel, dtype
-and flag set: V % 16 == 0 or not (V == 1 is a third, trivial one), times the alignment class of the strides;
-T, the vocab size within its class, the temperature and every loss hyper-parameter are runtime values
-(``tools/aot.py`` and ``tests/test_aot.py`` check the vector widths in the compiled SASS).
+16-byte alignment and a mask that is constant over 16-byte groups. So every sweep here is a main loop over the full
+``BLOCK_V`` blocks (offsets ``tl.multiple_of`` the block, masks all-or-nothing per block: no per-element bound) plus
+one masked tail block, and ``V`` is a specialized argument (Triton's divisibility-by-16 class): with ``V % 16 == 0``
+(every real vocabulary) the tail mask is constant per 16 values and vectorizes too; with ``V % 16 != 0`` the main
+loop stays vectorized where the row start is aligned, and the tail is scalar. Row strides and pointers keep the
+JIT's 16-divisibility specialization (no ``do_not_specialize`` on them) so the row start is provably aligned.
+Variants per kernel, dtype and flag set: V % 16 == 0 or not (V == 1 is a third, trivial one), times the alignment
+class of the strides; T, the vocab size within its class, the temperature and every loss hyper-parameter are runtime
+values (``tools/aot.py`` and ``tests/test_aot.py`` check the vector widths in the compiled SASS).
 """
 from __future__ import annotations
 
