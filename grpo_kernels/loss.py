@@ -39,7 +39,9 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     advantages (B,) or (B, T); mask (B, T) (None = all valid); old_logps / ref_logps / sampling_logps (B, T);
     is_ratio (B,), (B, 1) or (B, T); num_items_in_batch normalizes dapo / cispo / vespo (default: mask.sum()).
     config: a ``GRPOLossConfig``; keyword overrides (``loss_type="grpo"``, ``beta=0.04``...) apply on top.
-    inplace_backward: write d logits into the logits buffer (no second B x T x V tensor).
+    inplace_backward: write d logits into the logits buffer (no second B x T x V tensor). With the gradient computed
+    in the forward (``config.grad_in_forward``, the default on the Triton path where the per-token gradient is known
+    once a row is swept, and the logits require grad) the buffer holds d logits as soon as this returns.
     Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a dict of detached 0-dim metrics.
     """
     cfg = resolve_config(config, config_overrides)
@@ -47,6 +49,8 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     B, T = ids.shape
     batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
                                 sampling_logps, num_items_in_batch)
+    if triton_loss_stage.grad_in_forward_applies(inputs, cfg):
+        return triton_loss_stage.grad_in_forward_loss(inputs, batch, cfg, inplace_backward)
     logps, entropy, _ = logits_token_logprobs(inputs, inplace_backward, row_mask=mask)
     return _loss_stage(logps, entropy, batch, cfg, inputs.impl)
 

@@ -5,7 +5,9 @@ process with TRITON_INTERPRET=0, on the ``aot_launches()`` scenarios of every ke
 (fused linear, logits, token loss, ...). Fails on compile errors, register spills (ptxas "spill stores/loads" or
 local memory) and shared memory over the GPU's limit; checks that bf16/fp16 fused-linear configs use Hopper's
 HGMMA on sm_90 (HMMA on sm_80) and that fp32 configs use no tensor-core MMA at all (input_precision="ieee", i.e.
-no silent TF32). Prints registers / spills / shared memory per kernel (pytest -s). The default test compiles a subset
+no silent TF32), and that the half-precision logits kernels stream rows with 16-byte vector loads / stores
+(``LDG.E.128`` / ``STG.E.128``, no 2-byte ``LDG.E.U16`` / ``STG.E.U16``). Prints registers / spills / shared
+memory per kernel (pytest -s). The default test compiles a subset
 (each fused-linear kernel with its heaviest flags, in fp32 and bf16, plus all configs of the other modules:
 ~25 s cold on 2 busy cores); the ``slow`` one compiles everything (~190 kernels: 1.5-3.5 min cold on 2 busy
 cores, seconds once Triton's cache is warm).
@@ -82,11 +84,41 @@ def check(reports) -> None:
             assert r.hmma, f"half-precision fused-linear kernel without HMMA on sm_80: {r.line()}"
 
 
+def check_vector_widths(reports) -> None:
+    """Half-precision logits kernels (they stream vocab rows) must move 16-byte vectors: ``LDG.E.128`` in every
+    one, ``STG.E.128`` in those that write rows, and no 2-byte ``LDG.E.U16`` / ``STG.E.U16`` except the forward's
+    one scalar load of the target logit. The ``_vodd`` configs (V % 16 != 0 on aligned rows) keep a scalar tail
+    but must still vectorize the main loop. On an H200 the 2-byte version made the backward 3.4x slower."""
+    logits = [r for r in reports if r.name.startswith("logits_") and ("_bf16" in r.name or "_fp16" in r.name)]
+    assert logits, "no half-precision logits kernel compiled"
+    for r in logits:
+        assert r.ldg128 > 0, f"no 16-byte loads: {r.line()}"
+        if r.name.endswith("_vodd"):
+            continue
+        writes_rows = r.name.startswith(("logits_bwd", "logits_loss", "logits_scale"))
+        loads_target = r.name.startswith(("logits_fwd", "logits_loss"))
+        assert r.ldg16 <= (1 if loads_target else 0), f"2-byte loads in a row sweep: {r.line()}"
+        assert r.stg16 == 0, f"2-byte stores in a row sweep: {r.line()}"
+        if writes_rows:
+            assert r.stg128 > 0, f"no 16-byte stores: {r.line()}"
+
+
+def test_logits_kernels_use_16_byte_vectors():
+    """The vector-width check alone, on the logits-path kernels (seconds once Triton's cache holds them)."""
+    mods = [m for m in MODULES if m.rsplit(".", 1)[1].startswith("logits_")]
+    reports = aot.report_module(mods, ARCHS, only=r"_(bf16|fp16)")
+    assert {r.name for r in reports} >= {"logits_fwd_bf16", "logits_bwd_bf16_entropy", "logits_loss_bf16_clipped_plain",
+                                         "logits_scale_bf16", "logits_fwd_bf16_vodd"}
+    check(reports)
+    check_vector_widths(reports)
+
+
 def test_aot_subset():
     reports = aot.report_module(MODULES, ARCHS, only=FAST)
     assert {(r.arch, r.name) for r in reports} == expected_names(FAST)
     assert any(r.name.startswith("linear_bwd_atomic_bf16") for r in reports)
     check(reports)
+    check_vector_widths(reports)
 
 
 @pytest.mark.slow

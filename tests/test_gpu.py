@@ -49,13 +49,15 @@ def test_int64_offsets_beyond_2_to_the_31():
     assert (logp[:, -8:] - t_logp).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("grad_in_forward", [True, False], ids=["grad-in-forward", "separate"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_grpo_loss_matches_reference_on_gpu(case):
+def test_grpo_loss_matches_reference_on_gpu(case, grad_in_forward):
     inputs = {k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in make_inputs(case, V=5000).items()}
     logits = inputs.pop("logits")
     args = (inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"))
     x = logits.clone().requires_grad_(True)
-    loss, _ = gk.grpo_loss(x, *args, config=case.config, impl="triton", **inputs)
+    loss, _ = gk.grpo_loss(x, *args, config=case.config.replace(grad_in_forward=grad_in_forward), impl="triton",
+                           **inputs)
     (grad,) = torch.autograd.grad(loss, x)
     y = logits.double().requires_grad_(True)
     t_loss, _ = reference_grpo_loss(y, *args, config=case.config, **inputs)
@@ -106,3 +108,75 @@ def test_new_lengths_and_temperature_do_not_recompile():
         call(T, tau)
     after = sum(len(entry[0]) for entry in caches.values())
     assert after == before, f"{after - before} new variants compiled for new lengths / temperatures"
+
+
+def _qwen_batch(B, T, V, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    logits = (torch.randn(B, T, V, device=DEV, generator=g) * 2).to(dtype)
+    ids = torch.randint(0, V, (B, T), device=DEV, generator=g)
+    mask = torch.arange(T, device=DEV) < torch.tensor([T, T // 3], device=DEV)[:B].unsqueeze(1)
+    logp = torch.randn(B, T, device=DEV, generator=g) * 0.1 - 3
+    return logits, ids, mask, {"advantages": torch.tensor([1.0, -0.5], device=DEV)[:B], "old_logps": logp,
+                               "ref_logps": logp - 0.1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grad_in_forward_at_qwen_vocab(dtype):
+    """B=2, T=1024, V=151936, dapo with KL and an entropy bonus, a third of row 2 valid: the grad-in-forward kernel
+    (new buffer and in place) against the separate sweeps and the fp64 reference on a slice of rows."""
+    logits, ids, mask, rest = _qwen_batch(2, 1024, 151936, dtype)
+    cfg = gk.GRPOLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, temperature=0.9)
+    results = {}
+    for name, gif, inplace in (("gif", True, False), ("gif-inplace", True, True), ("separate", False, False)):
+        x = logits.clone().requires_grad_(True)
+        loss, metrics = gk.grpo_loss(x, ids, rest["advantages"], mask, config=cfg.replace(grad_in_forward=gif),
+                                     impl="triton", inplace_backward=inplace, old_logps=rest["old_logps"],
+                                     ref_logps=rest["ref_logps"])
+        (loss * 3.0).backward()
+        results[name] = (loss.detach(), x.grad, metrics)
+        if inplace:
+            assert x.grad.data_ptr() == x.data_ptr()
+    assert torch.equal(results["gif"][1], results["gif-inplace"][1])
+    assert _rel(results["gif"][1], results["separate"][1]) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert abs(results["gif"][0].item() - results["separate"][0].item()) <= 1e-5 * abs(results["separate"][0].item())
+    assert (results["gif"][1][1, 1024 // 3:] == 0).all(), "padded tokens must get zero gradient"
+    t_loss, _ = reference_grpo_loss(logits.double(), ids, rest["advantages"], mask, config=cfg,
+                                    old_logps=rest["old_logps"], ref_logps=rest["ref_logps"])
+    assert abs(results["gif"][0].item() - t_loss.item()) <= 1e-4 * abs(t_loss.item())
+
+
+def test_grad_in_forward_long_row():
+    """B=1, T=131072, V=32768 bf16 (a 1-D grid; T >= 65536 breaks a 2-D one): finite loss and gradient, equal to
+    the separate sweeps."""
+    logits, ids, mask, rest = _qwen_batch(1, 131072, 32768, torch.bfloat16, seed=1)
+    grads = []
+    for gif in (True, False):
+        x = logits.clone().requires_grad_(True)
+        loss, _ = gk.grpo_loss(x, ids, rest["advantages"], mask, loss_type="grpo", grad_in_forward=gif,
+                               impl="triton", inplace_backward=True, old_logps=rest["old_logps"])
+        loss.backward()
+        assert torch.isfinite(loss)
+        grads.append(x.grad[0, -4:].float().clone())
+        del x, loss
+    assert torch.isfinite(grads[0]).all()
+    assert _rel(grads[0], grads[1]) < 1e-2
+
+
+def test_grad_in_forward_new_lengths_do_not_recompile():
+    from grpo_kernels.kernels.logits_loss_kernels import logits_loss_grad_in_forward as kernel
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton version exposes no JIT cache to inspect")
+
+    def call(T, tau, beta):
+        x = torch.randn(2, T, 1024, device=DEV, requires_grad=True)
+        ids = torch.zeros(2, T, dtype=torch.long, device=DEV)
+        loss, _ = gk.grpo_loss(x, ids, torch.ones(2, device=DEV), old_logps=torch.zeros(2, T, device=DEV) - 7,
+                               loss_type="grpo", temperature=tau, epsilon_high=beta, impl="triton")
+        loss.backward()
+    call(2, 1.0, 0.2)
+    before = sum(len(entry[0]) for entry in caches.values())
+    for T, tau, eps in ((3, 1.0, 0.3), (5, 0.7, 0.28), (17, 1.3, 0.2), (1, 0.5, 0.25)):
+        call(T, tau, eps)
+    after = sum(len(entry[0]) for entry in caches.values())
+    assert after == before, f"{after - before} new variants compiled for new lengths / hyper-parameters"

@@ -2,7 +2,8 @@
 
 ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))`` builds a real cubin on a
 machine without a GPU; the ``cuobjdump`` shipped in Triton's wheel then reports registers, stack/local bytes and
-static shared memory, and its SASS shows whether the dots lowered to Hopper's HGMMA or to HMMA. Spills are read
+static shared memory, and its SASS shows whether the dots lowered to Hopper's HGMMA or to HMMA, and the width
+of the global loads / stores (``LDG.E.128`` 16-byte vectors vs ``LDG.E.U16`` 2-byte scalars). Spills are read
 from ``ptxas -v`` ("bytes spill stores/loads"), captured while Triton assembles the kernel (or by re-running the
 same ptxas on the PTX when the kernel came from Triton's cache). Shared memory is Triton's dynamic allocation
 (``metadata.shared``) plus the cubin's static part.
@@ -62,6 +63,10 @@ class KernelReport:
     num_stages: int
     hgmma: bool
     hmma: bool
+    ldg128: int = 0  # SASS global loads / stores by width: 16-byte vectors and 2-byte scalars (bf16 / fp16)
+    stg128: int = 0
+    ldg16: int = 0
+    stg16: int = 0
     error: str = ""
 
     @property
@@ -75,7 +80,8 @@ class KernelReport:
         mma = "HGMMA" if self.hgmma else ("HMMA" if self.hmma else "no-MMA")
         return (f"sm_{self.arch} {self.name}: regs={self.registers} spill={self.spill_stores}/{self.spill_loads} "
                 f"stack={self.stack_bytes} local={self.local_bytes} smem={self.shared_bytes} warps={self.num_warps} "
-                f"stages={self.num_stages} {mma}")
+                f"stages={self.num_stages} {mma} LDG.128={self.ldg128} STG.128={self.stg128} "
+                f"LDG.U16={self.ldg16} STG.U16={self.stg16}")
 
 
 def _triton():
@@ -169,7 +175,17 @@ def inspect_cubin(cubin: bytes) -> dict:
 
     return {"registers": field("REG"), "stack_bytes": field("STACK"), "local_bytes": field("LOCAL"),
             "static_shared": field("SHARED"), "hgmma": "HGMMA" in sass,
-            "hmma": re.search(r"\bHMMA\b", sass) is not None, "sass": sass}
+            "hmma": re.search(r"\bHMMA\b", sass) is not None, **vector_widths(sass), "sass": sass}
+
+
+def vector_widths(sass: str) -> dict:
+    """Counts of global loads / stores by width in a SASS listing: ``LDG.E.128`` (16-byte vectors, with any cache
+    or eviction modifiers) and ``LDG.E.U16`` (2-byte scalars), likewise ``STG``. A kernel that streams bf16 rows
+    with the latter issues 8x the memory instructions (DESIGN.md section 4)."""
+    def count(op: str, width: str) -> int:
+        return len(re.findall(rf"\b{op}\.E(?:\.[A-Z0-9_]+)*?\.{width}\b", sass))
+    return {"ldg128": count("LDG", "128"), "stg128": count("STG", "128"), "ldg16": count("LDG", "U16"),
+            "stg16": count("STG", "U16")}
 
 
 def report(name: str, fn, signature: dict, constexprs: dict, arch: int = 90) -> KernelReport:
@@ -193,10 +209,11 @@ def report(name: str, fn, signature: dict, constexprs: dict, arch: int = 90) -> 
     return KernelReport(name=name, arch=arch, registers=info["registers"], stack_bytes=info["stack_bytes"],
                         local_bytes=info["local_bytes"], spill_stores=info["spill_stores"],
                         spill_loads=info["spill_loads"], shared_bytes=kernel.metadata.shared + info["static_shared"],
-                        num_warps=warps, num_stages=stages, hgmma=info["hgmma"], hmma=info["hmma"])
+                        num_warps=warps, num_stages=stages, hgmma=info["hgmma"], hmma=info["hmma"],
+                        ldg128=info["ldg128"], stg128=info["stg128"], ldg16=info["ldg16"], stg16=info["stg16"])
 
 
-_REPORT_FILE = "grpo_aot_report.json"
+_REPORT_FILE = "grpo_aot_report_v2.json"  # v2: with the SASS vector-width counts
 
 
 def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:

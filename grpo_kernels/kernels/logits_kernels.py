@@ -13,14 +13,14 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-
-MAX_BLOCK_V = 4096
-
+from .logits_rows import RowTiles, row_logsumexp_entropy, row_tiles, write_row_dlogits
 
 triton, tl = import_triton()
 
 
-@triton.jit(do_not_specialize=["T", "V"])
+# Why T alone is not specialized: a new completion length must not compile a new variant; V keeps its
+# divisibility-by-16 class so that the row sweeps vectorize (see logits_rows).
+@triton.jit(do_not_specialize=["T"])
 def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entropy_ptr,
                         T, V, stride_b, stride_t, inv_temperature,
                         HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -29,38 +29,20 @@ def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entrop
     base = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
     # Why the row mask: padded tokens (often a third of a GRPO batch) skip the sweep and read nothing;
     # their outputs are 0, which the loss masks out.
-    n_cols = V
     if HAS_MASK:
         keep = tl.load(mask_ptr + row) != 0
-        n_cols = tl.where(keep, V, 0)
     else:
         keep = row >= 0
-    cols = tl.arange(0, BLOCK_V)
-    m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
-    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-    a = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-    # Why a block-wise online logsumexp: one exp per element (the SFU, not memory, would bound a per-lane
-    # online update), and `a` = sum exp(z - m) * z gives the entropy without a second sweep.
-    for start in range(0, n_cols, BLOCK_V):
-        v = start + cols
-        z = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        # Why the guard: a block (or row) of -inf logits must give probability 0, not exp(-inf + inf) = NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        e = tl.exp(z - m_safe)
-        s = s * alpha + tl.sum(e, axis=0)
-        a = a * alpha + tl.sum(e * tl.where(e > 0.0, z, 0.0), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
+    lse, entropy = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, "")
     # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
     target = tl.load(ids_ptr + row).to(tl.int64)
-    z_target = tl.load(base + target).to(tl.float32) * inv_temperature
+    z_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32) * inv_temperature
     tl.store(logp_ptr + row, tl.where(keep, z_target - lse, 0.0))
-    tl.store(lse_ptr + row, tl.where(keep, lse, 0.0))
-    tl.store(entropy_ptr + row, tl.where(keep, lse - a / s, 0.0))
+    tl.store(lse_ptr + row, lse)
+    tl.store(entropy_ptr + row, entropy)
 
-@triton.jit(do_not_specialize=["T", "V"])
+
+@triton.jit(do_not_specialize=["T"])
 def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
                         dlogits_ptr, T, V, stride_b, stride_t, out_stride_b, out_stride_t, inv_temperature,
                         HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -68,45 +50,39 @@ def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
-    base = logits_ptr + b * stride_b + t * stride_t
-    out = dlogits_ptr + b * out_stride_b + t * out_stride_t
     g = tl.load(grad_logp_ptr + row)
-    lse = tl.load(lse_ptr + row)
     target = tl.load(ids_ptr + row).to(tl.int64)
     active = g != 0.0
+    g_h = 0.0
+    h = 0.0
     if HAS_ENTROPY_GRAD:
         g_h = tl.load(grad_entropy_ptr + row)
         h = tl.load(entropy_ptr + row)
         active = active | (g_h != 0.0)
-    # Why predicate the loads on `active`: a token without gradient (padding) writes zeros and reads nothing.
-    v_read = tl.where(active, V, 0)
-    cols = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        v = start + cols
-        z = tl.load(base + v, mask=v < v_read, other=float("-inf")).to(tl.float32) * inv_temperature
-        p = tl.exp(z - lse)
-        # d logp / dz = onehot - p
-        dz = tl.where(v == target, g, 0.0) - g * p
-        if HAS_ENTROPY_GRAD:
-            # dH/dz_v = -p_v (log p_v + H); the guard keeps p = 0 entries (z = -inf) at 0, not NaN.
-            dz -= g_h * p * tl.where(p > 0.0, z - lse + h, 0.0)
-        # Why store in the logits dtype: in-place mode writes back into the logits buffer.
-        tl.store(out + v, (dz * inv_temperature).to(dlogits_ptr.dtype.element_ty), mask=v < V)
+    # Why `active`: a token without gradient (padding) writes zeros and reads nothing.
+    # Why store in the logits dtype: in-place mode writes back into the logits buffer.
+    write_row_dlogits(logits_ptr + b * stride_b + t * stride_t, dlogits_ptr + b * out_stride_b + t * out_stride_t,
+                      V, active, target, tl.load(lse_ptr + row), h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD,
+                      BLOCK_V)
 
 
-def _as_btv(logits: torch.Tensor) -> torch.Tensor:
+def as_btv(logits: torch.Tensor) -> torch.Tensor:
     """A (B, T, V) view with unit vocab stride (copies only when the vocab dim is strided)."""
     x = logits if logits.dim() == 3 else logits.unsqueeze(0)
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _block_v(V: int, block_v: int | None) -> int:
-    triton, _ = import_triton()
-    return block_v or min(triton.next_power_of_2(V), MAX_BLOCK_V)
+# Tests cap the table's vocab block to exercise multi-block rows and tails at small V (None: the table alone).
+MAX_BLOCK_V: int | None = None
 
 
-def _num_warps(block_v: int) -> int:
-    return 8 if block_v >= 2048 else 4
+def tiles(kernel: str, x: torch.Tensor, block_v: int | None = None) -> RowTiles:
+    """The tile table's launch configuration for ``kernel`` on ``x``'s device and dtype, the vocab block capped
+    by ``block_v`` or ``MAX_BLOCK_V`` when given."""
+    t = row_tiles(kernel, x.dtype, x.shape[-1], x.device)
+    cap = block_v or MAX_BLOCK_V
+    return t if not cap or cap >= t.block_v else RowTiles(cap, max(1, min(t.num_warps, cap // 256)), t.num_stages,
+                                                        t.programs_per_sm)
 
 
 def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, block_v: int | None = None,
@@ -116,17 +92,17 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
     lse is the logsumexp of ``z = logits / temperature``; the caller has validated ids and shapes. Rows where
     ``row_mask`` (shaped like ids) is 0 are skipped and get 0 in all three outputs.
     """
-    x = _as_btv(logits)
+    x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
     ids_flat = ids.reshape(N).contiguous()  # a strided view (ids[:, ::2]) must not be read with unit stride
     logp, lse, entropy = (alloc((N,), torch.float32, x.device) for _ in range(3))
     if N:
-        bv = _block_v(V, block_v)
+        cfg = tiles("forward", x, block_v)
         mask = None if row_mask is None else (row_mask.reshape(N) != 0).to(torch.int8)
         launch(logits_logprobs_fwd, (N,), x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy,
-               T, V, x.stride(0), x.stride(1), 1.0 / temperature, HAS_MASK=mask is not None, BLOCK_V=bv,
-               num_warps=_num_warps(bv))
+               T, V, x.stride(0), x.stride(1), 1.0 / temperature, HAS_MASK=mask is not None, BLOCK_V=cfg.block_v,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return logp, lse, entropy
 
 
@@ -136,7 +112,7 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
 
     Returns a tensor shaped like ``logits`` in its dtype: a new buffer, or ``logits`` itself when ``inplace``.
     """
-    x = _as_btv(logits)
+    x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
     if inplace and x.data_ptr() == (logits if logits.dim() == 3 else logits.unsqueeze(0)).data_ptr():
@@ -144,12 +120,13 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
     else:
         out = alloc((B, T, V), x.dtype, x.device)
     if N:
-        bv = _block_v(V, block_v)
+        cfg = tiles("backward", x, block_v)
         has_h = grad_entropy is not None
         launch(logits_logprobs_bwd, (N,), x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
                grad_entropy.contiguous() if has_h else grad_logp, out,
                T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
-               HAS_ENTROPY_GRAD=has_h, BLOCK_V=bv, num_warps=_num_warps(bv))
+               HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+               num_stages=cfg.num_stages)
     return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
 
 
@@ -176,4 +153,15 @@ def aot_launches():
         for entropy_grad in (False, True):
             scenarios.append((f"logits_bwd_{ty}_{'entropy' if entropy_grad else 'logp'}",
                               lambda f=backward, e=entropy_grad: f(e)))
+
+    # The V % 16 != 0 variant, on a view of a padded buffer (aligned rows): a vectorized main loop, a scalar tail.
+    def odd_vocab(backward):
+        logits = torch.zeros(2, 3, 151936, dtype=torch.bfloat16)[..., :151930]
+        ids, lse = torch.zeros(2, 3, dtype=torch.long), torch.zeros(6)
+        if backward:
+            logits_logprobs_backward(logits, ids, lse, lse, lse, None, 1.0)
+        else:
+            logits_logprobs_forward(logits, ids, 1.0)
+    scenarios += [("logits_fwd_bf16_vodd", lambda: odd_vocab(False)), ("logits_bwd_bf16_logp_vodd",
+                                                                      lambda: odd_vocab(True))]
     return scenarios

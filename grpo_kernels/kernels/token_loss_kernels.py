@@ -75,7 +75,7 @@ def token_loss_fwd(logp_ptr, old_ptr, ref_ptr, adv_ptr, is_ptr, mask_ptr, w_ptr,
     tl.store(base + 5, tl.sum(tl.where(keep, m * cispo_clipped, 0.0), axis=0))
 
 
-def _row_col_strides(x: torch.Tensor | None, B: int, T: int):
+def row_col_strides(x: torch.Tensor | None, B: int, T: int):
     """(tensor, stride over rows, stride over tokens) for (B,), (B, 1) or (B, T) inputs (zero stride broadcasts)."""
     if x is None:
         return None, 0, 0
@@ -85,12 +85,15 @@ def _row_col_strides(x: torch.Tensor | None, B: int, T: int):
     return x, T, 1
 
 
+_row_col_strides = row_col_strides  # the former private name, kept for callers in other kernel modules
+
+
 def token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg, kind: int):
     """Per-token terms for (B, T) fp32 inputs. Returns (grad (B, T) = w * dl/dlogp, sums (N_SUMS,) fp64 in block order)."""
     B, T = logps.shape
     N = B * T
-    adv, adv_sb, adv_st = _row_col_strides(advantages, B, T)
-    isr, is_sb, is_st = _row_col_strides(is_ratio, B, T)
+    adv, adv_sb, adv_st = row_col_strides(advantages, B, T)
+    isr, is_sb, is_st = row_col_strides(is_ratio, B, T)
     n_blocks = max(triton_cdiv(N, BLOCK), 1)
     grad = alloc((B, T), torch.float32, logps.device)
     partial = alloc((n_blocks, N_SUMS), torch.float32, logps.device)

@@ -23,6 +23,8 @@ def token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta, sapo_t
     old / ref / isr are ignored when their HAS_* flag is off (pass logp). Conventions of torch autograd: clamp
     passes the gradient on its closed interval, min splits it evenly between tied operands.
     """
+    # Why PropagateNan.ALL: min / max default to the IEEE minNum / maxNum that drop a NaN operand, so a NaN
+    # log-prob at a valid token would leave a finite clipped loss (torch's min / clamp propagate it).
     if HAS_OLD:
         log_ratio = logp - old
     else:
@@ -34,23 +36,24 @@ def token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta, sapo_t
     if KIND == 0:
         lo = 1.0 - eps_low
         hi = 1.0 + eps_high
-        coef2 = tl.minimum(tl.maximum(rho, lo), hi)
+        coef2 = tl.minimum(tl.maximum(rho, lo, propagate_nan=tl.PropagateNan.ALL), hi,
+                           propagate_nan=tl.PropagateNan.ALL)
         dcoef2 = tl.where((rho >= lo) & (rho <= hi), 1.0, 0.0)
         if HAS_DELTA:
-            rho1 = tl.minimum(rho, delta)
+            rho1 = tl.minimum(rho, delta, propagate_nan=tl.PropagateNan.ALL)
             drho1 = tl.where(rho <= delta, 1.0, 0.0)
         else:
             rho1 = rho
             drho1 = rho * 0.0 + 1.0
         a = rho1 * adv
         c = coef2 * adv
-        policy = -tl.minimum(a, c)
+        policy = -tl.minimum(a, c, propagate_nan=tl.PropagateNan.ALL)
         d_rho = -adv * tl.where(a < c, drho1, tl.where(a > c, dcoef2, 0.5 * (drho1 + dcoef2)))
         d_policy = d_rho * rho
     elif KIND == 1:
         # cispo: -stopgrad(min(rho, eps_high)) * A * logp
         rho1 = rho
-        clamped = tl.minimum(rho, eps_high)
+        clamped = tl.minimum(rho, eps_high, propagate_nan=tl.PropagateNan.ALL)
         policy = -clamped * adv * logp
         d_policy = -clamped * adv
     else:

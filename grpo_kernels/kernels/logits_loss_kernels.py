@@ -1,0 +1,182 @@
+"""The GRPO loss over given logits with its gradient written by the forward kernel (``grad_in_forward``), and the
+backward's scaling of that gradient by the incoming one.
+
+For every configuration where ``loss_types.per_token_gradient_known`` holds, a token's gradient
+``g = w * d l / d logp`` is known as soon as its row's logsumexp is (the reduction weights ``w`` come precomputed
+on B x T), and so is the entropy bonus's ``g_h = -entropy_coef * mask / n_valid``. So one kernel sweeps the row for
+logsumexp and entropy, evaluates the per-token terms (``token_terms``, the one Triton definition of the maths),
+then sweeps the row again writing ``d logits = (g (onehot - p) - g_h p (log p + H)) / temperature``, into the
+logits buffer itself (in place) or a new one. Three passes over HBM (read forward, read + write backward) become
+one read and one write when the second sweep hits L2: programs are persistent, one per SM (rows in flight = SMs,
+see ``logits_rows``'s table), and the second sweep runs the row backwards. Each row also writes its loss and metric
+terms; the caller sums them in a fixed order (deterministic, no atomics).
+
+Layout as ``logits_kernels``: any batch/time strides, unit vocab stride, a 1-D grid, int64 offsets, fp32 maths.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import alloc
+from .._triton import import_triton
+from .launch import launch
+from .logits_kernels import as_btv, tiles
+from .logits_rows import num_sms, row_logsumexp_entropy, write_row_dlogits
+from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
+from .token_terms import token_terms
+
+# Per-row terms: w*l, m*kl, m*low, m*high, m*region, m*cispo_clipped (token_loss_kernels' sums), then m*entropy.
+N_TERMS = 7
+
+triton, tl = import_triton()
+
+
+# Why these are not specialized: a new batch shape or broadcast layout must not compile a new variant; V keeps its
+# divisibility-by-16 class for the vectorized sweeps (logits_rows).
+@triton.jit(do_not_specialize=["N", "T", "adv_stride_b", "adv_stride_t", "is_stride_b", "is_stride_t"])
+def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_ptr, old_ptr, ref_ptr, adv_ptr,
+                                is_ptr, h_scale_ptr, terms_ptr,
+                                N, T, V, stride_b, stride_t, out_stride_b, out_stride_t,
+                                adv_stride_b, adv_stride_t, is_stride_b, is_stride_t,
+                                inv_temperature, eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg,
+                                KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
+                                HAS_IS: tl.constexpr, HAS_DELTA: tl.constexpr, USE_BETA: tl.constexpr,
+                                BIAS_CORRECTION: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+                                BLOCK_V: tl.constexpr):
+    # Why persistent programs striding over rows: few rows in flight (one per program) keep each row in L2
+    # between its two sweeps; consecutive programs take consecutive rows.
+    h_scale = 0.0
+    if HAS_ENTROPY_GRAD:
+        h_scale = tl.load(h_scale_ptr)
+    pid = tl.program_id(0).to(tl.int64)
+    n_prog = tl.num_programs(0).to(tl.int64)
+    for i in range(0, tl.cdiv(N - pid, n_prog)):
+        row = pid + i * n_prog
+        b = row // T
+        t = row % T
+        m = tl.load(mask_ptr + row)
+        # Why `keep`: padded tokens read no logits; their d logits are written as zeros.
+        keep = m != 0.0
+        base = logits_ptr + b * stride_b + t * stride_t
+        lse, h = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, "evict_last")
+        target = tl.load(ids_ptr + row).to(tl.int64)
+        logp = tl.load(base + target, mask=keep, other=0.0).to(tl.float32) * inv_temperature - lse
+        w = tl.load(w_ptr + row)
+        adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
+        old = logp
+        ref = logp
+        isr = logp
+        if HAS_OLD:
+            old = tl.load(old_ptr + row)
+        if HAS_REF:
+            ref = tl.load(ref_ptr + row)
+        if HAS_IS:
+            isr = tl.load(is_ptr + b * is_stride_b + t * is_stride_t)
+        policy, d_policy, kl, rho, rho1 = token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta,
+                                                      sapo_t_pos, sapo_t_neg, KIND, HAS_OLD, HAS_REF, HAS_IS,
+                                                      HAS_DELTA, USE_BETA, BIAS_CORRECTION)
+        # Why where and not a product: padded tokens may hold anything (inf), 0 * inf must not leak a NaN.
+        g = tl.where(keep, w * d_policy, 0.0)
+        g_h = tl.where(keep, h_scale * m, 0.0)
+        write_row_dlogits(base, dlogits_ptr + b * out_stride_b + t * out_stride_t, V, keep, target, lse, h, g, g_h,
+                          inv_temperature, HAS_ENTROPY_GRAD, BLOCK_V)
+
+        low = tl.where((rho1 < 1.0 - eps_low) & (adv < 0), 1.0, 0.0)
+        high = tl.where((rho1 > 1.0 + eps_high) & (adv > 0), 1.0, 0.0)
+        out = terms_ptr + row * 7
+        tl.store(out + 0, tl.where(keep, w * policy, 0.0))
+        tl.store(out + 1, tl.where(keep, m * kl, 0.0))
+        tl.store(out + 2, tl.where(keep, m * low, 0.0))
+        tl.store(out + 3, tl.where(keep, m * high, 0.0))
+        tl.store(out + 4, tl.where(keep, m * tl.maximum(low, high), 0.0))
+        tl.store(out + 5, tl.where(keep, m * tl.where((rho > eps_high) & (adv > 0), 1.0, 0.0), 0.0))
+        tl.store(out + 6, tl.where(keep, m * h, 0.0))
+
+
+@triton.jit(do_not_specialize=["T"])
+def scale_dlogits(dlogits_ptr, scale_ptr, mask_ptr, T, V, stride_b, stride_t, BLOCK_V: tl.constexpr):
+    # Why a kernel that may do nothing: the incoming gradient is usually exactly 1 (the loss is the root); reading
+    # it on the device skips the pass without a host sync. Padded rows hold exact zeros, which a finite scale keeps.
+    s = tl.load(scale_ptr)
+    row = tl.program_id(0).to(tl.int64)
+    m = tl.load(mask_ptr + row)
+    if (s != 1.0) & ((m != 0.0) | (tl.abs(s) == float("inf")) | (s != s)):
+        base = dlogits_ptr + (row // T) * stride_b + (row % T) * stride_t
+        cols = tl.arange(0, BLOCK_V)
+        n_full = (V // BLOCK_V) * BLOCK_V
+        for start in range(0, n_full, BLOCK_V):
+            v = tl.multiple_of(start, BLOCK_V) + cols
+            tl.store(base + v, (tl.load(base + v).to(tl.float32) * s).to(dlogits_ptr.dtype.element_ty))
+        if n_full < V:
+            v = n_full + cols
+            x = tl.load(base + v, mask=v < V, other=0.0).to(tl.float32)
+            tl.store(base + v, (x * s).to(dlogits_ptr.dtype.element_ty), mask=v < V)
+
+
+def grad_in_forward(logits, ids, mask_f, weights, old_logps, ref_logps, advantages, is_ratio, h_scale, cfg,
+                    kind: int, inplace: bool):
+    """One sweep pair per row: returns (d logits shaped like ``logits`` for a loss scaled by 1, per-row terms
+    (B*T, N_TERMS) fp32). ``mask_f``, ``weights`` (B, T) fp32; ``h_scale`` a one-element fp32 tensor
+    ``-entropy_coef / max(n_valid, 1)`` or None; ``kind`` the policy term's index. With ``inplace`` the d logits
+    overwrite the logits buffer (a copy is made only when the vocab dim is strided)."""
+    x = as_btv(logits)
+    B, T, V = x.shape
+    N = B * T
+    out = x if inplace else alloc((B, T, V), x.dtype, x.device)
+    terms = alloc((N, N_TERMS), torch.float32, x.device)
+    adv, adv_sb, adv_st = row_col_strides(advantages, B, T)
+    isr, is_sb, is_st = row_col_strides(is_ratio, B, T)
+    old = None if old_logps is None else old_logps.float().contiguous()
+    ref = None if ref_logps is None else ref_logps.float().contiguous()
+    if N:
+        cfg_t = tiles("grad_in_forward", x)
+        grid = (min(N, cfg_t.programs_per_sm * num_sms(x.device)),)
+        launch(logits_loss_grad_in_forward, grid, x, out, ids.reshape(N).contiguous(), mask_f, weights,
+               old if old is not None else weights, ref if ref is not None else weights, adv,
+               isr if isr is not None else weights, h_scale if h_scale is not None else weights, terms,
+               N, T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), adv_sb, adv_st, is_sb, is_st,
+               1.0 / cfg.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0),
+               float(cfg.beta), float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
+               KIND=kind, HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_IS=isr is not None,
+               HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
+               BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
+               BLOCK_V=cfg_t.block_v, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages)
+    return (out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)), terms
+
+
+def scale_dlogits_(dlogits: torch.Tensor, scale: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
+    """``dlogits *= scale`` in place (``scale`` a one-element tensor read on the device: nothing is read or written
+    when it is 1, and padded rows (``mask_f`` 0, exact zeros) are skipped for a finite scale)."""
+    x = as_btv(dlogits)
+    B, T, V = x.shape
+    if B * T:
+        t = tiles("backward", x)
+        launch(scale_dlogits, (B * T,), x, scale.reshape(1).float(), mask_f, T, V, x.stride(0), x.stride(1),
+               BLOCK_V=t.block_v, num_warps=t.num_warps, num_stages=t.num_stages)
+    return dlogits
+
+
+def aot_launches():
+    """(name, thunk) scenarios for ``tools/aot.py``: the launchers above on small CPU tensors of the GPU shape class
+    (V = 151936): bf16 with every option for each policy kind, plain bf16, and fp32 / fp16 with every option."""
+    from ..config import GRPOLossConfig
+
+    def scenario(dtype, kind, full):
+        def thunk():
+            logits = torch.zeros(2, 3, 151936, dtype=dtype)
+            bt = torch.zeros(2, 3)
+            cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None)
+            grad_in_forward(logits, torch.zeros(2, 3, dtype=torch.long), bt, bt, bt if full else None,
+                            bt if full else None, torch.zeros(2), bt if full else None,
+                            torch.zeros(1) if full else None, cfg, kind, inplace=True)
+        return thunk
+
+    names = {KIND_CLIPPED: "clipped", KIND_CISPO: "cispo", KIND_SAPO: "sapo"}
+    scenarios = [(f"logits_loss_bf16_{names[k]}_all_options", scenario(torch.bfloat16, k, True)) for k in names]
+    scenarios.append(("logits_loss_bf16_clipped_plain", scenario(torch.bfloat16, KIND_CLIPPED, False)))
+    scenarios += [(f"logits_loss_{ty}_clipped_all_options", scenario(dt, KIND_CLIPPED, True))
+                  for dt, ty in ((torch.float32, "fp32"), (torch.float16, "fp16"))]
+    for dt, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        scenarios.append((f"logits_scale_{ty}", lambda dt=dt: scale_dlogits_(torch.zeros(2, 3, 151936, dtype=dt),
+                                                                          torch.ones(1), torch.ones(2, 3))))
+    return scenarios
