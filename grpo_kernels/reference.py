@@ -113,7 +113,9 @@ def high_entropy_mask(entropy, mask, top_quantile: float) -> torch.Tensor:
     valid = entropy.detach()[mask]
     if valid.numel() == 0:
         return torch.zeros_like(mask)
-    threshold = torch.quantile(valid.float(), 1.0 - top_quantile).to(entropy.dtype)
+    # quantile needs fp32 or fp64; rounding a float64 threshold to fp32 would drop the token that sits on it
+    threshold = torch.quantile(valid if valid.dtype == torch.float64 else valid.float(), 1.0 - top_quantile)
+    threshold = threshold.to(entropy.dtype)
     return (torch.where(mask, entropy.detach(), 0.0) >= threshold) & mask
 
 
