@@ -255,16 +255,17 @@ def test_long_sequence_torch_path():
     old = logprobs_and_entropy(logits.double(), ids)[0].float() + 0.2 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, T, generator=g)
     cfg = gk.GRPOLossConfig(loss_type="grpo", importance_sampling_level="sequence")
-    _loss_vs_float64(logits, ids, adv, mask, "torch", config=cfg, old_logps=old)
-    h = hidden.clone().requires_grad_(True)
-    loss, _ = gk.fused_linear_grpo_loss(h, weight, ids, adv, mask, old_logps=old, config=cfg, impl="torch")
-    loss.backward()
-    h64 = hidden.double().requires_grad_(True)
-    t_loss, _ = reference_grpo_loss(h64 @ weight.double().T, ids, adv.double(), mask, old_logps=old.double(),
-                                    config=cfg)
-    t_loss.backward()
-    assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(1.0, abs(t_loss.item()))
-    assert (h.grad.double() - h64.grad).abs().max().item() <= 1e-4 * h64.grad.abs().max().item()
+    x64 = logits.to(torch.float64, copy=True).requires_grad_(True)
+    t_loss, _ = reference_grpo_loss(x64, ids, adv.double(), mask, old_logps=old.double(), config=cfg)
+    (t_grad,) = torch.autograd.grad(t_loss, x64)
+    t_dh = t_grad @ weight.double()   # d loss / d hidden through logits = hidden @ W^T
+    x, h = logits.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    losses = (gk.grpo_loss(x, ids, adv, mask, old_logps=old, config=cfg, impl="torch")[0],
+              gk.fused_linear_grpo_loss(h, weight, ids, adv, mask, old_logps=old, config=cfg, impl="torch")[0])
+    for loss, leaf, truth in zip(losses, (x, h), (t_grad, t_dh)):
+        loss.backward()
+        assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(1.0, abs(t_loss.item()))
+        assert (leaf.grad.double() - truth).abs().max().item() <= 1e-4 * truth.abs().max().item()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
