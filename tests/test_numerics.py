@@ -244,7 +244,7 @@ def test_every_row_masked(impl, loss_type):
 def test_long_sequence_torch_path():
     """T = 131073 > 2^17 at a tiny vocabulary: both losses on the PyTorch path against float64. (On the Triton
     path the 1-D token grid has no T limit; the interpreter is too slow at this T, tests/test_gpu.py runs the
-    compiled kernels at 16384 x 151936.)"""
+    compiled kernels at T = 131072.)"""
     g = _gen(8)
     B, T, V, H = 1, 131073, 5, 3
     hidden = torch.randn(B, T, H, generator=g)
