@@ -270,16 +270,18 @@ def test_long_sequence_torch_path():
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_offsets_beyond_2_to_the_31(impl):
-    """Logits rows that start past element 2^31 (a time stride of 2^31 + 112 over an untouched 4 GiB buffer, V =
-    262144): read and differentiated correctly; int32 offsets would wrap. Only the two rows' pages are touched."""
+    """A logits row that starts past element 2^31 (a time stride of 2^30 + 112, below 2^31 so that only 64-bit
+    offset arithmetic reaches row 2; an untouched 4 GiB buffer, V = 262144): read and differentiated correctly;
+    int32 offsets would wrap and read outside the buffer (under the interpreter: a crash). Only the three rows'
+    pages are touched."""
     V = 262144
-    stride = 2 ** 31 + 112
-    base = torch.empty(stride + V, dtype=torch.bfloat16)
-    logits = base.as_strided((1, 2, V), (2 * stride, stride, 1))
+    stride = 2 ** 30 + 112
+    base = torch.empty(2 * stride + V, dtype=torch.bfloat16)
+    logits = base.as_strided((1, 3, V), (3 * stride, stride, 1))
     g = _gen(9)
-    logits[0, 0] = torch.randn(V, generator=g).to(torch.bfloat16)
-    logits[0, 1] = (torch.randn(V, generator=g) * 3).to(torch.bfloat16)
-    ids = torch.tensor([[7, V - 2]])
+    for t in range(3):
+        logits[0, t] = (torch.randn(V, generator=g) * (t + 1)).to(torch.bfloat16)
+    ids = torch.tensor([[7, V - 2, V // 2 + 5]])
     x = logits.detach().requires_grad_(True)
     logp, ent = gk.token_logprobs(x, ids, return_entropy=True, impl=impl)
     (logp.sum() + ent.sum()).backward()
@@ -291,6 +293,36 @@ def test_offsets_beyond_2_to_the_31(impl):
     err = (x.grad.double() - x64.grad).abs().max().item() / x64.grad.abs().max().item()
     assert err <= 2 * 2 ** -8, f"d logits relative error {err:.2e} (bf16)"
     del base, logits, x
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_linear_offsets_beyond_2_to_the_31(impl, deterministic):
+    """The fused head indexes hidden and weight rows, never an N x V array: here both have a row stride of
+    2^30 + 64 elements (below 2^31, views over untouched 4 GiB fp16 buffers, H = 16), so their third rows start
+    past element 2^31; log-probs, entropy and all three gradients match float64 (int32 offsets would wrap and read
+    outside the buffers: under the interpreter, a crash)."""
+    H, stride = 16, 2 ** 30 + 64
+    g = _gen(12)
+    bases = [torch.empty(2 * stride + H, dtype=torch.float16) for _ in range(2)]
+    hidden, weight = (b.as_strided((3, H), (stride, 1)) for b in bases)
+    hidden.copy_(torch.randn(3, H, generator=g).half())
+    weight.copy_((torch.randn(3, H, generator=g) / 2).half())
+    bias = torch.randn(3, generator=g).half()
+    ids = torch.tensor([2, 0, 1])
+    leaves = [t.detach().requires_grad_(True) for t in (hidden, weight, bias)]
+    logp, ent = gk.linear_token_logprobs(*leaves[:2], ids, bias=leaves[2], return_entropy=True, impl=impl,
+                                         deterministic=deterministic)
+    (logp.sum() + 0.5 * ent.sum()).backward()
+    leaves64 = [t.to(torch.float64).contiguous().requires_grad_(True) for t in (hidden, weight, bias)]
+    t_logp, t_ent = logprobs_and_entropy(leaves64[0] @ leaves64[1].T + leaves64[2], ids)
+    (t_logp.sum() + 0.5 * t_ent.sum()).backward()
+    assert (logp.double() - t_logp).abs().max().item() < 1e-4
+    assert (ent.double() - t_ent).abs().max().item() < 1e-4
+    for name, ours, truth in zip(("hidden", "weight", "bias"), leaves, leaves64):
+        err = (ours.grad.double() - truth.grad).abs().max().item() / truth.grad.abs().max().item()
+        assert err <= 2e-3, f"d {name}: relative error {err:.2e} (fp16)"
+    del bases, hidden, weight, leaves
 
 
 def test_vocab_262144_fused_linear_torch_path():
