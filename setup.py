@@ -18,8 +18,8 @@ setup(
     extras_require={
         "train": ["transformers>=4.56", "tokenizers", "matplotlib", "tqdm", "liger-kernel>=0.8.5"],
         "trl": ["trl>=1.16,<1.17", "transformers>=4.56"],
-        "test": ["pytest>=8", "pytest-benchmark>=5", "trl==1.16.0", "liger-kernel==0.8.5", "transformers>=4.56",
-                 "matplotlib", "tqdm"],
+        "test": ["pytest>=8", "pytest-benchmark>=5", "hypothesis>=6.100", "trl==1.16.0", "liger-kernel==0.8.5",
+                 "transformers>=4.56", "matplotlib", "tqdm"],
         "bench": ["pytest>=8", "pytest-benchmark>=5", "liger-kernel==0.8.5", "trl==1.16.0", "matplotlib"],
         "gpu": ["flash-attn>=2.6"],
     },

@@ -92,8 +92,13 @@ def gamma_weights(advantages, log_ratio, mask, is_ratio, config: GRPOLossConfig)
         nonneg = advantages >= 0
         k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg).to(log_w.dtype)
         lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
-        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        # TRL's nan_to_num above also turns a NaN log ratio into a zero weight, which would hide a broken input:
+        # a NaN at a valid position (or in is_ratio, read at every position here) must reach the loss.
+        broken = torch.isnan(torch.where(mask, log_ratio, 0.0)).any(-1, keepdim=True)
+        if is_ratio is not None:
+            broken = broken | torch.isnan(is_ratio).any(-1, keepdim=True)
+        return torch.where(broken, float("nan"), phi)
 
 
 def off_policy_mask(advantages, logps, sampling_logps, mask, threshold: float) -> torch.Tensor:
@@ -108,7 +113,9 @@ def high_entropy_mask(entropy, mask, top_quantile: float) -> torch.Tensor:
     valid = entropy.detach()[mask]
     if valid.numel() == 0:
         return torch.zeros_like(mask)
-    threshold = torch.quantile(valid.float(), 1.0 - top_quantile).to(entropy.dtype)
+    # quantile needs fp32 or fp64; rounding a float64 threshold to fp32 would drop the token that sits on it
+    threshold = torch.quantile(valid if valid.dtype == torch.float64 else valid.float(), 1.0 - top_quantile)
+    threshold = threshold.to(entropy.dtype)
     return (torch.where(mask, entropy.detach(), 0.0) >= threshold) & mask
 
 
@@ -137,7 +144,8 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
     mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
     n_valid = mask.sum().to(dtype)
     adv = advantages.to(dtype)
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    # (B, T) advantages at padded positions are neutral too (a per-row ratio's gradient sums over the whole row)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(mask, adv, 0.0)
     # Padded positions may hold anything (sentinel log-probs, -inf, a huge ratio): neutral values there keep
     # 0 * inf out of the forward and the backward. Valid positions are untouched, so the numbers are TRL's.
     logps = torch.where(mask, logps, 0.0)

@@ -11,6 +11,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+try:  # property-based tests (tests/test_properties.py): deterministic and bounded so that CI stays fast
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("grpo-kernels", deadline=None, derandomize=True, database=None, max_examples=20,
+                              print_blob=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                      HealthCheck.data_too_large])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "grpo-kernels"))
+except ImportError:  # hypothesis is in the test extra; without it tests/test_properties.py fails to import
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     """Without the interpreter (a CUDA machine), tests that run Triton kernels on CPU tensors are skipped: there
