@@ -48,10 +48,15 @@ def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperat
         g = grad_logp[rows].to(acc).unsqueeze(-1)
         dz = -g * p
         dz.scatter_add_(-1, flat_ids[rows].unsqueeze(-1), g)
+        active = g != 0
         if grad_entropy is not None:
             h = entropy[rows].unsqueeze(-1)
-            dz -= torch.where(p > 0, grad_entropy[rows].to(acc).unsqueeze(-1) * p * (log_p + h), 0.0)
-        out[rows] = (dz / temperature).to(x.dtype)
+            g_h = grad_entropy[rows].to(acc).unsqueeze(-1)
+            dz -= torch.where(p > 0, g_h * p * (log_p + h), 0.0)
+            active = active | (g_h != 0)
+        # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits hold
+        # NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
+        out[rows] = torch.where(active, dz / temperature, 0.0).to(x.dtype)
     return out.view(logits.shape)
 
 
