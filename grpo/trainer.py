@@ -308,7 +308,7 @@ class Trainer:
         print(f"[grpo.train] {len(history)} steps in {seconds:.1f}s; reward (mean over {window}) "
               f"{first:.3f} -> {last:.3f}; kl {history[-1]['kl']:.4f}; outputs in {cfg.output_dir}", flush=True)
         if evals:
-            print(f"[grpo.train] held-out greedy accuracy ({len(self.evaluator)} prompts) "
+            print(f"[grpo.train] greedy accuracy on the {len(self.evaluator)} eval prompts "
                   f"{evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> {evals[-1]['eval/accuracy']:.3f} "
                   f"(step {evals[-1]['step']})", flush=True)
             for prompt, completion, reward in self.evaluator.samples[:4]:
