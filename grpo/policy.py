@@ -76,16 +76,19 @@ class GRPOPolicy(nn.Module):
                                      position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         return out.last_hidden_state[:, prompt_length - 1:-1]
 
-    def _hidden_and_head(self, batch):
-        hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
+    def _hidden_and_head(self, batch, hidden: torch.Tensor | None = None):
+        if hidden is None:
+            hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
         head = get_lm_head(self.lm)
         bias = head.bias
         if self.suppress_bias is not None:
             bias = self.suppress_bias if bias is None else bias + self.suppress_bias
         return cast_to(self.compute_dtype or head.weight.dtype, hidden, head.weight, bias)
 
-    def forward(self, batch: dict, num_items_in_batch=None):
-        hidden, weight, bias = self._hidden_and_head(batch)
+    def forward(self, batch: dict, num_items_in_batch=None, hidden: torch.Tensor | None = None):
+        """(loss, metrics). ``hidden``: the completion hidden states when the caller already has them (the
+        sampling forward kept with its graph: no second forward of the backbone)."""
+        hidden, weight, bias = self._hidden_and_head(batch, hidden)
         return gk.fused_linear_grpo_loss(
             hidden, weight, batch["completion_ids"], batch["advantages"], mask=batch["completion_mask"], bias=bias,
             old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),

@@ -3,8 +3,8 @@
 Rows are ordered group by group (the G completions of prompt i are rows i*G .. i*G+G-1), the layout
 ``grpo_kernels.group_advantages`` expects.
 
-Sampling is a short loop over the model's own forward with a KV cache (no ``generate``): each prompt is run once
-and its cache repeated G times, every knob is explicit (a checkpoint's generation_config cannot change the
+Sampling is a short loop over the model's backbone and head with a KV cache (no ``generate``): each prompt is run
+once and its cache repeated G times, every knob is explicit (a checkpoint's generation_config cannot change the
 distribution), and the tokens that are neither text nor EOS (pad, bos, unk, other special tokens, ids past the
 tokenizer) are never sampled. The distribution a token is drawn from is therefore
 ``softmax(logits / temperature)`` restricted to the allowed ids (optionally truncated by top-k / top-p). The loss
@@ -50,6 +50,7 @@ class Rollout:
     truncated: torch.Tensor        # (B,) bool, no EOS within max_new_tokens
     prompts: list
     completions: list
+    hidden: torch.Tensor | None = None  # (B, T, H) with its autograd graph, when sampled with keep_graph
 
     @property
     def batch_size(self) -> int:
@@ -129,45 +130,60 @@ def next_tokens(logits: torch.Tensor, banned: torch.Tensor | None, temperature: 
     return torch.multinomial(z.softmax(dim=-1), 1).squeeze(-1)
 
 
-@torch.no_grad()
 def sample_completions(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, repeats: int,
                        max_new_tokens: int, eos_ids: list[int], pad_id: int, banned: torch.Tensor | None,
-                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                       greedy: bool = False) -> torch.Tensor:
-    """(B * repeats, T <= max_new_tokens) completion ids, rows of one prompt consecutive, pad after EOS.
+                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                       keep_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(completion ids (B * repeats, T <= max_new_tokens), hidden (B * repeats, T, H) or None).
 
-    One forward over the (unrepeated) prompts fills the KV cache, which is then repeated ``repeats`` times; each
-    further forward feeds one token per row. Stops early once every row has emitted an EOS.
+    Rows of one prompt are consecutive, pad after EOS. One forward of the backbone over the (unrepeated) prompts
+    fills the KV cache, which is then repeated ``repeats`` times; each further forward feeds one token per row.
+    Logits come from the head as the loss sees it (``get_lm_head``: ``scale * (h @ W.T + b)``). Stops early once
+    every row has emitted an EOS. ``keep_graph``: run the backbone with autograd on and return the final hidden
+    states that predicted each completion token, so that the loss can backpropagate through this very forward
+    instead of recomputing it (``hidden[:, t]`` predicts ``ids[:, t]``).
     """
+    from grpo_kernels.integrations.transformers import get_lm_head
+
     device = prompt_ids.device
-    cache_arg = _cache_argument(model)
-    positions = position_ids_from_mask(prompt_mask)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1)
-    cache, logits = getattr(out, cache_arg), out.logits[:, -1]
-    if repeats > 1:
-        cache.batch_repeat_interleave(repeats)
-        logits = logits.repeat_interleave(repeats, dim=0)
-    mask = prompt_mask.repeat_interleave(repeats, dim=0)
-    position = positions[:, -1:].repeat_interleave(repeats, dim=0)
-    eos = torch.tensor(eos_ids, device=device)
-    rows = mask.shape[0]
-    tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    step = 0
-    while True:
-        token = next_tokens(logits, banned, temperature, top_k, top_p, greedy).masked_fill(done, pad_id)
-        tokens[:, step] = token
-        done |= torch.isin(token, eos)
-        step += 1
-        if step == max_new_tokens or bool(done.all()):
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        position = position + 1
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, use_cache=True,
-                    **{cache_arg: cache})
-        logits = out.logits[:, -1]
-    return tokens[:, :step]
+    backbone, head = model.base_model, get_lm_head(model)
+    cache_arg = _cache_argument(backbone)
+
+    def logits_of(h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            z = torch.nn.functional.linear(h.detach(), head.weight, head.bias).float()
+            return z if head.logit_scale == 1.0 else z * head.logit_scale
+
+    with torch.set_grad_enabled(keep_graph):
+        positions = position_ids_from_mask(prompt_mask)
+        out = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
+        cache, hidden = getattr(out, cache_arg), out.last_hidden_state[:, -1]
+        if repeats > 1:
+            cache.batch_repeat_interleave(repeats)
+            hidden = hidden.repeat_interleave(repeats, dim=0)
+        mask = prompt_mask.repeat_interleave(repeats, dim=0)
+        position = positions[:, -1:].repeat_interleave(repeats, dim=0)
+        eos = torch.tensor(eos_ids, device=device)
+        rows = mask.shape[0]
+        tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        kept = [hidden] if keep_graph else None
+        step = 0
+        while True:
+            token = next_tokens(logits_of(hidden), banned, temperature, top_k, top_p, greedy).masked_fill(done, pad_id)
+            tokens[:, step] = token
+            done |= torch.isin(token, eos)
+            step += 1
+            if step == max_new_tokens or bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position + 1
+            out = backbone(input_ids=token[:, None], attention_mask=mask, position_ids=position, use_cache=True,
+                           **{cache_arg: cache})
+            hidden = out.last_hidden_state[:, -1]
+            if keep_graph:
+                kept.append(hidden)
+    return tokens[:, :step], torch.stack(kept, dim=1) if keep_graph else None
 
 
 def _cache_argument(model) -> str:
@@ -199,8 +215,10 @@ class Sampler:
         self.add_special_tokens, self.autocast_dtype = add_special_tokens, autocast_dtype
         self.weights = torch.tensor([s.weight for s in reward_specs], dtype=torch.float32)
 
-    def rollout(self, prompt_texts: list[str], rows: list[dict], greedy: bool = False) -> Rollout:
-        """``num_generations`` sampled completions per prompt (one greedy completion when ``greedy``), scored."""
+    def rollout(self, prompt_texts: list[str], rows: list[dict], greedy: bool = False,
+                keep_graph: bool = False) -> Rollout:
+        """``num_generations`` sampled completions per prompt (one greedy completion when ``greedy``), scored.
+        ``keep_graph``: also keep the final hidden states with their autograd graph (see sample_completions)."""
         s = self.settings
         repeats = 1 if greedy else s.num_generations
         prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, prompt_texts, self.add_special_tokens,
@@ -211,10 +229,10 @@ class Sampler:
             ctx = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None \
                 else contextlib.nullcontext()
             with ctx:
-                completion_ids = sample_completions(
+                completion_ids, hidden = sample_completions(
                     self.model, prompt_ids, prompt_mask, repeats=repeats, max_new_tokens=s.max_new_tokens,
                     eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id, banned=self.banned,
-                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=greedy)
+                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=greedy, keep_graph=keep_graph)
         finally:
             self.model.train(was_training)
         prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)
@@ -233,4 +251,4 @@ class Sampler:
                        attention_mask=torch.cat([prompt_mask, completion_mask.long()], dim=1),
                        prompt_length=prompt_ids.shape[1], completion_ids=completion_ids,
                        completion_mask=completion_mask, rewards=rewards, reward_total=total, truncated=truncated,
-                       prompts=expanded_prompts, completions=completions)
+                       prompts=expanded_prompts, completions=completions, hidden=hidden)

@@ -32,6 +32,7 @@ from .rollout import GenerationSettings, Rollout, Sampler, suppressed_token_ids
 from .update import optimizer_step, rollout_logprobs
 
 NEEDS_ANSWER = {"copy", "math", "boxed", "hash", "last_number"}
+SINGLE_PASS_MAX_NEW_TOKENS = 64
 SCHEDULERS = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 
 
@@ -90,6 +91,14 @@ class Trainer:
             eval_texts = [format_prompt(r["prompt"], self.tokenizer, use_chat, cfg.system_prompt) for r in eval_rows]
             self.evaluator = Evaluator(self.sampler, eval_rows, eval_texts)
         self.prompts = PromptSampler(len(train_rows), cfg.seed, env.rank, env.world_size)
+        # Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
+        # backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead
+        # of running the backbone a second time. Short completions only: the KV cache's saved tensors grow with
+        # the square of the length. Off under DDP (its hooks need the forward to go through the wrapper).
+        rollout_size = cfg.prompts_per_step * cfg.num_generations
+        self.single_pass = (cfg.num_iterations == 1 and cfg.micro_batch_size == rollout_size
+                            and not env.enabled and not cfg.gradient_checkpointing
+                            and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
         # Sampling streams differ per rank (each rank generates its own groups); restored on resume.
         torch.manual_seed(cfg.seed * 7919 + 104729 * (env.rank + 1))
         self.step, self.rollout_index, self.resumed_from = 0, 0, None
@@ -151,7 +160,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- rollout
     def make_rollout(self) -> tuple[Rollout, torch.Tensor]:
         idx = self.prompts.next(self.cfg.prompts_per_step)
-        rollout = self.sampler.rollout([self.texts[i] for i in idx], [self.rows[i] for i in idx])
+        rollout = self.sampler.rollout([self.texts[i] for i in idx], [self.rows[i] for i in idx],
+                                       keep_graph=self.single_pass)
         if self.cfg.mask_truncated_completions:
             rollout.completion_mask &= ~rollout.truncated.to(self.device)[:, None]
         advantages = gk.group_advantages(rollout.rewards, self.cfg.num_generations, scale=self.cfg.advantage_scale,

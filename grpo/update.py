@@ -50,7 +50,9 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
                    env: DistEnv) -> dict:
     """Gradient-accumulated loss over ``rows`` in micro-batches, clipping, one optimizer and scheduler step.
 
-    ``model`` is ``policy`` or its DDP wrapper. Returns the token-weighted means of the loss metrics plus ``loss``
+    ``model`` is ``policy`` or its DDP wrapper. When the rollout kept its sampling forward's hidden states
+    (``rollout.hidden``, single-pass mode: the whole rollout is one micro-batch of one on-policy step), the loss
+    backpropagates through them instead of running the backbone again. Returns the token-weighted means of the loss metrics plus ``loss``
     and ``grad_norm`` (floats: one host sync per micro-batch, for the metrics).
     """
     optimizer.zero_grad(set_to_none=True)
@@ -70,8 +72,13 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
         batch = trim(rollout.batch(mrows, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps))
         last = i == len(micro_rows) - 1
         sync = model.no_sync() if env.enabled and not last else contextlib.nullcontext()
+        hidden = None
+        if rollout.hidden is not None:
+            if mrows.numel() != rollout.batch_size or not torch.equal(mrows, torch.arange(len(mrows), device=mrows.device)):
+                raise RuntimeError("a rollout sampled with its graph must be used as one micro-batch, in order")
+            hidden = rollout.hidden[:, :batch["completion_ids"].shape[1]]
         with sync:
-            loss, metrics = model(batch, num_items_in_batch=num_items)
+            loss, metrics = model(batch, num_items_in_batch=num_items, hidden=hidden)
             scaled = loss if global_norm else loss / len(micro_rows)
             scaled.backward()
         weight = batch["completion_mask"].sum().float()
@@ -79,6 +86,7 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
         token_total += weight
         for k, v in metrics.items():  # summed on the device; read once at the end
             totals[k] = totals.get(k, 0.0) + v.detach().float() * weight
+    rollout.hidden = None  # its graph is consumed
     params = [p for p in policy.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     optimizer.step()

@@ -195,8 +195,8 @@ def test_sampler_and_loss_use_the_same_restricted_distribution():
         lm.lm_head.weight[banned] = lm.model.norm.weight * 3.0  # aligned with every hidden state: huge logits
     ids, mask = tokenize_prompts(tok, ["a=", "bcd=", "hh="], True, None, torch.device("cpu"))
     temperature = 0.7
-    comp = sample_completions(lm, ids, mask, repeats=4, max_new_tokens=5, eos_ids=eos, pad_id=tok.pad_token_id,
-                              banned=torch.tensor(banned), temperature=temperature)
+    comp, _ = sample_completions(lm, ids, mask, repeats=4, max_new_tokens=5, eos_ids=eos, pad_id=tok.pad_token_id,
+                                 banned=torch.tensor(banned), temperature=temperature)
     cmask, truncated = completion_mask_after_eos(comp, eos)
     assert not torch.isin(comp[cmask], torch.tensor(banned)).any()
     seq = torch.cat([ids.repeat_interleave(4, 0), comp], 1)
@@ -257,3 +257,35 @@ def test_fused_head_check_folds_logit_scale_and_refuses_softcapping():
                                            final_logit_softcapping=30.0))
     with pytest.raises(UsageError, match="final_logit_softcapping"):
         GRPOPolicy(gemma, gk.GRPOLossConfig())
+
+
+def test_single_pass_gradient_equals_recomputed_forward():
+    """Single-pass mode (the loss backpropagates through the sampling forward's kept hidden states) gives the same
+    loss and parameter gradients as recomputing the forward from the sampled ids (left-padded prompts, EOS masks,
+    trimming, suppressed ids)."""
+    from grpo.rollout import GenerationSettings, Sampler
+
+    torch.manual_seed(0)
+    tok = build_char_tokenizer(PRINTABLE_ASCII)
+    lm = build_tiny_model(tok, num_layers=2)
+    eos = [tok.eos_token_id]
+    banned = suppressed_token_ids(tok, lm.config.vocab_size, eos, "abcd")
+    sampler = Sampler(lm, tok, GenerationSettings(num_generations=4, max_new_tokens=5, temperature=0.9), eos,
+                      banned, [parse_reward_spec("copy")], torch.device("cpu"))
+    rows = [{"prompt": p, "answer": p[:-1]} for p in ("a=", "bcd=", "dd=")]
+    ro = sampler.rollout([r["prompt"] for r in rows], rows, keep_graph=True)
+    assert ro.hidden is not None and ro.hidden.requires_grad and ro.completion_mask.sum() < ro.completion_mask.numel()
+    policy = GRPOPolicy(lm, gk.GRPOLossConfig(temperature=0.9), banned_ids=banned)
+    adv = gk.group_advantages(ro.rewards, 4) + 0.1 * torch.randn(12)
+    batch = trim(ro.batch(advantages=adv))
+    results = []
+    for hidden in (ro.hidden[:, :batch["completion_ids"].shape[1]], None):
+        lm.zero_grad()
+        loss, _ = policy(batch, hidden=hidden)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in lm.named_parameters()}))
+    (loss1, g1), (loss2, g2) = results
+    torch.testing.assert_close(loss1, loss2, atol=1e-6, rtol=1e-5)
+    assert loss1 != 0
+    for name in g2:
+        torch.testing.assert_close(g1[name], g2[name], atol=1e-6, rtol=1e-4, msg=name)
