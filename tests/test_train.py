@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,18 +23,7 @@ from grpo.update import trim
 
 import grpo_kernels as gk
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts-per-step", "4", "-G", "4", "--no-progress"]
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)  # CPU runs use the chunked torch path; no interpreter needed
-    return env
-
-
-def _run(cmd, timeout=240):
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _metrics(run_dir):

@@ -19,7 +19,8 @@ from grpo.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts-per-step", "4", "-G", "4", "--no-progress"]
-ACCURACY_AT_300 = 0.3  # measured 0.741 (2026-11-30, seed 0, 2-core CPU); other seeds and CPUs vary (RL is chaotic)
+ACCURACY_AT_300 = 0.5  # measured 0.931 (2026-11-30, seed 0, 2-core CPU); other CPUs round differently and RL is
+#                        chaotic, so the bound leaves room (other seeds, 500-step schedule, at step 300: 0.26-1.0)
 
 
 def _env():
@@ -180,7 +181,7 @@ def test_default_run_learns_to_copy_held_out_strings(tmp_path):
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 50, 100, 150, 200, 250, 300]
     assert evals[0]["eval/accuracy"] == 0.0 and evals[-1]["eval/accuracy"] >= ACCURACY_AT_300, evals[-1]
-    assert evals[-1]["eval/reward"] >= 0.7 > evals[0]["eval/reward"], evals  # measured 0.084 -> 0.922
+    assert evals[-1]["eval/reward"] >= 0.75 > evals[0]["eval/reward"], evals  # measured 0.084 -> 0.978
     assert records[-1]["kl"] > 0 and records[-1]["rollout"] == 299
     assert (out / "curves.png").stat().st_size > 1000 and (out / "checkpoint-300" / "COMPLETE").exists()
     summary = json.loads((out / "run_summary.json").read_text())
