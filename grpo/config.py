@@ -45,7 +45,7 @@ class TrainConfig:
     # run
     output_dir: str = "runs/default"
     seed: int = 0
-    max_steps: int = 500
+    max_steps: int = 800
     resume: str | None = None          # a checkpoint directory, or "latest" (the newest one in output_dir)
     overwrite: bool = False            # start afresh in a non-empty output_dir (deletes its previous run)
     save_steps: int = 100

@@ -107,7 +107,6 @@ class Trainer:
             counters = ckpt.load_checkpoint(self.resumed_from, model=self.lm, optimizer=self.optimizer,
                                             scheduler=self.scheduler, sampler=self.prompts, env=env)
             self.step, self.rollout_index = counters["step"], counters["rollout"]
-        self.last_rollout: Rollout | None = None
 
     # ------------------------------------------------------------------------------------------- setup
     def _load_rows(self) -> tuple[list[dict], list[dict]]:
@@ -201,7 +200,6 @@ class Trainer:
         while self.step < cfg.max_steps:
             t0 = time.time()
             rollout, advantages = self.make_rollout()
-            self.last_rollout = rollout
             old_logps = rollout_logprobs(self.policy, rollout, cfg.micro_batch_size) if off_policy else None
             ref_logps = rollout_logprobs(self.ref, rollout, cfg.micro_batch_size) if self.ref is not None else None
             rollout_stats = self._rollout_stats(rollout, time.time() - t0)
