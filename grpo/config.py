@@ -2,7 +2,8 @@
 
 The command line (``grpo/cli.py``) builds one from its flags; Python code builds one directly::
 
-    from grpo import TrainConfig, train
+    from grpo import TrainConfig
+    from grpo.train import train
     result = train(TrainConfig(max_steps=50, output_dir="runs/try", overwrite=True))
 
 Defaults that depend on the model (learning rate, completion length) and on the rollout (mini/micro-batch sizes,
