@@ -1,17 +1,19 @@
 """End-to-end GRPO step on a GPU: TRL's GRPOTrainer (stock), TRL with ``grpo_kernels.patch_trl()``, and
 ``grpo.train``, on the same randomly initialised Qwen2.5-0.5B-shaped model, batch and lengths.
 
-    python -m benchmarks.e2e_step --out DIR [--completion-length 512] [--steps 3]
+    python -m benchmarks.e2e_step --out DIR [--completion-length 384] [--steps 3] [--timeout-s 240]
 
 Model: ``Qwen2Config`` with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV heads, intermediate
-4864, vocabulary 151936, tied embeddings), random weights, fp32 master weights under bf16 autocast; a word-level
-tokenizer covering the whole vocabulary; built locally (no download). Batch: ``--prompts`` prompts x G = 8
+4864, vocabulary 151936, tied embeddings), random weights, fp32 master weights under bf16 autocast; a byte-level
+BPE tokenizer filled up to the whole vocabulary; built locally (no download). Batch: ``--prompts`` prompts x G = 8
 completions of ``--completion-length`` tokens (a random model rarely stops, so nearly all reach the limit), one
 optimizer step per rollout, dapo loss, beta 0, AdamW. A step is everything a training step costs (generation,
 rewards, loss forward/backward, optimizer). Each variant runs in its own process (clean peak-memory counters, no
 patch leaking between variants); the first step is warm-up, the median of the others is reported with the peak
 allocated GPU memory. Writes ``DIR/e2e_step.json`` and ``DIR/e2e_step.md``. Without CUDA, or without trl for the
-TRL variants, the variant is reported as skipped with the reason (exit status 0). Not collected by pytest.
+TRL variants, the variant is reported as skipped with the reason (exit status 0); a variant that fails or runs
+past ``--timeout-s`` is reported the same way. Not collected by pytest. ``--shape tiny --device cpu`` runs the
+same code paths on a tiny model, as a smoke check on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def length_reward(prompts, completions, **kwargs):
     return [-len(c) / 1000.0 for c in completions]
 
 
-# Hidden option --shape tiny: the same code paths on a model small enough for a CPU smoke run.
+# --shape tiny: the same code paths on a model small enough for a CPU smoke run.
 TINY = dict(QWEN25_05B, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
 
@@ -140,15 +142,16 @@ def skip_reason(variant: str, device: str) -> str | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for e2e_step.json and e2e_step.md")
-    p.add_argument("--completion-length", type=int, default=512)
+    p.add_argument("--completion-length", type=int, default=384)
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (x G completions)")
     p.add_argument("-G", type=int, default=8)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per variant (the first is warm-up)")
     p.add_argument("--timeout-s", type=int, default=240, help="per variant")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant, JSON on stdout
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    p.add_argument("--shape", choices=("qwen2.5-0.5b", "tiny"), default="qwen2.5-0.5b", help=argparse.SUPPRESS)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--shape", choices=("qwen2.5-0.5b", "tiny"), default="qwen2.5-0.5b",
+                   help="tiny: a smoke run of the same code paths")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke runs only")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.variant:
