@@ -275,3 +275,18 @@ def test_single_pass_gradient_equals_recomputed_forward():
     assert loss1 != 0
     for name in g2:
         torch.testing.assert_close(g1[name], g2[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_next_tokens_top_k_top_p_and_banned_ids():
+    from grpo.rollout import next_tokens
+
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    banned = torch.tensor([0])
+    draws = next_tokens(logits.clone(), banned, 1.0, 0, 1.0, False)
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    torch.testing.assert_close(freq, torch.tensor([0.0, 0.6, 0.3, 0.1]), atol=0.03, rtol=0)  # renormalized
+    assert set(next_tokens(logits.clone(), None, 1.0, 2, 1.0, False).tolist()) == {0, 1}
+    assert set(next_tokens(logits.clone(), None, 1.0, 0, 0.75, False).tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.75
+    assert set(next_tokens(logits.clone(), None, 1.0, 0, 0.85, False).tolist()) == {0, 1, 2}
+    assert next_tokens(logits[:1].clone(), banned, 1.0, 0, 1.0, True).item() == 1  # greedy skips banned ids
