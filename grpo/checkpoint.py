@@ -1,7 +1,7 @@
 """Checkpoints: ``<output-dir>/checkpoint-<step>/`` holding
 
 - ``model/``: ``save_pretrained`` weights + tokenizer (a regular ``--model`` directory for a later run),
-- ``trainer_state.pt``: step, optimizer, scheduler, command-line arguments,
+- ``trainer_state.pt``: step, rollout index, optimizer, scheduler, the run's ``TrainConfig`` values,
 - ``rng_state_<rank>.pt``: each rank's torch / CUDA / python / numpy RNG and prompt-sampler position,
 - ``COMPLETE``: written last, so a checkpoint interrupted mid-write is never resumed from.
 """
@@ -57,7 +57,7 @@ def _rng_state(sampler) -> dict:
     return state
 
 
-def save_checkpoint(path: str, *, step: int, model, tokenizer, optimizer, scheduler, sampler, args: dict,
+def save_checkpoint(path: str, *, counters: dict, model, tokenizer, optimizer, scheduler, sampler, config: dict,
                     env: DistEnv) -> None:
     """Collective: every rank must call it (each writes its RNG state; rank 0 writes the rest)."""
     os.makedirs(path, exist_ok=True)
@@ -65,12 +65,12 @@ def save_checkpoint(path: str, *, step: int, model, tokenizer, optimizer, schedu
     if env.is_main:
         model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(path, "model"))
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "args": args}, os.path.join(path, "trainer_state.pt"))
+        torch.save({**counters, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "config": config}, os.path.join(path, "trainer_state.pt"))
     barrier(env)
     if env.is_main:
         with open(os.path.join(path, "COMPLETE"), "w") as f:
-            f.write(f"{step}\n")
+            f.write(f"{counters['step']}\n")
     barrier(env)
 
 
@@ -101,8 +101,8 @@ def load_model_weights(model, model_dir: str) -> None:
                          f"unexpected {unexpected[:5]}")
 
 
-def load_checkpoint(path: str, *, model, optimizer, scheduler, sampler, env: DistEnv) -> int:
-    """Restore everything ``save_checkpoint`` wrote; returns the step to continue from."""
+def load_checkpoint(path: str, *, model, optimizer, scheduler, sampler, env: DistEnv) -> dict:
+    """Restore everything ``save_checkpoint`` wrote; returns its counters (``step``, ``rollout``)."""
     load_model_weights(model, os.path.join(path, "model"))
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
@@ -120,4 +120,29 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, sampler, env: Dis
         sampler.load_state_dict(rng["sampler"])
     else:  # a different number of processes than the saved run: new streams for this rank
         print(f"[grpo.train] rank {env.rank}: no {os.path.basename(rng_path)} in {path}; RNG not restored")
-    return int(state["step"])
+    return {"step": int(state["step"]), "rollout": int(state.get("rollout", 0))}
+
+
+RUN_FILES = ("metrics.jsonl", "curves.png", "args.json", "run_summary.json")
+
+
+def prepare_output_dir(output_dir: str, *, resume: bool, overwrite: bool, is_main: bool) -> None:
+    """Refuse to mix two runs in one folder: a non-empty ``output_dir`` needs ``resume`` (continue the run in it) or
+    ``overwrite`` (delete that run's files and checkpoints first; other files are left alone). Every rank checks;
+    only the main rank deletes (call a barrier after)."""
+    import shutil
+
+    entries = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    if not entries or resume:
+        return
+    if not overwrite:
+        raise UsageError(f"--output-dir {output_dir!r} is not empty ({len(entries)} entries, e.g. "
+                         f"{sorted(entries)[0]!r}): pass --resume to continue its run, --overwrite to replace it, "
+                         "or choose another --output-dir")
+    if is_main:
+        for name in entries:
+            path = os.path.join(output_dir, name)
+            if name in RUN_FILES:
+                os.remove(path)
+            elif _CKPT.search(name) and os.path.isdir(path):
+                shutil.rmtree(path)

@@ -8,18 +8,18 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import random
 
 import torch
 
 from .errors import UsageError
 
 # The built-in task: copy a short string of letters, e.g. prompt "cab=" -> completion "cab" then EOS.
-# A random-init 2-layer model learns it in a few hundred GRPO steps from partial credit (rewards.copy_reward):
-# first the length (when to stop), then each position's character.
+# A random-init 2-layer model learns it in a few hundred GRPO steps from partial credit (rewards.copy_reward).
 COPY_LETTERS = "abcdefgh"
 COPY_LENGTHS = (1, 2, 3)
-TASK_ALPHABET = COPY_LETTERS + "="
+# The built-in character tokenizer's text: printable ASCII (letters, digits, operators, punctuation, space) and
+# newline, so a small JSONL of arithmetic or short strings works without a model checkpoint.
+PRINTABLE_ASCII = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 
 def builtin_copy_task(letters: str = COPY_LETTERS, lengths=COPY_LENGTHS) -> list[dict]:
@@ -32,13 +32,43 @@ def builtin_copy_task(letters: str = COPY_LETTERS, lengths=COPY_LENGTHS) -> list
     return rows
 
 
+def balance_copy_lengths(rows: list[dict]) -> list[dict]:
+    """Repeat the copy task's shorter strings so that every length is drawn equally often (there are 8x more
+    strings of each next length); without it the policy sees mostly 3-letter strings and learns "always 3"."""
+    counts: dict[int, int] = {}
+    for r in rows:
+        counts[len(r["answer"])] = counts.get(len(r["answer"]), 0) + 1
+    most = max(counts.values())
+    return [r for r in rows for _ in range(max(1, round((most / counts[len(r["answer"])]) ** 0.5)))]
+
+
 BUILTIN_TASKS = {"copy": builtin_copy_task}
+# The characters a built-in task's answers are made of: its default --completion-chars (sampling is restricted to
+# them and EOS, in the sampler and in the loss alike).
+TASK_COMPLETION_CHARS = {"copy": COPY_LETTERS}
+# Applied to the training rows of a built-in task after the held-out split (held-out strings are never trained on).
+TRAIN_ROW_WEIGHTING = {"copy": balance_copy_lengths}
+EVAL_SPLIT_SEED = 1234  # the held-out rows are a property of the dataset, the same for every --seed
 
 
-def load_jsonl(path: str, require_answer: bool = True) -> list[dict]:
+def split_eval(rows: list[dict], eval_size: int | None) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows): ``eval_size`` rows drawn with a fixed seed (None: 10% of the rows, at most 128;
+    datasets under 10 rows keep everything for training)."""
+    if eval_size is None:
+        eval_size = min(128, len(rows) // 10)
+    if eval_size == 0:
+        return rows, []
+    if eval_size >= len(rows):
+        raise UsageError(f"--eval-size {eval_size} leaves no training rows out of {len(rows)}")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED)).tolist()
+    held = set(order[:eval_size])
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
+
+
+def load_jsonl(path: str, require_answer: bool = True, flag: str = "--dataset") -> list[dict]:
     """Rows of a JSONL file; a clear UsageError (file and line) for anything that is not a usable row."""
     if not os.path.isfile(path):
-        raise UsageError(f"--dataset {path!r}: file not found")
+        raise UsageError(f"{flag} {path!r}: file not found")
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -61,7 +91,7 @@ def load_jsonl(path: str, require_answer: bool = True) -> list[dict]:
                 raise UsageError(f"{where}: missing field 'answer' (needed by the built-in rewards)")
             rows.append(row)
     if not rows:
-        raise UsageError(f"--dataset {path!r}: no rows")
+        raise UsageError(f"{flag} {path!r}: no rows")
     return rows
 
 
@@ -120,13 +150,3 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._order = self._shard(self.epoch)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % 2**32)
-    except ImportError:  # pragma: no cover
-        pass

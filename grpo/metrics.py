@@ -43,27 +43,38 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_curves(metrics_path: str, png_path: str, window: int = 10) -> None:
-    """Reward (raw and moving average) and KL against the optimizer step, in two panels."""
+    """Reward (raw and moving average), KL and, when the run evaluates, held-out greedy accuracy and reward,
+    against the optimizer step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    if not records:
+    train = [r for r in records if "reward_mean" in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    if not train and not evals:
         return
-    steps = [r["step"] for r in records]
-    reward = [r.get("reward_mean") for r in records]
-    kl = [r.get("kl") for r in records]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax1.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward (mean per step)")
-    ax1.plot(steps, moving_average(reward, window), color="tab:blue", label=f"moving average ({window})")
-    ax1.set_ylabel("reward")
-    ax1.legend(loc="lower right")
-    ax1.grid(alpha=0.3)
-    ax2.plot(steps, kl, color="tab:red")
-    ax2.set_ylabel("KL to reference")
-    ax2.set_xlabel("optimizer step")
-    ax2.grid(alpha=0.3)
+    panels = 3 if evals else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 3 * panels), sharex=True)
+    steps = [r["step"] for r in train]
+    reward = [r.get("reward_mean") for r in train]
+    axes[0].plot(steps, reward, color="tab:blue", alpha=0.35, label="reward (mean per step)")
+    axes[0].plot(steps, moving_average(reward, window), color="tab:blue", label=f"moving average ({window})")
+    axes[0].set_ylabel("reward")
+    axes[0].legend(loc="lower right")
+    axes[1].plot(steps, [r.get("kl") for r in train], color="tab:red")
+    axes[1].set_ylabel("KL to reference")
+    if evals:
+        eval_steps = [r["step"] for r in evals]
+        axes[2].plot(eval_steps, [r["eval/accuracy"] for r in evals], "o-", color="tab:green",
+                     label="held-out greedy accuracy")
+        axes[2].plot(eval_steps, [r["eval/reward"] for r in evals], "s--", color="tab:olive",
+                     label="held-out greedy reward")
+        axes[2].set_ylabel("held-out eval")
+        axes[2].legend(loc="lower right")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("optimizer step")
     fig.suptitle("GRPO training")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)

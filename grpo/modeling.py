@@ -36,7 +36,7 @@ def build_char_tokenizer(alphabet: str):
 
 
 def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                     max_positions: int = 128):
+                     max_positions: int = 128, tie_word_embeddings: bool = False, initializer_range: float = 0.02):
     """A random-init Llama (RMSNorm, SwiGLU, RoPE) sized for a CPU; the caller seeds torch first."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,7 +45,8 @@ def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-        max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
@@ -84,20 +85,7 @@ def load_pretrained(path: str, dtype: torch.dtype, attn_implementation: str, tru
         if tokenizer.eos_token_id is None:
             raise UsageError(f"--model {path!r}: the tokenizer has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
-    check_fused_head_compatible(model)
     return model, tokenizer
-
-
-def check_fused_head_compatible(model) -> None:
-    """The fused loss computes logits as ``hidden @ W.T + b``; refuse models whose head does more than that."""
-    cfg = model.config
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling"):
-        value = getattr(cfg, attr, None)
-        if value not in (None, 1, 1.0, 0, 0.0):
-            raise UsageError(f"model config has {attr}={value}: its logits are not a plain linear head, "
-                             "which the fused GRPO loss assumes")
-    if not isinstance(model.get_output_embeddings(), nn.Linear):
-        raise UsageError("the model's output embedding is not an nn.Linear head")
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -1,11 +1,16 @@
 """The trainable unit: a causal LM whose forward *is* the GRPO loss, computed from hidden states.
 
-``GRPOPolicy.forward`` runs the decoder body (``model.get_decoder()``), slices the hidden states that predict the
-completion tokens, and calls ``grpo_kernels.fused_linear_grpo_loss`` with the LM head's weight (and bias), so the
-B x T x V logits never exist. Because the whole loss happens inside ``forward``, wrapping this module in
-``DistributedDataParallel`` sees every parameter (body *and* head) used in its forward: DDP's hooks, gradient
-all-reduce and ``no_sync`` work as for any model. (Calling ``model.model`` directly on a DDP-wrapped causal LM
-would bypass them.)
+``GRPOPolicy.forward`` runs the backbone (``model.base_model``, the decoder without its head), slices the hidden
+states that predict the completion tokens, and calls ``grpo_kernels.fused_linear_grpo_loss`` with the LM head's
+weight (and bias), so the B x T x V logits never exist. Because the whole loss happens inside ``forward``,
+wrapping this module in ``DistributedDataParallel`` sees every parameter (body *and* head) used in its forward:
+DDP's hooks, gradient all-reduce and ``no_sync`` work as for any model.
+
+The head goes through ``grpo_kernels.integrations.transformers.get_lm_head``, the package's one fused-head
+compatibility check: a model whose logits are ``logit_scale * (h @ W.T + b)`` is scored at temperature
+``temperature / logit_scale`` (exact, as in ``causal_lm_token_logprobs``); soft-capped or non-linear heads are
+refused with a UsageError. Ids the sampler never draws (``grpo/rollout.py``) get ``SUPPRESSED_LOGIT`` added to
+their logits, so the loss normalizes over the same ids as the sampler.
 
 Alignment: the sequence is ``[prompt (P tokens, left-padded) | completion (T tokens)]``; the hidden state at
 position t predicts token t + 1, so completion token j is predicted by ``hidden[:, P - 1 + j]``, i.e. the slice
@@ -19,11 +24,18 @@ import torch
 from torch import nn
 
 import grpo_kernels as gk
+from grpo_kernels.integrations.transformers import cast_to, get_lm_head
+
+from .errors import UsageError
+from .rollout import SUPPRESSED_LOGIT, position_ids_from_mask
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only, as ``generate`` does for left-padded prompts."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+def checked_lm_head(lm: nn.Module):
+    """``get_lm_head(lm)`` with its refusal turned into a UsageError (a model the fused loss cannot train)."""
+    try:
+        return get_lm_head(lm)
+    except ValueError as exc:
+        raise UsageError(f"this model cannot use the fused GRPO loss: {exc}")
 
 
 class GRPOPolicy(nn.Module):
@@ -32,17 +44,25 @@ class GRPOPolicy(nn.Module):
     batch: ``input_ids`` (B, P+T), ``attention_mask`` (B, P+T), ``prompt_length`` P (int), ``completion_ids``
     (B, T), ``completion_mask`` (B, T) bool, ``advantages`` (B,), optional ``old_logps`` / ``ref_logps`` (B, T).
     ``compute_dtype`` (e.g. bfloat16 under autocast) is the dtype the fused head runs in; the fp32 master
-    weights receive the gradient through the cast.
+    weights receive the gradient through the cast. ``banned_ids``: ids the sampler never draws.
     """
 
     def __init__(self, lm: nn.Module, loss_config: gk.GRPOLossConfig, impl: str = "auto",
-                 compute_dtype: torch.dtype | None = None, autocast_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, autocast_dtype: torch.dtype | None = None,
+                 banned_ids: list[int] | None = None):
         super().__init__()
         self.lm = lm
-        self.loss_config = loss_config
+        head = checked_lm_head(lm)
+        # Logit scaling folds exactly into the temperature: z = scale * l / T = l / (T / scale).
+        self.loss_config = loss_config.replace(temperature=loss_config.temperature / head.logit_scale)
         self.impl = impl
         self.compute_dtype = compute_dtype
         self.autocast_dtype = autocast_dtype
+        bias = None
+        if banned_ids:
+            bias = torch.zeros(head.weight.shape[0], dtype=torch.float32, device=head.weight.device)
+            bias[torch.tensor(banned_ids, dtype=torch.long)] = SUPPRESSED_LOGIT
+        self.register_buffer("suppress_bias", bias, persistent=False)
 
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:
@@ -52,25 +72,23 @@ class GRPOPolicy(nn.Module):
     def completion_hidden(self, input_ids, attention_mask, prompt_length: int) -> torch.Tensor:
         """(B, T, H) final hidden states (after the final norm) predicting the T completion tokens."""
         with self._autocast(input_ids.device):
-            out = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                        position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+            out = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         return out.last_hidden_state[:, prompt_length - 1:-1]
 
-    def head(self, dtype: torch.dtype):
-        """LM head weight (V, H) and bias (V,) or None, cast (differentiably) to the dtype of the hidden states."""
-        linear = self.lm.get_output_embeddings()
-        weight, bias = linear.weight, linear.bias
-        return weight.to(dtype), None if bias is None else bias.to(dtype)
+    def _hidden_and_head(self, batch, hidden: torch.Tensor | None = None):
+        if hidden is None:
+            hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
+        head = get_lm_head(self.lm)
+        bias = head.bias
+        if self.suppress_bias is not None:
+            bias = self.suppress_bias if bias is None else bias + self.suppress_bias
+        return cast_to(self.compute_dtype or head.weight.dtype, hidden, head.weight, bias)
 
-    def _hidden_and_head(self, batch):
-        hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
-        dtype = self.compute_dtype or self.lm.get_output_embeddings().weight.dtype
-        hidden = hidden.to(dtype)
-        weight, bias = self.head(dtype)
-        return hidden, weight, bias
-
-    def forward(self, batch: dict, num_items_in_batch=None):
-        hidden, weight, bias = self._hidden_and_head(batch)
+    def forward(self, batch: dict, num_items_in_batch=None, hidden: torch.Tensor | None = None):
+        """(loss, metrics). ``hidden``: the completion hidden states when the caller already has them (the
+        sampling forward kept with its graph: no second forward of the backbone)."""
+        hidden, weight, bias = self._hidden_and_head(batch, hidden)
         return gk.fused_linear_grpo_loss(
             hidden, weight, batch["completion_ids"], batch["advantages"], mask=batch["completion_mask"], bias=bias,
             old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),

@@ -4,7 +4,9 @@ A reward function follows TRL's convention::
 
     fn(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float | None]
 
-``columns`` holds every other field of the dataset rows (one list per field, aligned with ``completions``).
+``completions`` are the texts the policy emitted before its EOS (special tokens are never sampled; nothing is
+skipped when decoding). ``columns`` holds every other field of the dataset rows (one list per field, aligned with
+``completions``) and ``truncated`` (True where the completion hit the length limit without an EOS).
 ``None`` means "cannot score this row" (ignored in the weighted sum, as in TRL). Built-ins are named below;
 any importable function is accepted as ``package.module:function`` (or ``package.module.function``).
 """
@@ -98,16 +100,22 @@ def _same_number(a: float | None, b: float | None) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- built-ins
-def copy_reward(prompts, completions, answer, **_) -> list[float]:
-    """Partial credit for the built-in copy task: characters right in their position / max(len target, len out).
+def copy_reward(prompts, completions, answer, truncated=None, **_) -> list[float]:
+    """Partial credit for the built-in copy task, with the stop as one more position to get right:
+    (characters right in their position + 1 if it stopped with EOS right after len(target) characters)
+    / (max(len target, len out) + 1).
 
-    The denominator also charges for extra characters, so the policy must learn when to stop (emit EOS).
+    Full credit (1.0) only for the exact string followed by EOS. The denominator also charges for extra characters,
+    and stopping early earns nothing, so the policy must learn where to stop. ``truncated`` (one bool per
+    completion: no EOS within the length limit) is passed by grpo.train; without it (e.g. from TRL, which does not
+    pass it) every completion counts as ended with EOS.
     """
     out = []
-    for text, target in zip(completions, answer):
+    for i, (text, target) in enumerate(zip(completions, answer)):
         target = str(target)
         hits = sum(a == b for a, b in zip(text, target))
-        out.append(hits / max(len(target), len(text), 1))
+        ended = not (truncated is not None and truncated[i])
+        out.append((hits + (ended and len(text) == len(target))) / (max(len(target), len(text)) + 1))
     return out
 
 
@@ -218,14 +226,16 @@ def parse_reward_spec(spec: str) -> RewardSpec:
     return RewardSpec(name=name, fn=fn, weight=weight)
 
 
-def compute_rewards(specs: list[RewardSpec], prompts: list[str], completions: list[str],
-                    rows: list[dict]) -> list[list[float]]:
-    """(B, R) rewards as nested lists, NaN where a function returned None. ``rows`` are the dataset rows."""
+def compute_rewards(specs: list[RewardSpec], prompts: list[str], completions: list[str], rows: list[dict],
+                    **extra) -> list[list[float]]:
+    """(B, R) rewards as nested lists, NaN where a function returned None. ``rows`` are the dataset rows; their
+    fields (except ``prompt``) and ``extra`` (e.g. ``truncated``) reach each function as keyword lists."""
     columns: dict[str, list] = {}
     for key in sorted({k for r in rows for k in r}):
         if key != "prompt":
             columns[key] = [r.get(key) for r in rows]
     columns.setdefault("answer", [None] * len(rows))
+    columns.update(extra)
     table = []
     for spec in specs:
         values = spec.fn(prompts=prompts, completions=completions, **columns)

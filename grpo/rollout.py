@@ -1,7 +1,16 @@
-"""Sampling a rollout: G completions per prompt with ``transformers`` generation, masks after EOS, rewards.
+"""Sampling a rollout: G completions per prompt, masks after EOS, rewards.
 
 Rows are ordered group by group (the G completions of prompt i are rows i*G .. i*G+G-1), the layout
 ``grpo_kernels.group_advantages`` expects.
+
+Sampling is a short loop over the model's backbone and head with a KV cache (no ``generate``): each prompt is run
+once and its cache repeated G times, every knob is explicit (a checkpoint's generation_config cannot change the
+distribution), and the tokens that are neither text nor EOS (pad, bos, unk, other special tokens, ids past the
+tokenizer) are never sampled. The distribution a token is drawn from is therefore
+``softmax(logits / temperature)`` restricted to the allowed ids (optionally truncated by top-k / top-p). The loss
+scores tokens under the same restricted softmax: the policy adds ``SUPPRESSED_LOGIT`` to the suppressed ids'
+logits (see ``grpo/policy.py``), so their probability is exactly 0 in both places and the normalizer is the
+sampler's. Only top-k / top-p truncation is not modelled by the loss (as in TRL); both are off by default.
 """
 from __future__ import annotations
 
@@ -12,8 +21,12 @@ import torch
 
 from .rewards import RewardSpec, compute_rewards
 
+# Added to the logits of suppressed ids in the loss head. Finite on purpose: exp() of it underflows to exactly 0
+# in fp32 (as -inf would), but p * logit stays 0 instead of NaN in the entropy.
+SUPPRESSED_LOGIT = -1.0e4
 
-@dataclass
+
+@dataclass(frozen=True)
 class GenerationSettings:
     num_generations: int
     max_new_tokens: int
@@ -25,7 +38,7 @@ class GenerationSettings:
 
 @dataclass
 class Rollout:
-    """One rank's batch of B = prompts x G completions (CPU or device tensors, see ``to``)."""
+    """One rank's batch of B = prompts x G completions (device tensors, CPU rewards)."""
 
     input_ids: torch.Tensor        # (B, P+T) prompt (left-padded) then completion (pad after EOS)
     attention_mask: torch.Tensor   # (B, P+T) 1 on prompt tokens and completion tokens up to and including EOS
@@ -37,6 +50,7 @@ class Rollout:
     truncated: torch.Tensor        # (B,) bool, no EOS within max_new_tokens
     prompts: list
     completions: list
+    hidden: torch.Tensor | None = None  # (B, T, H) with its autograd graph, when sampled with keep_graph
 
     @property
     def batch_size(self) -> int:
@@ -52,6 +66,25 @@ class Rollout:
             if value is not None:
                 out[key] = value[idx]
         return out
+
+
+def suppressed_token_ids(tokenizer, vocab_size: int, eos_ids: list[int], allowed_chars: str | None = None) -> list[int]:
+    """Ids a completion may not contain: special tokens other than EOS (pad, bos, unk, chat markers, ...), the
+    model's vocabulary rows past the tokenizer (padding of the embedding matrix, which decode to nothing), and,
+    when ``allowed_chars`` is given, every token whose text uses another character (action masking: the answers
+    of the task are known to be strings over that alphabet)."""
+    eos = set(eos_ids)
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ids = {int(i) for i in special if i is not None and 0 <= int(i) < vocab_size}
+    ids.update(range(len(tokenizer), vocab_size))
+    if allowed_chars is not None:
+        allowed = set(allowed_chars)
+        for i in range(min(len(tokenizer), vocab_size)):
+            if i not in eos and i not in ids:
+                text = tokenizer.decode([i], skip_special_tokens=False)
+                if not text or not set(text) <= allowed:
+                    ids.add(i)
+    return sorted(ids - eos)
 
 
 def completion_mask_after_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,52 +106,149 @@ def tokenize_prompts(tokenizer, texts: list[str], add_special_tokens: bool, max_
     return ids.to(device), mask.to(device)
 
 
-@torch.no_grad()
-def generate_rollout(model, tokenizer, prompt_texts: list[str], rows: list[dict], settings: GenerationSettings,
-                     eos_ids: list[int], reward_specs: list[RewardSpec], device: torch.device,
-                     add_special_tokens: bool = True, autocast_dtype: torch.dtype | None = None) -> Rollout:
-    """Generate ``settings.num_generations`` completions for each prompt and score them."""
-    from transformers import GenerationConfig
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, as ``generate`` does for left-padded prompts."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-    G = settings.num_generations
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, add_special_tokens,
-                                               settings.max_prompt_length, device)
-    prompt_ids = prompt_ids.repeat_interleave(G, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
-    P = prompt_ids.shape[1]
-    # Every sampling knob explicit: a checkpoint's generation_config (top_k=20, repetition_penalty...) must not
-    # silently change the distribution the loss assumes (softmax(logits / temperature), optionally top-p).
-    gen_config = GenerationConfig(
-        do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-        min_p=None, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-        max_new_tokens=settings.max_new_tokens, min_new_tokens=0, eos_token_id=eos_ids,
-        pad_token_id=tokenizer.pad_token_id, use_cache=True)
-    was_training = model.training
-    model.eval()
-    try:
-        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None \
-            else contextlib.nullcontext()
-        with ctx:
-            sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
-    finally:
-        model.train(was_training)
-    completion_ids = sequences[:, P:]
-    if completion_ids.shape[1] == 0:  # nothing generated at all (max_new_tokens reached immediately)
-        completion_ids = torch.full((sequences.shape[0], 1), tokenizer.pad_token_id, device=device)
-        sequences = torch.cat([sequences, completion_ids], dim=1)
-    completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
-    attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
 
-    completions = tokenizer.batch_decode(torch.where(completion_mask, completion_ids, tokenizer.pad_token_id),
-                                         skip_special_tokens=True)
-    expanded_prompts = [p for p in prompt_texts for _ in range(G)]
-    expanded_rows = [r for r in rows for _ in range(G)]
-    table = compute_rewards(reward_specs, expanded_prompts, completions, expanded_rows)
-    rewards = torch.tensor(table, dtype=torch.float32)
-    weights = torch.tensor([s.weight for s in reward_specs], dtype=torch.float32)
-    unscorable = torch.isnan(rewards).all(dim=1)
-    total = torch.nansum(rewards * weights, dim=1).masked_fill(unscorable, float("nan"))
-    return Rollout(input_ids=sequences, attention_mask=attention_mask, prompt_length=P,
-                   completion_ids=completion_ids, completion_mask=completion_mask, rewards=rewards,
-                   reward_total=total, truncated=truncated.cpu(), prompts=expanded_prompts, completions=completions)
+def next_tokens(logits: torch.Tensor, banned: torch.Tensor | None, temperature: float, top_k: int, top_p: float,
+                greedy: bool) -> torch.Tensor:
+    """(B,) ids drawn from softmax(logits / temperature) over the allowed ids (argmax when greedy)."""
+    z = logits.float() / temperature
+    if banned is not None:
+        z[:, banned] = float("-inf")
+    if greedy:
+        return z.argmax(dim=-1)
+    if 0 < top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:  # smallest set of ids whose probability reaches top_p (the most likely id always stays)
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        cum = sorted_z.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_z.softmax(dim=-1) >= top_p
+        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(z.softmax(dim=-1), 1).squeeze(-1)
 
+
+def sample_completions(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, repeats: int,
+                       max_new_tokens: int, eos_ids: list[int], pad_id: int, banned: torch.Tensor | None,
+                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                       keep_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(completion ids (B * repeats, T <= max_new_tokens), hidden (B * repeats, T, H) or None).
+
+    Rows of one prompt are consecutive, pad after EOS. One forward of the backbone over the (unrepeated) prompts
+    fills the KV cache, which is then repeated ``repeats`` times; each further forward feeds one token per row.
+    Logits come from the head as the loss sees it (``get_lm_head``: ``scale * (h @ W.T + b)``). Stops early once
+    every row has emitted an EOS. ``keep_graph``: run the backbone with autograd on and return the final hidden
+    states that predicted each completion token, so that the loss can backpropagate through this very forward
+    instead of recomputing it (``hidden[:, t]`` predicts ``ids[:, t]``).
+    """
+    from grpo_kernels.integrations.transformers import get_lm_head
+
+    device = prompt_ids.device
+    backbone, head = model.base_model, get_lm_head(model)
+    cache_arg = _cache_argument(backbone)
+
+    def logits_of(h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            z = torch.nn.functional.linear(h.detach(), head.weight, head.bias).float()
+            return z if head.logit_scale == 1.0 else z * head.logit_scale
+
+    with torch.set_grad_enabled(keep_graph):
+        positions = position_ids_from_mask(prompt_mask)
+        out = backbone(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
+        cache, hidden = getattr(out, cache_arg), out.last_hidden_state[:, -1]
+        if repeats > 1:
+            cache.batch_repeat_interleave(repeats)
+            hidden = hidden.repeat_interleave(repeats, dim=0)
+        mask = prompt_mask.repeat_interleave(repeats, dim=0)
+        position = positions[:, -1:].repeat_interleave(repeats, dim=0)
+        eos = torch.tensor(eos_ids, device=device)
+        rows = mask.shape[0]
+        tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        kept = [hidden] if keep_graph else None
+        step = 0
+        while True:
+            token = next_tokens(logits_of(hidden), banned, temperature, top_k, top_p, greedy).masked_fill(done, pad_id)
+            tokens[:, step] = token
+            done |= torch.isin(token, eos)
+            step += 1
+            if step == max_new_tokens or bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position + 1
+            out = backbone(input_ids=token[:, None], attention_mask=mask, position_ids=position, use_cache=True,
+                           **{cache_arg: cache})
+            hidden = out.last_hidden_state[:, -1]
+            if keep_graph:
+                kept.append(hidden)
+    return tokens[:, :step], torch.stack(kept, dim=1) if keep_graph else None
+
+
+def _cache_argument(model) -> str:
+    """The KV-cache keyword of this model's forward and output: ``cache`` (transformers >= 5.2x) or the older
+    ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                       truncated: torch.Tensor) -> list[str]:
+    """The text each row emitted before its EOS. Special tokens are not skipped: whatever the policy produced
+    (other than the final EOS) reaches the rewards."""
+    lengths = (completion_mask.sum(dim=1) - (~truncated).long().to(completion_mask.device)).tolist()
+    rows = completion_ids.tolist()
+    return tokenizer.batch_decode([row[:n] for row, n in zip(rows, lengths)], skip_special_tokens=False)
+
+
+class Sampler:
+    """Turns prompts into scored rollouts (training, sampled) or scored greedy completions (evaluation)."""
+
+    def __init__(self, model, tokenizer, settings: GenerationSettings, eos_ids: list[int], banned_ids: list[int],
+                 reward_specs: list[RewardSpec], device: torch.device, add_special_tokens: bool = True,
+                 autocast_dtype: torch.dtype | None = None):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.eos_ids, self.reward_specs, self.device = eos_ids, reward_specs, device
+        self.banned = torch.tensor(banned_ids, dtype=torch.long, device=device) if banned_ids else None
+        self.add_special_tokens, self.autocast_dtype = add_special_tokens, autocast_dtype
+        self.weights = torch.tensor([s.weight for s in reward_specs], dtype=torch.float32)
+
+    def rollout(self, prompt_texts: list[str], rows: list[dict], greedy: bool = False,
+                keep_graph: bool = False) -> Rollout:
+        """``num_generations`` sampled completions per prompt (one greedy completion when ``greedy``), scored.
+        ``keep_graph``: also keep the final hidden states with their autograd graph (see sample_completions)."""
+        s = self.settings
+        repeats = 1 if greedy else s.num_generations
+        prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, prompt_texts, self.add_special_tokens,
+                                                   s.max_prompt_length, self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            ctx = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None \
+                else contextlib.nullcontext()
+            with ctx:
+                completion_ids, hidden = sample_completions(
+                    self.model, prompt_ids, prompt_mask, repeats=repeats, max_new_tokens=s.max_new_tokens,
+                    eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id, banned=self.banned,
+                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=greedy, keep_graph=keep_graph)
+        finally:
+            self.model.train(was_training)
+        prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)
+        completion_mask, truncated = completion_mask_after_eos(completion_ids, self.eos_ids)
+        completions = decode_completions(self.tokenizer, completion_ids, completion_mask, truncated)
+        truncated = truncated.cpu()
+        expanded_prompts = [p for p in prompt_texts for _ in range(repeats)]
+        expanded_rows = [r for r in rows for _ in range(repeats)]
+        table = compute_rewards(self.reward_specs, expanded_prompts, completions, expanded_rows,
+                                truncated=truncated.tolist())
+        rewards = torch.tensor(table, dtype=torch.float32)
+        unscorable = torch.isnan(rewards).all(dim=1)
+        total = torch.nansum(rewards * self.weights, dim=1).masked_fill(unscorable, float("nan"))
+        return Rollout(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                       attention_mask=torch.cat([prompt_mask, completion_mask.long()], dim=1),
+                       prompt_length=prompt_ids.shape[1], completion_ids=completion_ids,
+                       completion_mask=completion_mask, rewards=rewards, reward_total=total, truncated=truncated,
+                       prompts=expanded_prompts, completions=completions, hidden=hidden)

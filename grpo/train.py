@@ -1,6 +1,8 @@
-"""Entry point: ``python -m grpo.train [options]`` or ``torchrun --nproc_per_node N -m grpo.train [options]``.
+"""Entry points: ``python -m grpo.train [options]``, ``torchrun --nproc_per_node N -m grpo.train [options]``, and
+``grpo.train.train(TrainConfig(...))`` from Python.
 
-Bad arguments and input files end the run with one line ``grpo.train: error: ...`` and exit status 2.
+Every bad argument or input file ends the command with one line ``grpo.train: error: ...`` and exit status 2
+(argparse's own errors included).
 """
 from __future__ import annotations
 
@@ -8,29 +10,37 @@ import os
 import sys
 import warnings
 
+from .config import TrainConfig
 from .errors import UsageError
 
 
+def train(config: TrainConfig) -> dict:
+    """Run (or resume) one training run; returns ``history`` (the metrics.jsonl records of this run), ``evals``,
+    ``summary`` and ``param_checksums``. Raises UsageError for bad input. Joins the torchrun process group when
+    the environment has one."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*generation_config.*")
+    from .distributed import barrier, cleanup_distributed, init_distributed
+    from .trainer import Trainer
+
+    try:
+        env = init_distributed(config.device)
+        result = Trainer(config, env).train()
+        barrier(env)  # leave together: no rank tears down its connections while another still uses them
+    finally:
+        cleanup_distributed()
+    return result
+
+
 def main(argv=None) -> int:
-    from .cli import parse_args
+    from .cli import config_from_argv
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        args = parse_args(argv)  # argparse's own errors exit(2) with the usage line
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        warnings.filterwarnings("ignore", message=".*generation_config.*")
-        from .distributed import barrier, cleanup_distributed, init_distributed
-        from .trainer import Trainer
-
-        try:
-            env = init_distributed(args.device)
-            Trainer(args, env).train()
-            barrier(env)  # leave together: no rank tears down its connections while another still uses them
-        finally:
-            cleanup_distributed()
+        train(config_from_argv(argv))
     except UsageError as exc:
         if rank == 0:
             print(f"grpo.train: error: {exc}", file=sys.stderr)

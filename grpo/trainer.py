@@ -1,17 +1,15 @@
 """The GRPO loop, in plain PyTorch.
 
-One *rollout* per process: sample ``--prompts-per-step`` prompts, generate G completions each, score them, turn
+One *rollout* per process: sample ``prompts_per_step`` prompts, generate G completions each, score them, turn
 rewards into group advantages; compute reference log-probs (beta != 0) and old-policy log-probs (when the rollout
-is used for more than one optimizer step) with the no-grad fused path; then ``--num-iterations`` passes over the
-rollout in mini-batches, one optimizer step each, gradient-accumulated over micro-batches, clipped, AdamW, LR
-schedule. One line of metrics.jsonl per optimizer step.
+is used for more than one optimizer step) with the no-grad fused path; then ``num_iterations`` passes over the
+rollout in mini-batches, one optimizer step each (grpo/update.py). One line of metrics.jsonl per optimizer step;
+every ``eval_every`` steps (and at the start and the end) a greedy evaluation on held-out prompts joins that line.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import math
 import os
 import time
 
@@ -19,118 +17,140 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import grpo_kernels as gk
-from grpo_kernels.loss_types import LOSS_TABLE
 
 from . import checkpoint as ckpt
-from .data import BUILTIN_TASKS, TASK_ALPHABET, PromptSampler, format_prompt, load_jsonl, seed_everything
+from .config import TrainConfig
+from .data import BUILTIN_TASKS, PRINTABLE_ASCII, TRAIN_ROW_WEIGHTING, PromptSampler, format_prompt, load_jsonl, split_eval
 from .distributed import DistEnv, all_reduce_sum, barrier, reduce_mean_dict
 from .errors import UsageError
+from .evaluation import Evaluator
 from .metrics import MetricsLog, Progress, plot_curves
 from .modeling import (DTYPES, apply_liger_layers, build_char_tokenizer, build_tiny_model,
                        choose_attn_implementation, disable_dropout, eos_token_ids, load_pretrained)
 from .policy import GRPOPolicy
-from .rollout import GenerationSettings, Rollout, generate_rollout
+from .rollout import GenerationSettings, Rollout, Sampler, suppressed_token_ids
+from .update import optimizer_step, rollout_logprobs
 
 NEEDS_ANSWER = {"copy", "math", "boxed", "hash", "last_number"}
-
-
-def lr_lambda(args):
-    def fn(step: int) -> float:
-        if step < args.warmup_steps:
-            return (step + 1) / (args.warmup_steps + 1)
-        if args.lr_scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if args.lr_scheduler == "cosine" else 1 - progress
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * shape
-    return fn
+SINGLE_PASS_MAX_NEW_TOKENS = 64
+SCHEDULERS = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 
 
 class Trainer:
-    def __init__(self, args, env: DistEnv):
-        self.args, self.env, self.device = args, env, env.device
-        self.cfg: gk.GRPOLossConfig = args.loss_config
-        self.rewards = args.reward_specs
-        self.rows = self._load_rows()
-        seed_everything(args.seed)  # identical initial weights on every rank
-        self.lm, self.tokenizer = self._build_model()
+    def __init__(self, cfg: TrainConfig, env: DistEnv):
+        from transformers import get_scheduler, set_seed
+
+        self.cfg, self.env, self.device = cfg, env, env.device
+        if self.device.type == "cpu" and cfg.model is None and "OMP_NUM_THREADS" not in os.environ:
+            # The built-in model's matmuls are too small to gain from more threads, and on a busy machine extra
+            # OpenMP threads spin against other processes (steps 5-10x slower); OMP_NUM_THREADS overrides.
+            torch.set_num_threads(1)
+        ckpt.prepare_output_dir(cfg.output_dir, resume=cfg.resume is not None, overwrite=cfg.overwrite,
+                                is_main=env.is_main)
+        train_rows, eval_rows = self._load_rows()
+        set_seed(cfg.seed)  # identical initial weights on every rank
+        self.lm, self.tokenizer = self._build_model(train_rows + eval_rows)
         self.eos_ids = eos_token_ids(self.lm, self.tokenizer)
-        self.use_chat = self._use_chat_template()
+        banned = suppressed_token_ids(self.tokenizer, self.lm.get_output_embeddings().weight.shape[0], self.eos_ids,
+                                      cfg.completion_chars)
+        use_chat = self._use_chat_template()
 
         param_dtype = next(self.lm.parameters()).dtype
-        autocast = None if args.autocast == "none" else DTYPES.get(args.autocast)
-        if args.autocast == "auto":
+        autocast = None if cfg.autocast == "none" else DTYPES.get(cfg.autocast)
+        if cfg.autocast == "auto":
             autocast = torch.bfloat16 if self.device.type == "cuda" and param_dtype == torch.float32 else None
-        self.autocast = autocast
         compute_dtype = autocast or param_dtype
-        self.policy = GRPOPolicy(self.lm, self.cfg, args.impl, compute_dtype, autocast)
+        self.policy = GRPOPolicy(self.lm, cfg.loss, cfg.impl, compute_dtype, autocast, banned)
         self.ref = None
-        if self.cfg.beta != 0.0:  # frozen copy of the *initial* policy (before any resume)
+        if cfg.loss.beta != 0.0:  # frozen copy of the *initial* policy (before any resume)
             ref_lm = copy.deepcopy(self.lm).requires_grad_(False).eval()
             if autocast is not None:  # the frozen copy needs no fp32 master weights: half the memory
                 ref_lm.to(autocast)
-            if args.gradient_checkpointing:
+            if cfg.gradient_checkpointing:
                 ref_lm.gradient_checkpointing_disable()
-            self.ref = GRPOPolicy(ref_lm, self.cfg, args.impl, compute_dtype, autocast)
+            self.ref = GRPOPolicy(ref_lm, cfg.loss, cfg.impl, compute_dtype, autocast, banned)
         self.model = self.policy
         if env.enabled:
             self.model = DDP(self.policy, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                           weight_decay=args.weight_decay,
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                           weight_decay=cfg.weight_decay,
                                            foreach=self.device.type == "cuda" or None)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(args))
-        self.sampler = PromptSampler(len(self.rows), args.seed, env.rank, env.world_size)
-        self.gen = GenerationSettings(args.num_generations, args.max_new_tokens, args.temperature, args.top_p,
-                                      args.top_k, args.max_prompt_length)
+        self.scheduler = get_scheduler(
+            SCHEDULERS[cfg.lr_scheduler], self.optimizer, num_warmup_steps=cfg.warmup_steps,
+            num_training_steps=cfg.max_steps,
+            scheduler_specific_kwargs={"min_lr_rate": cfg.min_lr_ratio} if cfg.lr_scheduler == "cosine" else None)
+        settings = GenerationSettings(cfg.num_generations, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                                      cfg.top_k, cfg.max_prompt_length)
+        self.sampler = Sampler(self.lm, self.tokenizer, settings, self.eos_ids, banned, list(cfg.reward_specs),
+                               self.device, add_special_tokens=not use_chat, autocast_dtype=autocast)
+        self.rows = train_rows
+        self.texts = [format_prompt(r["prompt"], self.tokenizer, use_chat, cfg.system_prompt) for r in train_rows]
+        self.evaluator = None
+        if eval_rows:
+            eval_texts = [format_prompt(r["prompt"], self.tokenizer, use_chat, cfg.system_prompt) for r in eval_rows]
+            self.evaluator = Evaluator(self.sampler, eval_rows, eval_texts)
+        self.prompts = PromptSampler(len(train_rows), cfg.seed, env.rank, env.world_size)
+        # Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
+        # backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead
+        # of running the backbone a second time. Short completions only: the KV cache's saved tensors grow with
+        # the square of the length. Off under DDP (its hooks need the forward to go through the wrapper).
+        rollout_size = cfg.prompts_per_step * cfg.num_generations
+        self.single_pass = (cfg.num_iterations == 1 and cfg.micro_batch_size == rollout_size
+                            and not env.enabled and not cfg.gradient_checkpointing
+                            and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
         # Sampling streams differ per rank (each rank generates its own groups); restored on resume.
-        torch.manual_seed(args.seed * 7919 + 104729 * (env.rank + 1))
-        self.step = 0
-        self.resumed_from = None
-        if args.resume is not None:
-            self.resumed_from = ckpt.resolve_resume_path(args.resume, args.output_dir)
-            self.step = ckpt.load_checkpoint(self.resumed_from, model=self.lm, optimizer=self.optimizer,
-                                             scheduler=self.scheduler, sampler=self.sampler, env=env)
-        self.last_rollout: Rollout | None = None
+        torch.manual_seed(cfg.seed * 7919 + 104729 * (env.rank + 1))
+        self.step, self.rollout_index, self.resumed_from = 0, 0, None
+        if cfg.resume is not None:
+            self.resumed_from = ckpt.resolve_resume_path(cfg.resume, cfg.output_dir)
+            counters = ckpt.load_checkpoint(self.resumed_from, model=self.lm, optimizer=self.optimizer,
+                                            scheduler=self.scheduler, sampler=self.prompts, env=env)
+            self.step, self.rollout_index = counters["step"], counters["rollout"]
 
     # ------------------------------------------------------------------------------------------- setup
-    def _load_rows(self) -> list[dict]:
-        a = self.args
-        if a.dataset is None:
-            return BUILTIN_TASKS[a.task]()
-        needs = any(s.name in NEEDS_ANSWER for s in self.rewards)
-        return load_jsonl(a.dataset, require_answer=needs)
+    def _load_rows(self) -> tuple[list[dict], list[dict]]:
+        cfg = self.cfg
+        needs = any(s.name in NEEDS_ANSWER for s in cfg.reward_specs)
+        rows = BUILTIN_TASKS[cfg.task]() if cfg.dataset is None else load_jsonl(cfg.dataset, require_answer=needs)
+        if cfg.eval_dataset is not None:
+            train_rows, eval_rows = rows, load_jsonl(cfg.eval_dataset, require_answer=needs, flag="--eval-dataset")
+        else:
+            train_rows, eval_rows = split_eval(rows, cfg.eval_size)
+        if cfg.dataset is None:
+            train_rows = TRAIN_ROW_WEIGHTING.get(cfg.task, list)(train_rows)
+        return train_rows, eval_rows
 
-    def _build_model(self):
-        a = self.args
-        dtype = torch.float32 if a.dtype == "auto" else DTYPES[a.dtype]
-        if a.model is None:
-            tokenizer = build_char_tokenizer(TASK_ALPHABET)
-            lm = build_tiny_model(tokenizer, a.hidden_size, a.num_layers, a.num_heads,
-                                  max_positions=max(128, 8 + a.max_new_tokens + (a.max_prompt_length or 64)))
-            if a.dataset is not None:  # a dataset with characters outside the tiny alphabet would be all <unk>
-                unknown = sorted({c for r in self.rows for c in str(r["prompt"]) if c not in TASK_ALPHABET})
-                if unknown:
-                    raise UsageError(f"--dataset uses characters {''.join(unknown[:20])!r} that the built-in "
-                                     "character tokenizer does not know; pass --model PATH for real text")
-            attn = choose_attn_implementation(a.attn_implementation, self.device)
+    def _build_model(self, rows: list[dict]):
+        cfg = self.cfg
+        dtype = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        if cfg.model is None:
+            # A prompt with characters outside the built-in tokenizer would be fed <unk>: refuse it up front.
+            unknown = sorted({c for r in rows for c in _prompt_text(r["prompt"]) if c not in PRINTABLE_ASCII})
+            if unknown:
+                raise UsageError(f"the prompts use characters {''.join(unknown[:20])!r} that the built-in character "
+                                 "tokenizer (printable ASCII and newline) does not know; pass --model PATH for "
+                                 "other text")
+            tokenizer = build_char_tokenizer(PRINTABLE_ASCII)
+            lm = build_tiny_model(tokenizer, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
+                                  max_positions=max(128, 8 + cfg.max_new_tokens + (cfg.max_prompt_length or 64)))
+            attn = choose_attn_implementation(cfg.attn_implementation, self.device)
             lm.config._attn_implementation = "sdpa" if attn == "flash_attention_2" else attn
             lm = lm.to(dtype)
         else:
-            lm, tokenizer = load_pretrained(a.model, dtype, choose_attn_implementation(a.attn_implementation,
-                                                                                        self.device),
-                                            a.trust_remote_code)
+            attn = choose_attn_implementation(cfg.attn_implementation, self.device)
+            lm, tokenizer = load_pretrained(cfg.model, dtype, attn, cfg.trust_remote_code)
         disable_dropout(lm)
         lm.to(self.device)
-        if a.liger_layers:
+        if cfg.liger_layers:
             apply_liger_layers(lm, self.device)
-        if a.gradient_checkpointing:
+        if cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.train()
         return lm, tokenizer
 
     def _use_chat_template(self) -> bool:
-        mode = self.args.chat_template
+        mode = self.cfg.chat_template
         has = getattr(self.tokenizer, "chat_template", None) is not None
         if mode == "on" and not has:
             raise UsageError("--chat-template on: the tokenizer has no chat template")
@@ -138,114 +158,87 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- rollout
     def make_rollout(self) -> tuple[Rollout, torch.Tensor]:
-        rows = [self.rows[i] for i in self.sampler.next(self.args.prompts_per_step)]
-        texts = [format_prompt(r["prompt"], self.tokenizer, self.use_chat, self.args.system_prompt) for r in rows]
-        rollout = generate_rollout(self.lm, self.tokenizer, texts, rows, self.gen, self.eos_ids, self.rewards,
-                                   self.device, add_special_tokens=not self.use_chat, autocast_dtype=self.autocast)
-        if self.args.mask_truncated_completions:
+        idx = self.prompts.next(self.cfg.prompts_per_step)
+        rollout = self.sampler.rollout([self.texts[i] for i in idx], [self.rows[i] for i in idx],
+                                       keep_graph=self.single_pass)
+        if self.cfg.mask_truncated_completions:
             rollout.completion_mask &= ~rollout.truncated.to(self.device)[:, None]
-        advantages = gk.group_advantages(rollout.rewards, self.args.num_generations, scale=self.args.advantage_scale,
-                                         weights=[s.weight for s in self.rewards])
+        advantages = gk.group_advantages(rollout.rewards, self.cfg.num_generations, scale=self.cfg.advantage_scale,
+                                         weights=[s.weight for s in self.cfg.reward_specs])
         return rollout, advantages.to(self.device)
 
-    @torch.no_grad()
-    def _logprobs(self, policy: GRPOPolicy, rollout: Rollout) -> torch.Tensor:
-        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=self.device)
-        for rows in torch.arange(rollout.batch_size, device=self.device).split(self.args.micro_batch_size):
-            batch = trim(rollout.batch(rows))
-            out[rows, :batch["completion_ids"].shape[1]] = policy.token_logprobs(batch)
-        return out
-
-    # ------------------------------------------------------------------------------------------- update
-    def optimizer_step(self, rollout, rows, advantages, old_logps, ref_logps) -> dict:
-        a = self.args
-        self.optimizer.zero_grad(set_to_none=True)
-        micro_rows = rows.split(a.micro_batch_size)
-        n_tokens = rollout.completion_mask[rows].sum().to(torch.float64)
-        all_reduce_sum(n_tokens, self.env)
-        # Loss types normalized by num_items_in_batch divide by the token count of the whole optimizer step; the
-        # others normalize inside each micro-batch, so their micro-batch losses are averaged.
-        global_norm = LOSS_TABLE[self.cfg.loss_type].uses_num_items_in_batch
-        num_items = (n_tokens / self.env.world_size).to(torch.float32) if global_norm else None
-        sums: dict[str, float] = {}
-        loss_total = 0.0
-        for i, mrows in enumerate(micro_rows):
-            batch = trim(rollout.batch(mrows, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps))
-            last = i == len(micro_rows) - 1
-            sync = self.model.no_sync() if self.env.enabled and not last else contextlib.nullcontext()
-            with sync:
-                loss, metrics = self.model(batch, num_items_in_batch=num_items)
-                scaled = loss if global_norm else loss / len(micro_rows)
-                scaled.backward()
-            loss_total += float(scaled.detach())
-            weight = float(batch["completion_mask"].sum())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * weight
-            sums["_tokens"] = sums.get("_tokens", 0.0) + weight
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        max_norm = a.max_grad_norm if a.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        self.optimizer.step()
-        self.scheduler.step()
-        tokens = max(sums.pop("_tokens"), 1.0)
-        out = {k: v / tokens for k, v in sums.items()}
-        out.update(loss=loss_total, grad_norm=grad_norm)
-        return out
+    def minibatches(self) -> list[torch.Tensor]:
+        """The row sets of this rollout's optimizer steps: ``num_iterations`` shuffled passes (in order when the
+        whole rollout is one mini-batch)."""
+        cfg = self.cfg
+        size = cfg.prompts_per_step * cfg.num_generations
+        passes = []
+        for _ in range(cfg.num_iterations):
+            order = torch.randperm(size, device=self.device) if cfg.mini_batch_size < size else \
+                torch.arange(size, device=self.device)
+            passes += list(order.split(cfg.mini_batch_size))
+        return passes
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict:
-        a, env = self.args, self.env
+        cfg, env = self.cfg, self.env
+        barrier(env)  # every rank has checked the output folder before rank 0 writes into it
         if env.is_main:
-            os.makedirs(a.output_dir, exist_ok=True)
-            with open(os.path.join(a.output_dir, "args.json"), "w") as f:
-                json.dump(_plain_args(a), f, indent=2, default=str)
-        barrier(env)
-        log = MetricsLog(a.output_dir, resume_step=self.step if self.resumed_from else None) \
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            with open(os.path.join(cfg.output_dir, "args.json"), "w") as f:
+                json.dump(cfg.to_dict(), f, indent=2, default=str)
+        log = MetricsLog(cfg.output_dir, resume_step=self.step if self.resumed_from else None) \
             if env.is_main else None
-        progress = Progress(a.max_steps, self.step, enabled=env.is_main and not a.no_progress)
+        progress = Progress(cfg.max_steps, self.step, enabled=env.is_main and cfg.progress)
         if self.resumed_from and env.is_main:
-            progress.write(f"resumed from {self.resumed_from} at step {self.step}")
-        rollout_size = a.prompts_per_step * a.num_generations
-        minibatches = rollout_size // a.mini_batch_size
-        off_policy = a.num_iterations > 1 or minibatches > 1
-        start_time, last_saved, rollout_index = time.time(), self.step, 0
-        start_step = self.step
-        history = []
-        while self.step < a.max_steps:
+            progress.write(f"resumed from {self.resumed_from} at step {self.step} (rollout {self.rollout_index})")
+        off_policy = cfg.num_iterations > 1 or cfg.mini_batch_size < cfg.prompts_per_step * cfg.num_generations
+        start_step, last_saved, start_time = self.step, self.step, time.time()
+        history, evals = [], []
+        if self.step == 0 and self.evaluator is not None:
+            evals.append(self._evaluate(log, {"step": 0}))
+        while self.step < cfg.max_steps:
             t0 = time.time()
             rollout, advantages = self.make_rollout()
-            self.last_rollout = rollout
-            old_logps = self._logprobs(self.policy, rollout) if off_policy else None
-            ref_logps = self._logprobs(self.ref, rollout) if self.ref is not None else None
+            old_logps = rollout_logprobs(self.policy, rollout, cfg.micro_batch_size) if off_policy else None
+            ref_logps = rollout_logprobs(self.ref, rollout, cfg.micro_batch_size) if self.ref is not None else None
             rollout_stats = self._rollout_stats(rollout, time.time() - t0)
-            for _ in range(a.num_iterations):
-                order = torch.randperm(rollout_size, device=self.device) if minibatches > 1 else \
-                    torch.arange(rollout_size, device=self.device)
-                for rows in order.split(a.mini_batch_size):
-                    stats = self.optimizer_step(rollout, rows, advantages, old_logps, ref_logps)
-                    self.step += 1
-                    record = self._record(stats, rollout_stats, rollout_index, t0, start_time)
-                    history.append(record)
-                    if env.is_main:
-                        log.write(record)
-                        progress.update(self.step, record)
-                    if self.step >= a.max_steps:
-                        break
-                if self.step >= a.max_steps:
-                    break
-            rollout_index += 1
-            if a.save_steps and self.step // a.save_steps > last_saved // a.save_steps and self.step < a.max_steps:
+            for rows in self.minibatches()[:cfg.max_steps - self.step]:
+                stats = optimizer_step(self.model, self.policy, self.optimizer, self.scheduler, rollout, rows,
+                                       advantages, old_logps, ref_logps, micro_batch_size=cfg.micro_batch_size,
+                                       max_grad_norm=cfg.max_grad_norm, env=env)
+                self.step += 1
+                record = self._record(stats, rollout_stats, t0, start_time)
+                if self.evaluator is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
+                    evals.append(self._evaluate(None, record))
+                history.append(record)
+                if env.is_main:
+                    log.write(record)
+                    progress.update(self.step, record)
+            self.rollout_index += 1
+            if cfg.save_steps and self.step // cfg.save_steps > last_saved // cfg.save_steps \
+                    and self.step < cfg.max_steps:
                 self.save(progress)
                 last_saved = self.step
         progress.close()
-        if self.step != last_saved or (self.step > start_step and self.resumed_from is None):
+        if self.step > last_saved or (self.step > start_step and self.resumed_from is None):
             self.save(None)
         checksums = self.param_checksums()
+        summary = self._summary(history, evals, time.time() - start_time, checksums)
         if env.is_main:
             log.close()
-            plot_curves(log.path, os.path.join(a.output_dir, "curves.png"))
-            self._summary(history, time.time() - start_time, checksums)
-        return {"history": history, "param_checksums": checksums}
+            plot_curves(log.path, os.path.join(cfg.output_dir, "curves.png"))
+        return {"history": history, "evals": evals, "summary": summary, "param_checksums": checksums}
+
+    def _evaluate(self, log: MetricsLog | None, record: dict) -> dict:
+        """Greedy held-out evaluation; its keys join ``record`` (written to ``log`` when given: the step-0 line)."""
+        t0 = time.time()
+        result = reduce_mean_dict(self.evaluator.evaluate(), self.env)
+        result["eval/seconds"] = time.time() - t0
+        record.update(result)
+        if log is not None:
+            log.write(record)
+        return dict(record)
 
     def param_checksums(self) -> list[float]:
         """One float64 checksum of all parameters per rank (rank order): equal values = ranks in sync."""
@@ -265,17 +258,17 @@ class Trainer:
                  "truncated_ratio": float(rollout.truncated.float().mean()),
                  "generation_s": gen_time,
                  "_gen_tokens": float(rollout.completion_mask.sum())}
-        for j, spec in enumerate(self.rewards):
+        for j, spec in enumerate(self.cfg.reward_specs):
             stats[f"reward/{spec.name}"] = float(torch.nanmean(rollout.rewards[:, j]))
         return stats
 
-    def _record(self, stats: dict, rollout_stats: dict, rollout_index: int, t0: float, start: float) -> dict:
-        merged = {k: v for k, v in rollout_stats.items()}
+    def _record(self, stats: dict, rollout_stats: dict, t0: float, start: float) -> dict:
+        merged = dict(rollout_stats)
         merged.update(stats)
         merged = reduce_mean_dict(merged, self.env)
         tokens = merged.pop("_gen_tokens") * self.env.world_size  # mean over ranks x ranks = global count
         now = time.time()
-        record = {"step": self.step, "rollout": rollout_index, "reward_mean": merged.pop("reward_mean"),
+        record = {"step": self.step, "rollout": self.rollout_index, "reward_mean": merged.pop("reward_mean"),
                   "kl": merged.pop("kl", 0.0), "loss": merged.pop("loss"),
                   "clip_ratio": merged.pop("clip_ratio/region_mean", 0.0)}
         record.update(merged)
@@ -284,58 +277,52 @@ class Trainer:
         return record
 
     def save(self, progress: Progress | None) -> None:
-        path = ckpt.checkpoint_dir(self.args.output_dir, self.step)
-        ckpt.save_checkpoint(path, step=self.step, model=self.lm, tokenizer=self.tokenizer,
-                             optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
-                             args=_plain_args(self.args), env=self.env)
+        cfg = self.cfg
+        path = ckpt.checkpoint_dir(cfg.output_dir, self.step)
+        ckpt.save_checkpoint(path, counters={"step": self.step, "rollout": self.rollout_index}, model=self.lm,
+                             tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
+                             sampler=self.prompts, config=cfg.to_dict(), env=self.env)
         if self.env.is_main:
-            ckpt.prune_checkpoints(self.args.output_dir, self.args.save_total_limit)
-            plot_curves(os.path.join(self.args.output_dir, "metrics.jsonl"),
-                        os.path.join(self.args.output_dir, "curves.png"))
+            ckpt.prune_checkpoints(cfg.output_dir, cfg.save_total_limit)
+            plot_curves(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "curves.png"))
             if progress is not None:
                 progress.write(f"step {self.step}: saved {path}")
 
-    def _summary(self, history: list[dict], seconds: float, checksums: list[float]) -> None:
-        if len(set(checksums)) > 1:
+    def _summary(self, history: list[dict], evals: list[dict], seconds: float, checksums: list[float]) -> dict:
+        """run_summary.json and the closing lines on stdout (main rank)."""
+        cfg, say = self.cfg, self.env.is_main
+        if len(set(checksums)) > 1 and say:
             print(f"[grpo.train] WARNING: ranks' parameters differ: {checksums}", flush=True)
         if not history:
-            return
+            if say:
+                print(f"[grpo.train] nothing to do: {self.resumed_from} is at step {self.step} and --max-steps is "
+                      f"{cfg.max_steps}; raise --max-steps to train further", flush=True)
+            return {}
         k = max(1, min(10, len(history) // 4))
         first = sum(r["reward_mean"] for r in history[:k]) / k
         last = sum(r["reward_mean"] for r in history[-k:]) / k
-        with open(os.path.join(self.args.output_dir, "run_summary.json"), "w") as f:
-            json.dump({"steps": self.step, "steps_this_run": len(history), "seconds": seconds,
-                       "world_size": self.env.world_size, f"reward_first_{k}": first, f"reward_last_{k}": last,
-                       "final_kl": history[-1]["kl"], "param_checksums": checksums}, f, indent=2)
-        print(f"[grpo.train] {len(history)} steps in {seconds:.1f}s; reward (mean of {k} steps) "
-              f"{first:.3f} -> {last:.3f}; kl {history[-1]['kl']:.4f}; outputs in {self.args.output_dir}",
-              flush=True)
-        if self.last_rollout is not None:
-            ro = self.last_rollout
-            for i in range(min(3, len(ro.completions))):
-                j = i * self.args.num_generations
-                print(f"[grpo.train] sample: {ro.prompts[j]!r} -> {ro.completions[j]!r} "
-                      f"(reward {float(ro.reward_total[j]):.2f})", flush=True)
+        summary = {"steps": self.step, "steps_this_run": len(history), "seconds": seconds,
+                   "world_size": self.env.world_size, "reward_first_steps": first, "reward_last_steps": last,
+                   "reward_window": k, "final_kl": history[-1]["kl"], "param_checksums": checksums}
+        if evals:
+            summary.update({f"first_{key[5:]}": evals[0][key] for key in ("eval/accuracy", "eval/reward")})
+            summary.update({f"final_{key[5:]}": evals[-1][key] for key in ("eval/accuracy", "eval/reward")})
+            summary["eval_size"] = len(self.evaluator)
+        if not say:
+            return summary
+        with open(os.path.join(cfg.output_dir, "run_summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        window = "1 step" if k == 1 else f"{k} steps"
+        print(f"[grpo.train] {len(history)} steps in {seconds:.1f}s; reward (mean over {window}) "
+              f"{first:.3f} -> {last:.3f}; kl {history[-1]['kl']:.4f}; outputs in {cfg.output_dir}", flush=True)
+        if evals:
+            print(f"[grpo.train] greedy accuracy on the {len(self.evaluator)} eval prompts "
+                  f"{evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> {evals[-1]['eval/accuracy']:.3f} "
+                  f"(step {evals[-1]['step']})", flush=True)
+            for prompt, completion, reward in self.evaluator.samples[:4]:
+                print(f"[grpo.train] greedy: {prompt!r} -> {completion!r} (reward {reward:.2f})", flush=True)
+        return summary
 
 
-def _plain_args(args) -> dict:
-    """The command-line values only (no derived objects), for args.json and checkpoints."""
-    return {k: v for k, v in vars(args).items() if k not in ("loss_config", "reward_specs")}
-
-
-def trim(batch: dict) -> dict:
-    """Drop the columns no row of this (micro-)batch needs: shared left padding of the prompts and the
-    completion tail after every row's last loss token. Exact: causal attention never looks right."""
-    mask = batch["completion_mask"]
-    P = batch["prompt_length"]
-    used = mask.any(dim=0).nonzero()
-    T = int(used[-1]) + 1 if used.numel() else 1
-    lead = int((batch["attention_mask"][:, :P].sum(dim=0) > 0).nonzero()[0])
-    out = dict(batch)
-    out["input_ids"] = batch["input_ids"][:, lead:P + T]
-    out["attention_mask"] = batch["attention_mask"][:, lead:P + T]
-    out["prompt_length"] = P - lead
-    for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps"):
-        if key in batch:
-            out[key] = batch[key][:, :T]
-    return out
+def _prompt_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)

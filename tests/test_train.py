@@ -1,45 +1,29 @@
-"""Tests of the standalone trainer ``python -m grpo.train`` (grpo/).
-
-Fast tests check the pieces (alignment of hidden states with sampled tokens, rewards, sampler, error messages);
-slow ones run the real command: a default run whose reward rises, a 2-process torchrun/gloo run whose ranks stay
-in sync, and checkpoint/resume reproducing the uninterrupted run exactly. Whole file: about 1.5 min on 2 cores.
+"""Tests of the pieces of the standalone trainer ``python -m grpo.train`` (grpo/): alignment of hidden states with
+sampled tokens, the sampler's restricted distribution against the loss's, rewards, the prompt sampler, the fused
+head check, local checkpoints. Whole runs (learning, resume, torchrun, run folders, errors): test_train_runs.py.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from grpo import train
-from grpo.checkpoint import latest_checkpoint
-from grpo.data import PromptSampler, builtin_copy_task, load_jsonl
+from grpo.data import PRINTABLE_ASCII, PromptSampler, builtin_copy_task, load_jsonl, split_eval
 from grpo.errors import UsageError
 from grpo.modeling import build_char_tokenizer, build_tiny_model
 from grpo.policy import GRPOPolicy
 from grpo.rewards import (compute_rewards, copy_reward, extract_answer, format_reward, math_reward,
                           parse_number, parse_reward_spec)
-from grpo.rollout import completion_mask_after_eos, tokenize_prompts
-from grpo.trainer import trim
+from grpo.rollout import (completion_mask_after_eos, decode_completions, sample_completions,
+                          suppressed_token_ids, tokenize_prompts)
+from grpo.update import trim
 
 import grpo_kernels as gk
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts-per-step", "4", "-G", "4", "--no-progress"]
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)  # CPU runs use the chunked torch path; no interpreter needed
-    return env
-
-
-def _run(cmd, timeout=240):
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _metrics(run_dir):
@@ -90,7 +74,9 @@ def test_rewards_parsing_and_specs():
     assert math_reward(None, ["the answer is 42.", r"\boxed{41}", "#### 1,000", "none"],
                        ["42", "Step... #### 42", "1000", "5"]) == [1.0, 0.0, 1.0, 0.0]
     assert format_reward(None, [r"\boxed{3}", "it is 3", "no"]) == [1.0, 0.5, 0.0]
-    assert copy_reward(None, ["abc", "ab", "abcd", "x"], ["abc"] * 4) == [1.0, 2 / 3, 0.75, 0.0]
+    # (right characters + 1 for stopping right after len(target)) / (max length + 1): full credit needs the EOS
+    assert copy_reward(None, ["abc", "ab", "abcd", "x", ""], ["abc"] * 5) == [1.0, 0.5, 0.6, 0.0, 0.0]
+    assert copy_reward(None, ["abc", "abc"], ["abc"] * 2, truncated=[True, False]) == [0.75, 1.0]
     spec = parse_reward_spec("grpo.rewards:format_reward=0.25")
     assert spec.fn is format_reward and spec.weight == 0.25
     assert parse_reward_spec("grpo.rewards.math_reward").fn is math_reward
@@ -117,6 +103,9 @@ def test_prompt_sampler_shards_and_resumes():
 def test_builtin_task_and_dataset_validation(tmp_path):
     rows = builtin_copy_task()
     assert rows[0] == {"prompt": "a=", "answer": "a"} and len(rows) == 8 + 64 + 512
+    train_rows, held = split_eval(rows, None)
+    assert len(held) == 58 and not {r["prompt"] for r in held} & {r["prompt"] for r in train_rows}
+    assert split_eval(rows, None)[1] == held  # a property of the dataset: the same split every time
     good = tmp_path / "ok.jsonl"
     good.write_text('{"prompt": "ab=", "answer": "ab"}\n\n{"prompt": [{"role": "user", "content": "x"}], '
                     '"answer": "1"}\n')
@@ -151,7 +140,7 @@ def _save_tiny_chat_checkpoint(path):
 def test_local_checkpoint_with_chat_template_and_math_dataset(tmp_path):
     """--model (AutoModelForCausalLM/AutoTokenizer, local files), chat template, message-list prompts, math
     rewards by name and by dotted path; the checkpoint's generation_config does not leak into sampling."""
-    from grpo.rollout import GenerationSettings, generate_rollout
+    from grpo.rollout import GenerationSettings, Sampler
 
     model_dir, data = tmp_path / "qwen", tmp_path / "math.jsonl"
     _save_tiny_chat_checkpoint(str(model_dir))
@@ -168,117 +157,136 @@ def test_local_checkpoint_with_chat_template_and_math_dataset(tmp_path):
     lm, tok = load_pretrained(str(model_dir), torch.float32, "sdpa")
     spec = parse_reward_spec("math")
     torch.manual_seed(0)
-    ro = generate_rollout(lm, tok, ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], [rows[0]],
-                          GenerationSettings(num_generations=8, max_new_tokens=4), [tok.eos_token_id], [spec],
-                          torch.device("cpu"), add_special_tokens=False)
+    eos = [tok.eos_token_id]
+    banned = suppressed_token_ids(tok, lm.config.vocab_size, eos)
+    assert tok.convert_tokens_to_ids("<|im_start|>") in banned and tok.pad_token_id in banned and eos[0] not in banned
+    sampler = Sampler(lm, tok, GenerationSettings(num_generations=8, max_new_tokens=4), eos, banned, [spec],
+                      torch.device("cpu"), add_special_tokens=False)
+    ro = sampler.rollout(["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], [rows[0]])
     assert len({tuple(r.tolist()) for r in ro.completion_ids}) > 1  # top_k=1 from generation_config would collapse
 
 
-# ------------------------------------------------------------------------------------------------- bad arguments
-@pytest.mark.parametrize("argv, message", [
-    (["-G", "1"], "--num-generations must be >= 2"),
-    (["--dataset", "/no/such/file.jsonl"], "file not found"),
-    (["--model", "/no/such/model"], "not a directory"),
-    (["--reward", "no_such_pkg_xyz.mod:fn"], "cannot import module"),
-    (["--epsilon-low", "1.5"], "epsilon_low"),
-    (["--mini-batch-size", "5"], "must divide"),
-    (["--resume"], "no complete checkpoint"),
-], ids=["G<2", "missing-dataset", "missing-model", "bad-reward", "bad-loss-option", "bad-minibatch", "no-ckpt"])
-def test_bad_arguments_exit_with_one_clear_message(argv, message, tmp_path, capsys):
-    assert train.main(SMALL + ["--output-dir", str(tmp_path / "run"), "--max-steps", "1"] + argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("grpo.train: error:") and message in err and "Traceback" not in err
-    assert err.count("\n") == 1
 
 
-def test_dataset_line_without_prompt(tmp_path, capsys):
-    data = tmp_path / "bad.jsonl"
-    data.write_text('{"prompt": "a=", "answer": "a"}\n{"question": "b=", "answer": "b"}\n')
-    assert train.main(["--dataset", str(data), "--output-dir", str(tmp_path / "run")] + SMALL) == 2
-    err = capsys.readouterr().err
-    assert f"{data}:2: missing field 'prompt'" in err and "Traceback" not in err
+def test_sampler_and_loss_use_the_same_restricted_distribution():
+    """Suppressed ids (pad / bos / unk, made very likely here) are never sampled, and the loss path scores every
+    sampled token with the sampler's distribution: softmax(logits / T) renormalized over the allowed ids."""
+    torch.manual_seed(0)
+    tok = build_char_tokenizer(PRINTABLE_ASCII)
+    lm = build_tiny_model(tok).eval()
+    eos = [tok.eos_token_id]
+    banned = suppressed_token_ids(tok, lm.config.vocab_size, eos)
+    assert banned == sorted([tok.pad_token_id, tok.bos_token_id, tok.unk_token_id])
+    with torch.no_grad():
+        lm.lm_head.weight[banned] = lm.model.norm.weight * 3.0  # aligned with every hidden state: huge logits
+    ids, mask = tokenize_prompts(tok, ["a=", "bcd=", "hh="], True, None, torch.device("cpu"))
+    temperature = 0.7
+    comp, _ = sample_completions(lm, ids, mask, repeats=4, max_new_tokens=5, eos_ids=eos, pad_id=tok.pad_token_id,
+                                 banned=torch.tensor(banned), temperature=temperature)
+    cmask, truncated = completion_mask_after_eos(comp, eos)
+    assert not torch.isin(comp[cmask], torch.tensor(banned)).any()
+    seq = torch.cat([ids.repeat_interleave(4, 0), comp], 1)
+    attn = torch.cat([mask.repeat_interleave(4, 0), cmask.long()], 1)
+    P = ids.shape[1]
+    from grpo.rollout import position_ids_from_mask
+    logits = lm(input_ids=seq, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, P - 1:-1]
+    logits = logits / temperature
+    logits[..., banned] = float("-inf")
+    expected = logits.log_softmax(-1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+    batch = {"input_ids": seq, "attention_mask": attn, "prompt_length": P, "completion_ids": comp,
+             "completion_mask": cmask}
+    got = GRPOPolicy(lm, gk.GRPOLossConfig(temperature=temperature), banned_ids=banned).token_logprobs(batch)
+    torch.testing.assert_close(got[cmask], expected[cmask], atol=1e-4, rtol=1e-4)
+    unrestricted = GRPOPolicy(lm, gk.GRPOLossConfig(temperature=temperature)).token_logprobs(batch)
+    assert (unrestricted[cmask] - expected[cmask]).abs().max() > 0.5  # the renormalization matters here
+    # completion_chars: only those characters (and EOS) remain samplable
+    allowed = set(range(len(tok))) - set(suppressed_token_ids(tok, lm.config.vocab_size, eos, "ab"))
+    assert allowed == {tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b"), eos[0]}
 
 
-def test_cli_unknown_loss_type_exits_cleanly(tmp_path):
-    proc = _run([sys.executable, "-m", "grpo.train", "--loss-type", "nope", "--output-dir", str(tmp_path)])
-    assert proc.returncode == 2
-    assert "invalid choice: 'nope'" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _run([sys.executable, "-m", "grpo.train", "-G", "1", "--output-dir", str(tmp_path)])
-    assert proc.returncode == 2 and proc.stderr.strip() == \
-        "grpo.train: error: --num-generations must be >= 2 (GRPO compares completions within a group), got 1"
+def test_rewards_see_what_the_policy_emitted():
+    """Decoding keeps special tokens other than the final EOS (nothing is silently dropped before the reward)."""
+    tok = build_char_tokenizer("abc=")
+    a, eos, bos, pad = (tok.convert_tokens_to_ids(t) for t in ("a", "<eos>", "<bos>", "<pad>"))
+    comp = torch.tensor([[a, bos, a, eos, pad], [a, a, a, a, a]])
+    mask, truncated = completion_mask_after_eos(comp, [eos])
+    assert decode_completions(tok, comp, mask, truncated) == ["a<bos>a", "aaaaa"]
 
 
-# ------------------------------------------------------------------------------------------------- runs
-def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
-    """Checkpoint at step 4 (end of the first rollout: 2 iterations x 2 mini-batches), resume: steps 5-8 have the
-    very same losses as the uninterrupted run (model, AdamW, scheduler, RNG and sampler state restored; old and
-    ref log-probs in play)."""
-    opts = SMALL + ["--max-steps", "8", "--save-steps", "4", "--beta", "0.04", "--num-iterations", "2",
-                    "--mini-batch-size", "8", "--micro-batch-size", "4", "--seed", "5"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert train.main(opts + ["--output-dir", str(full)]) == 0
-    capsys.readouterr()
-    shutil.copytree(full / "checkpoint-4", part / "checkpoint-4")
-    assert latest_checkpoint(str(part)) == str(part / "checkpoint-4")
-    assert train.main(opts + ["--output-dir", str(part), "--resume"]) == 0
-    assert f"resumed from {part / 'checkpoint-4'} at step 4" in capsys.readouterr().out
-    a, b = _metrics(full), _metrics(part)
-    assert [r["step"] for r in b] == [5, 6, 7, 8]
-    for ra, rb in zip(a[4:], b):
-        assert ra["loss"] == rb["loss"] and ra["reward_mean"] == rb["reward_mean"], (ra, rb)
-    # a saved checkpoint is a regular --model directory, usable with a JSONL dataset and a custom reward
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": s + "=", "answer": s}) + "\n" for s in ("ab", "c", "hgf", "d")))
-    assert train.main(SMALL + ["--model", str(full / "checkpoint-8" / "model"), "--dataset", str(data),
-                               "--reward", "copy", "--reward", "grpo.rewards:format_reward=0.1",
-                               "--max-steps", "2", "--output-dir", str(tmp_path / "m")]) == 0
-    assert [r["step"] for r in _metrics(tmp_path / "m")] == [1, 2]
+def test_builtin_tokenizer_covers_printable_ascii():
+    tok = build_char_tokenizer(PRINTABLE_ASCII)
+    text = "12 + 34 = 46\n(x*y)/z! ~{ok}"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids and len(ids) == len(text) and tok.decode(ids) == text
+    assert len(tok) == 4 + 96
 
 
-@pytest.mark.slow
-def test_default_run_reward_rises(tmp_path):
-    """The default job, shortened to 120 steps (~15 s): mean reward of the last 20 steps clearly above the first 20."""
-    out = tmp_path / "run"
-    proc = _run([sys.executable, "-m", "grpo.train", "--max-steps", "120", "--output-dir", str(out)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = _metrics(out)
-    assert [r["step"] for r in records] == list(range(1, 121))
-    for key in ("step", "reward_mean", "kl", "loss", "clip_ratio", "tokens_per_s", "lr", "grad_norm"):
-        assert key in records[0]
-    first = sum(r["reward_mean"] for r in records[:20]) / 20
-    last = sum(r["reward_mean"] for r in records[-20:]) / 20
-    assert last > first + 0.07 and last > 1.6 * first, (first, last)
-    assert records[-1]["kl"] > 0
-    assert (out / "curves.png").stat().st_size > 1000
-    assert (out / "checkpoint-120" / "COMPLETE").exists()
-    assert "reward" in proc.stderr and "tok/s" in proc.stderr  # the tqdm bar's postfix
+def test_fused_head_check_folds_logit_scale_and_refuses_softcapping():
+    """The trainer goes through grpo_kernels' get_lm_head: Cohere's logit_scale folds into the temperature (log-probs
+    equal the model's own logits' log-softmax); Gemma 2's soft-capping is refused with a UsageError."""
+    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    lm = CohereForCausalLM(CohereConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=4, logit_scale=0.25,
+                                        pad_token_id=0)).eval()
+    ids = torch.randint(1, 50, (2, 7))
+    attn = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": attn, "prompt_length": 3, "completion_ids": ids[:, 3:],
+             "completion_mask": torch.ones(2, 4, dtype=torch.bool)}
+    got = GRPOPolicy(lm, gk.GRPOLossConfig(temperature=0.5)).token_logprobs(batch)
+    logits = lm(input_ids=ids, attention_mask=attn).logits[:, 2:-1] / 0.5
+    torch.testing.assert_close(got, logits.log_softmax(-1).gather(-1, ids[:, 3:, None]).squeeze(-1),
+                               atol=1e-5, rtol=1e-5)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                                           final_logit_softcapping=30.0))
+    with pytest.raises(UsageError, match="final_logit_softcapping"):
+        GRPOPolicy(gemma, gk.GRPOLossConfig())
 
 
-@pytest.mark.slow
-def test_torchrun_two_processes_stay_in_sync(tmp_path):
-    """torchrun + gloo: each rank samples its own groups, DDP averages gradients, parameters stay identical."""
-    out = tmp_path / "ddp"
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                 "-m", "grpo.train", "--max-steps", "4", "--output-dir", str(out), "--beta", "0.04",
-                 "--micro-batch-size", "8"] + SMALL)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[:6000]
-    summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["world_size"] == 2 and len(summary["param_checksums"]) == 2
-    assert summary["param_checksums"][0] == summary["param_checksums"][1]
-    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
-    assert "WARNING" not in proc.stdout
+def test_single_pass_gradient_equals_recomputed_forward():
+    """Single-pass mode (the loss backpropagates through the sampling forward's kept hidden states) gives the same
+    loss and parameter gradients as recomputing the forward from the sampled ids (left-padded prompts, EOS masks,
+    trimming, suppressed ids)."""
+    from grpo.rollout import GenerationSettings, Sampler
+
+    torch.manual_seed(0)
+    tok = build_char_tokenizer(PRINTABLE_ASCII)
+    lm = build_tiny_model(tok, num_layers=2)
+    eos = [tok.eos_token_id]
+    banned = suppressed_token_ids(tok, lm.config.vocab_size, eos, "abcd")
+    sampler = Sampler(lm, tok, GenerationSettings(num_generations=4, max_new_tokens=5, temperature=0.9), eos,
+                      banned, [parse_reward_spec("copy")], torch.device("cpu"))
+    rows = [{"prompt": p, "answer": p[:-1]} for p in ("a=", "bcd=", "dd=")]
+    ro = sampler.rollout([r["prompt"] for r in rows], rows, keep_graph=True)
+    assert ro.hidden is not None and ro.hidden.requires_grad and ro.completion_mask.sum() < ro.completion_mask.numel()
+    policy = GRPOPolicy(lm, gk.GRPOLossConfig(temperature=0.9), banned_ids=banned)
+    adv = gk.group_advantages(ro.rewards, 4) + 0.1 * torch.randn(12)
+    batch = trim(ro.batch(advantages=adv))
+    results = []
+    for hidden in (ro.hidden[:, :batch["completion_ids"].shape[1]], None):
+        lm.zero_grad()
+        loss, _ = policy(batch, hidden=hidden)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in lm.named_parameters()}))
+    (loss1, g1), (loss2, g2) = results
+    torch.testing.assert_close(loss1, loss2, atol=1e-6, rtol=1e-5)
+    assert loss1 != 0
+    for name in g2:
+        torch.testing.assert_close(g1[name], g2[name], atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_liger_layers_flag_patches_rmsnorm_swiglu_rope():
-    """--liger-layers swaps in Liger's RMSNorm / SwiGLU / RoPE (checked by name: the kernels need a GPU). Runs in a
-    subprocess because Liger's RoPE patch is process-global."""
-    code = ("import torch\n"
-            "from grpo.modeling import build_char_tokenizer, build_tiny_model, apply_liger_layers\n"
-            "m = build_tiny_model(build_char_tokenizer('ab='))\n"
-            "apply_liger_layers(m, torch.device('cuda'))\n"
-            "import transformers.models.llama.modeling_llama as ml\n"
-            "print(m.model.norm._get_name(), m.model.layers[0].mlp.forward.__qualname__,"
-            " ml.apply_rotary_pos_emb.__module__)\n")
-    proc = _run([sys.executable, "-c", code])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["LigerRMSNorm", "LigerSwiGLUMLP.forward", "liger_kernel.transformers.rope"]
+def test_next_tokens_top_k_top_p_and_banned_ids():
+    from grpo.rollout import next_tokens
+
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    banned = torch.tensor([0])
+    draws = next_tokens(logits.clone(), banned, 1.0, 0, 1.0, False)
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    torch.testing.assert_close(freq, torch.tensor([0.0, 0.6, 0.3, 0.1]), atol=0.03, rtol=0)  # renormalized
+    assert set(next_tokens(logits.clone(), None, 1.0, 2, 1.0, False).tolist()) == {0, 1}
+    assert set(next_tokens(logits.clone(), None, 1.0, 0, 0.75, False).tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.75
+    assert set(next_tokens(logits.clone(), None, 1.0, 0, 0.85, False).tolist()) == {0, 1, 2}
+    assert next_tokens(logits[:1].clone(), banned, 1.0, 0, 1.0, True).item() == 1  # greedy skips banned ids

@@ -1,0 +1,195 @@
+"""``TrainConfig``: every option of a training run, in one frozen dataclass validated once.
+
+The command line (``grpo/cli.py``) builds one from its flags; Python code builds one directly::
+
+    from grpo import TrainConfig
+    from grpo.train import train
+    result = train(TrainConfig(max_steps=50, output_dir="runs/try", overwrite=True))
+
+Defaults that depend on the model (learning rate, completion length) and on the rollout (mini/micro-batch sizes,
+rewards, the held-out split) are resolved in ``__post_init__``, so a constructed config holds the values the run
+uses. Any bad value raises ``UsageError`` naming the option, before anything heavy is loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+from grpo_kernels import GRPOLossConfig
+
+from .data import BUILTIN_TASKS, TASK_COMPLETION_CHARS
+from .errors import UsageError
+from .rewards import RewardSpec, parse_reward_spec
+
+# The train-time loss default that differs from GRPOLossConfig's (TRL's): a small KL penalty, so that the KL column
+# of the progress bar and of the plot means something on the built-in task.
+DEFAULT_LOSS = GRPOLossConfig(beta=0.02)
+CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "autocast": ("auto", "bfloat16", "float16", "none"),
+    "impl": ("auto", "triton", "torch"),
+    "task": tuple(sorted(BUILTIN_TASKS)),
+    "advantage_scale": ("group", "batch", "none"),
+    "chat_template": ("auto", "on", "off"),
+    "lr_scheduler": ("cosine", "linear", "constant"),
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Field names are the command-line flags with ``_`` for ``-`` (``max_steps`` ->
+    ``--max-steps``); ``loss`` holds every ``GRPOLossConfig`` option (its temperature is ``temperature``)."""
+
+    # run
+    output_dir: str = "runs/default"
+    seed: int = 0
+    max_steps: int = 800
+    resume: str | None = None          # a checkpoint directory, or "latest" (the newest one in output_dir)
+    overwrite: bool = False            # start afresh in a non-empty output_dir (deletes its previous run)
+    save_steps: int = 100
+    save_total_limit: int = 2
+    device: str = "auto"
+    progress: bool = True
+    # model
+    model: str | None = None
+    dtype: str = "auto"
+    autocast: str = "auto"
+    attn_implementation: str = "auto"
+    liger_layers: bool = False
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    impl: str = "auto"
+    hidden_size: int = 64
+    num_layers: int = 3
+    num_heads: int = 4
+    # data, rewards, evaluation
+    dataset: str | None = None
+    task: str = "copy"
+    rewards: tuple[str, ...] = ()
+    completion_chars: str | None = None  # sample only these characters (+ EOS); None: any text (the built-in
+    #                                      task: its answer alphabet)
+    eval_dataset: str | None = None
+    eval_size: int | None = None       # rows held out of the training data (None: 10%, at most 128; 0: no eval)
+    eval_every: int = 50
+    advantage_scale: str = "group"
+    chat_template: str = "auto"
+    system_prompt: str | None = None
+    max_prompt_length: int | None = None
+    # generation
+    num_generations: int = 8
+    prompts_per_step: int = 16
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    mask_truncated_completions: bool = False
+    # optimization
+    lr: float | None = None
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    warmup_steps: int = 10
+    lr_scheduler: str = "cosine"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    num_iterations: int = 1
+    mini_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    loss: GRPOLossConfig = DEFAULT_LOSS
+    reward_specs: tuple[RewardSpec, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        builtin = self.model is None  # defaults that depend on the model: a random-init toy vs a pretrained LM
+        if self.lr is None:
+            self._set(lr=1e-3 if builtin else 1e-6)
+        if self.max_new_tokens is None:
+            self._set(max_new_tokens=6 if builtin else 256)
+        for name, choices in CHOICES.items():
+            _check(getattr(self, name) in choices,
+                   f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        _check(self.num_generations >= 2,
+               f"--num-generations must be >= 2 (GRPO compares completions within a group), got {self.num_generations}")
+        _check(self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}")
+        _check(self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}")
+        _check(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.save_steps >= 0, f"--save-steps must be >= 0, got {self.save_steps}")
+        _check(self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}")
+        _check(self.eval_size is None or self.eval_size >= 0, f"--eval-size must be >= 0, got {self.eval_size}")
+        _check(math.isfinite(self.temperature) and self.temperature > 0,
+               f"--temperature must be > 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"--top-p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
+        _check(math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
+        _check(self.num_iterations >= 1, f"--num-iterations must be >= 1, got {self.num_iterations}")
+        _check(self.max_prompt_length is None or self.max_prompt_length >= 1,
+               f"--max-prompt-length must be >= 1, got {self.max_prompt_length}")
+        _check(self.hidden_size >= 1 and self.num_layers >= 1 and self.num_heads >= 1,
+               "--hidden-size, --num-layers and --num-heads must be >= 1")
+        _check(self.hidden_size % self.num_heads == 0,
+               f"--hidden-size {self.hidden_size} must be a multiple of --num-heads {self.num_heads}")
+        rollout = self.prompts_per_step * self.num_generations
+        mini = self.mini_batch_size or rollout
+        micro = self.micro_batch_size or mini
+        _check(1 <= mini <= rollout and rollout % mini == 0,
+               f"--mini-batch-size {mini} must divide the rollout size --prompts-per-step x --num-generations = "
+               f"{rollout}")
+        _check(1 <= micro <= mini and mini % micro == 0,
+               f"--micro-batch-size {micro} must divide the mini-batch size {mini}")
+        self._set(mini_batch_size=mini, micro_batch_size=micro)
+        for name in ("dataset", "eval_dataset"):
+            path = getattr(self, name)
+            _check(path is None or os.path.isfile(path), f"--{_flag(name)} {path!r}: file not found")
+        _check(self.model is None or os.path.isdir(self.model),
+               f"--model {self.model!r}: not a directory (give a local checkpoint saved with save_pretrained)")
+        _check(not os.path.exists(self.output_dir) or os.path.isdir(self.output_dir),
+               f"--output-dir {self.output_dir!r} exists and is not a directory")
+        _check(self.resume in (None, "latest") or os.path.isdir(self.resume),
+               f"--resume {self.resume!r}: no such checkpoint directory")
+        _check(not (self.resume is not None and self.overwrite), "--resume and --overwrite exclude each other")
+        _check(self.completion_chars is None or len(self.completion_chars) > 0,
+               "--completion-chars must name at least one character")
+        if self.completion_chars is None and self.dataset is None:
+            self._set(completion_chars=TASK_COMPLETION_CHARS.get(self.task))
+        rewards = tuple(self.rewards) or (("math",) if self.dataset is not None else ("copy",))
+        self._set(rewards=rewards, reward_specs=tuple(parse_reward_spec(spec) for spec in rewards))
+        self._set(loss=self._loss_config())
+
+    def _loss_config(self) -> GRPOLossConfig:
+        loss = self.loss
+        _check(isinstance(loss, GRPOLossConfig), f"loss must be a GRPOLossConfig, got {type(loss).__name__}")
+        _check(loss.temperature in (1.0, self.temperature),
+               f"loss.temperature={loss.temperature} differs from --temperature {self.temperature}: the loss must "
+               "score tokens at the temperature they were sampled with; set TrainConfig.temperature only")
+        overrides = {"temperature": self.temperature}
+        if loss.max_completion_length is None:
+            overrides["max_completion_length"] = self.max_new_tokens
+        try:
+            return dataclasses.replace(loss, **overrides)
+        except ValueError as exc:
+            raise UsageError(f"invalid loss option: {exc}")
+
+    def _set(self, **values) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def to_dict(self) -> dict:
+        """Plain values (args.json, checkpoints): the loss options flattened under their own names."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name != "loss"}
+        out["rewards"] = list(self.rewards)
+        out.update(dataclasses.asdict(self.loss))
+        return out
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
