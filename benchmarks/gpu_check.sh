@@ -4,7 +4,9 @@
 #   2. the whole test suite (slow-marked variants excepted), one pytest per test file, several at a time, no -x:
 #      every failure is listed;
 #   3. the benchmark set (pytest benchmarks/ --benchmark-only), headline cases first;
-#   4. the report: all tables into the output folder; one summary table printed last.
+#   4. the end-to-end GRPO step (benchmarks/e2e_step.py: TRL's GRPOTrainer stock, with patch_trl(), and
+#      grpo.train on a random Qwen2.5-0.5B-shaped model), in the last E2E_S seconds (90 s; 0 skips it);
+#   5. the report: all tables into the output folder; one summary table printed last.
 #
 # The wheel folder, .whl/ at the repo root, is filled once on a machine with network access (pure-Python wheels,
 # about 2.7 MB; versions as in constraints.txt):
@@ -26,7 +28,7 @@
 # as timed out, and SIGINT at the hard limit still writes the JSON of the finished benchmarks. Without CUDA the
 # same steps run on the CPU (the CPU benchmark set; Triton tests under the interpreter).
 #
-# Knobs (environment): PY (python3), WHL_DIR (.whl), TOTAL_S, TESTS_LIMIT_S, TEST_JOBS (6 parallel test files),
+# Knobs (environment): PY (python3), WHL_DIR (.whl), TOTAL_S, TESTS_LIMIT_S, E2E_S, TEST_JOBS (6 parallel test files),
 # TEST_FILES (default: every tests/test_*.py), TEST_MARKERS ("not slow"; "" runs the slow variants too),
 # WARMUP_LIMIT_S, GRPO_BENCH_GRID=full (far longer than this budget), GRPO_BENCH_ROUNDS.
 set -uo pipefail
@@ -113,8 +115,9 @@ for line in stopped:
     print("  not finished: " + line)
 PYEOF
 
-# 3. benchmarks: budget, warm-up limit and hard limit from what is left (25 s kept for the report)
-BENCH_HARD_S=$(($(left) - 25))
+# 3. benchmarks: budget, warm-up limit and hard limit from what is left (25 s kept for the report, E2E_S for step 4)
+E2E_S=${E2E_S:-90}
+BENCH_HARD_S=$(($(left) - 25 - E2E_S))
 BENCH_BUDGET_S=$((BENCH_HARD_S - 45))
 if [ "$BENCH_HARD_S" -lt 30 ]; then
     log "benchmarks not run: only $(left)s left of ${TOTAL_S}s"
@@ -128,7 +131,18 @@ else
     tail -n 1 "$OUT_DIR/bench.log"
 fi
 
-# 4. report: every table into bench.md; the tests line and the benchmark summary table printed last
+# 4. end-to-end GRPO step: three variants, one child process each, a third of what is left each
+E2E_LEFT=$(($(left) - 20))
+if [ "$E2E_S" -gt 0 ] && [ "$E2E_LEFT" -ge 30 ]; then
+    log "end-to-end step: ${E2E_LEFT}s for three variants"
+    timeout -k 5 "$E2E_LEFT" $PY -m benchmarks.e2e_step --out "$OUT_DIR" --timeout-s $((E2E_LEFT / 3)) --completion-length 256 \
+        > "$OUT_DIR/e2e_step.log" 2>&1
+    log "end-to-end step exit code $? (e2e_step.md, e2e_step.log)"
+else
+    log "end-to-end step not run (E2E_S=$E2E_S, $(left)s left)"
+fi
+
+# 5. report: every table into bench.md; the tests line and the benchmark summary table printed last
 log "done in $((SECONDS - T0))s; results in $OUT_DIR"
 echo
 echo "## Summary"
@@ -141,3 +155,4 @@ if [ -s "$OUT_DIR/bench.json" ]; then
 else
     echo "no $OUT_DIR/bench.json: see $OUT_DIR/bench.log"; tail -n 40 "$OUT_DIR/bench.log"
 fi
+[ -s "$OUT_DIR/e2e_step.md" ] && { echo; cat "$OUT_DIR/e2e_step.md"; }
