@@ -5,8 +5,10 @@ shared helpers and the tile table in ``linear_tiles.py``.
 ``deterministic=True`` (the default): no float atomics anywhere. The vocab is cut into chunks of Vc columns; per
 chunk a kernel writes d logits (N, Vc) in the input dtype (every program owns its output tile), then fixed-order
 cuBLAS/torch ops finish the job: dW[chunk] = dl^T @ hidden (complete, written once), dbias[chunk] = column sum,
-dh += dl @ W[chunk] (accumulated over chunks in fp32 for bf16/fp16). Vc is the largest multiple of BLOCK_V with
-N * Vc * itemsize <= ``DETERMINISTIC_CHUNK_BYTES`` (256 MiB; at least BLOCK_V columns). cuBLAS is run-to-run
+dh += dl @ W[chunk] (accumulated over chunks in an fp32 buffer by cuBLAS itself, beta = 1, for bf16/fp16: no
+half-precision product in between). Vc is the largest multiple of BLOCK_V with N * Vc * itemsize <= the chunk
+budget (the caller's ``chunk_bytes``; by default 1% of the N x V fp32 logits, ``DETERMINISTIC_CHUNK_FRACTION``;
+``DETERMINISTIC_CHUNK_BYTES`` when set caps it; at least BLOCK_V columns). cuBLAS is run-to-run
 deterministic on a given GPU and library version (set CUBLAS_WORKSPACE_CONFIG=:4096:8 when streams vary). With fp32
 inputs the matmuls follow torch's fp32 matmul precision setting ("highest" by default, i.e. no TF32).
 
@@ -20,8 +22,8 @@ Extra device memory beyond inputs, outputs and the returned gradients (it = item
 - atomic: fp32 accumulators cast to the input dtype at the end, for bf16/fp16 inputs only: 4 N H if dh is
   requested, 4 V H if dW, 4 V if dbias (2.5 GB of dW accumulator at V = 152k, H = 4096).
 - deterministic: the d logits chunk, N * min(V, Vc) * it bytes; plus 4 V (fp32 dbias) when dbias is requested with
-  bf16/fp16; plus (4 + it) N H (fp32 dh accumulator and one matmul output) when dh is requested with bf16/fp16
-  and V needs more than one chunk.
+  bf16/fp16; plus 4 N H (the fp32 dh accumulator) when dh is requested with bf16/fp16 and V needs more than one
+  chunk.
 """
 from __future__ import annotations
 
@@ -30,10 +32,13 @@ import torch
 from .._checks import alloc
 from . import linear_tiles as tiles
 from .launch import launch
+from .linear_epilogue_kernels import addmm_f32_
 from .linear_tiles import _dlogits_tile, _grouped_tile, _logits_tile, _mma, _to_input_dtype, tl, triton
 
-# d logits chunk of the deterministic backward (bytes); tests shrink it to exercise several chunks.
-DETERMINISTIC_CHUNK_BYTES = 256 << 20
+# d logits chunk of the deterministic backward when the caller gives no budget: this fraction of N x V fp32 logits.
+DETERMINISTIC_CHUNK_FRACTION = 0.01
+# Optional cap on that chunk (bytes); tests shrink it to exercise several chunks.
+DETERMINISTIC_CHUNK_BYTES = None
 
 
 @triton.jit(do_not_specialize=["N", "n_m_blocks", "n_v_blocks"])
@@ -113,13 +118,15 @@ def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     out = dl_ptr + rows.to(tl.int64)[:, None] * stride_dl + (cols - v_begin)[None, :]
     tl.store(out, _to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
 def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
-                             need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool):
+                             need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool,
+                             chunk_bytes: int | None = None):
     """(d_hidden | None, d_weight | None, d_bias | None) in hidden's / weight's / bias' dtype.
 
     Inputs as in ``linear_logprobs_forward`` plus the forward's lse and entropy and the per-token grads grad_logp
     and grad_entropy (fp32 (N,); grad_entropy may be None: its term is then not compiled in). Per element
     dz_v = grad_logp (onehot_v - p_v) - grad_entropy p_v (log p_v + entropy), d logits = dz / temperature.
-    ``deterministic`` selects the atomic-free path (see the module docstring for both paths and their memory).
+    ``deterministic`` selects the atomic-free path (see the module docstring for both paths and their memory);
+    chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32 logits).
     """
     N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
     need_bias = bool(need_bias) and bias is not None
@@ -136,7 +143,11 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
                   grad_logp=grad_logp, grad_entropy=grad_entropy if has_ent else grad_logp,
                   inv_temperature=1.0 / temperature, has_ent=has_ent)
     if deterministic:
-        return _backward_chunked(common, N, V, H, need_hidden, need_weight, need_bias)
+        if chunk_bytes is None:
+            chunk_bytes = int(DETERMINISTIC_CHUNK_FRACTION * 4 * N * V)
+        if DETERMINISTIC_CHUNK_BYTES is not None:
+            chunk_bytes = min(chunk_bytes, DETERMINISTIC_CHUNK_BYTES)
+        return _backward_chunked(common, N, V, H, need_hidden, need_weight, need_bias, chunk_bytes)
     tile, _, dot_fp32 = tiles.launch_params("bwd", hidden.dtype, dev)
     dh = torch.zeros((N, H), dtype=f32, device=dev) if need_hidden else None
     dw = torch.zeros((V, H), dtype=f32, device=dev) if need_weight else None
@@ -154,25 +165,26 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
             None if db is None else db.to(bias.dtype))
 
 
-def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool):
+def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+                      chunk_bytes: int):
     """Deterministic backward: d logits per vocab chunk from a kernel, then fixed-order matmuls and sums."""
     hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
     dtype, dev = hidden.dtype, hidden.device
     tile, _, dot_fp32 = tiles.launch_params("dlogits", dtype, dev)
     bv = tile.block_v
-    chunk = max(bv, DETERMINISTIC_CHUNK_BYTES // (N * hidden.element_size()) // bv * bv)
+    chunk = max(bv, chunk_bytes // (N * hidden.element_size()) // bv * bv)
     chunk = min(chunk, tiles.cdiv(V, bv) * bv)
     n_chunks = tiles.cdiv(V, chunk)
     buf = alloc((N, min(chunk, V)), dtype, dev)
     direct_dh = n_chunks == 1 or dtype == torch.float32
-    d_hidden = d_weight = db32 = dh32 = tmp = None
+    d_hidden = d_weight = db32 = dh32 = None
     if need_hidden:
         if n_chunks == 1:
             d_hidden = alloc((N, H), dtype, dev)
         elif dtype == torch.float32:
             d_hidden = torch.zeros((N, H), dtype=dtype, device=dev)
         else:
-            dh32, tmp = torch.zeros((N, H), dtype=torch.float32, device=dev), alloc((N, H), dtype, dev)
+            dh32 = torch.zeros((N, H), dtype=torch.float32, device=dev)
     if need_weight:
         d_weight = alloc(tuple(weight.shape), weight.dtype, dev)
     if need_bias:
@@ -201,8 +213,7 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_w
             elif direct_dh:
                 d_hidden.addmm_(dl, w_chunk)
             else:
-                torch.mm(dl, w_chunk, out=tmp)
-                dh32.add_(tmp)
+                addmm_f32_(dh32, dl, w_chunk)
     if dh32 is not None:
         d_hidden = dh32.to(dtype)
     return d_hidden, d_weight, None if db32 is None else db32.to(bias.dtype)
