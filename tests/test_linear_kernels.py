@@ -190,6 +190,8 @@ def test_deterministic_several_chunks(dtype, monkeypatch):
 def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch):
     if chunks == "several-chunks":
         monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_BYTES", 1)
+    else:
+        monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_FRACTION", 1.0)
     h, w, b, ids = make_inputs(37, 100, 40, torch.bfloat16)
     _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
     gl, ge = grads_for(37)

@@ -157,7 +157,9 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
     low = tl.where((rho1 < 1.0 - eps_low) & (adv < 0), 1.0, 0.0)
     high = tl.where((rho1 > 1.0 + eps_high) & (adv > 0), 1.0, 0.0)
     terms = terms_ptr + tok.to(tl.int64) * 8
-    tl.store(terms + 0, w * policy)
+    # Why the select: a NaN log-prob (NaN hidden / weight at a valid row) must reach the loss, even where the
+    # policy term's clamps and minimum would drop it (advantage 0, a clipped ratio).
+    tl.store(terms + 0, tl.where(logp != logp, logp, w * policy))
     tl.store(terms + 1, kl)
     tl.store(terms + 2, low)
     tl.store(terms + 3, high)
@@ -269,14 +271,14 @@ def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float) -> N
            1.0 / temperature, HAS_BIAS=bias is not None, BLOCK=_row_block(), num_warps=ROW_WARPS)
 
 
-def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int = LOGPROBS_CHUNK_BYTES):
+def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None):
     """(logp, lse, entropy), fp32 (N,): per row chunk, cuBLAS logits (fp32) + the fold kernel; no gradient work.
 
     Extra memory: one fp32 (R, V) chunk, R = rows within ``chunk_bytes`` (at least one row)."""
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
-    R = max(1, chunk_rows(chunk_bytes, V, N))
+    R = max(1, chunk_rows(LOGPROBS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, V, N))
     buf = alloc((min(R, N), V), torch.float32, dev)
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
@@ -319,7 +321,8 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens: dict, cfg, kind: int,
         z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
         logits_f32(h, weight, z)
         launch(head_loss_grad_kernel, (r1 - r0,),
-               z, dz, z if bias is None else bias, ids, old, ref, adv, isr, tokens["w"], adv if ge is None else ge, logp, ent, terms, r0, V, z.stride(0), dz.stride(0),
+               z, dz, z if bias is None else bias, ids, old, ref, adv, isr, tokens["w"], adv if ge is None else ge,
+               logp, ent, terms, r0, V, z.stride(0), dz.stride(0),
                1.0 / cfg.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0),
                float(cfg.beta), float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
                KIND=kind, HAS_OLD=opt["old"] is not None, HAS_REF=opt["ref"] is not None,
