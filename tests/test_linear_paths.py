@@ -41,8 +41,11 @@ def _spy_paths(monkeypatch):
 @pytest.mark.parametrize("case", TOKEN_LOCAL, ids=lambda c: c.id)
 def test_grad_in_forward_matches_trl_and_light_path(case, monkeypatch):
     """Every token-level configuration, with bias: the fast path equals TRL's loss in float64 and the light
-    path (grad_in_forward=False), loss, gradients and metrics; chunks of 3 rows split sequences (T = 7)."""
+    path (grad_in_forward=False; its d logits from GEMM logits + the row-sweep epilogue, two 32-column chunks),
+    loss, gradients and metrics; chunks of 3 rows split sequences (T = 7)."""
+    import grpo_kernels.kernels.linear_backward_kernels as lbk
     monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 1)
+    monkeypatch.setattr(lbk, "DLOGITS_BY_GEMM", True)
     seen = _spy_paths(monkeypatch)
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=21)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(3)) * 0.2

@@ -195,6 +195,45 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
             tl.store(out_row + cols, dz, mask=ok)
 
 
+@triton.jit(do_not_specialize=["v0", "Vc", "stride_z", "stride_out"])
+def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, v0, Vc, stride_z,
+                        stride_out, inv_temperature, HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+                        ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Light-path backward: row r of an fp32 (N, Vc) logits chunk (vocab v0 .. v0 + Vc) -> its d logits in place.
+
+    From the forward's saved lse / entropy and the per-token gradients g = d loss / d logp (gl_ptr) and
+    g_H = d loss / d entropy (ge_ptr): d logits = (g (onehot - p) - g_H p (log p + H)) * inv_temperature, written
+    in out_ptr's dtype to its row r (row stride stride_out; out may alias z, see the module docstring).
+    b_ptr points at bias[v0].
+    """
+    r = tl.program_id(0)
+    z_row = z_ptr + r.to(tl.int64) * stride_z
+    out_row = out_ptr + r.to(tl.int64) * stride_out
+    lse = tl.load(lse_ptr + r)
+    g = tl.load(gl_ptr + r)
+    local_target = tl.load(ids_ptr + r) - v0
+    g_h = 0.0
+    ent = 0.0
+    if HAS_ENTROPY_GRAD:
+        g_h = tl.load(ge_ptr + r)
+        ent = tl.load(ent_ptr + r)
+    offs = tl.arange(0, BLOCK)
+    for c0 in range(0, Vc, BLOCK):
+        cols = c0 + offs
+        ok = cols < Vc
+        x = tl.load(z_row + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        logp_v = x * inv_temperature - lse
+        p = tl.exp(logp_v)
+        dz = tl.where(cols == local_target, g, 0.0) - g * p
+        if HAS_ENTROPY_GRAD:
+            dz -= g_h * p * tl.where(p > 0.0, logp_v + ent, 0.0)
+        dz = _to_input_dtype(dz * inv_temperature, out_ptr.dtype.element_ty, ROUND_BY_HAND)
+        tl.debug_barrier()  # the half-precision row overlaps the fp32 row it replaces
+        tl.store(out_row + cols, dz, mask=ok)
+
+
 # ---------------------------------------------------------------------------------------------- cuBLAS GEMMs
 
 _DTYPE_OUT = {"mm": None, "addmm": None}  # whether torch's out_dtype GEMM variants work here (probed once)
@@ -270,6 +309,19 @@ def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float) -> N
         return
     launch(head_fold_kernel, (R,), z, z if bias is None else bias, ids, logp, lse, ent, row0, V, z.stride(0),
            1.0 / temperature, HAS_BIAS=bias is not None, BLOCK=_row_block(), num_warps=ROW_WARPS)
+
+
+def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: int, inv_temperature: float) -> None:
+    """d logits of vocab columns v0 .. v0 + Vc for every token from their fp32 logits z (N, Vc), into ``out``
+    (N, Vc) in the input dtype (``half_view(z)`` to write in place). grad_entropy None: no entropy term."""
+    N, Vc = z.shape
+    if N == 0:
+        return
+    has_ent = grad_entropy is not None
+    launch(head_dlogits_kernel, (N,), z, out, z if bias is None else bias[v0:], ids, lse,
+           entropy if has_ent else lse, grad_logp, grad_entropy if has_ent else lse, v0, Vc, z.stride(0),
+           out.stride(0), inv_temperature, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent,
+           ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS)
 
 
 def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None):
@@ -367,7 +419,17 @@ def aot_launches():
         return thunk
 
     from ..loss_types import POLICY_TERMS
+    def dlogits(dtype, has_ent):
+        def thunk():
+            hidden, weight, bias, ids = aot_inputs(dtype, True)
+            N, V = hidden.shape[0], weight.shape[0]
+            z, x = torch.zeros(N, V), torch.zeros(N)
+            dlogits_chunk(z, half_view(z, dtype), bias, ids, x, x, x, x if has_ent else None, 0, 1.0)
+        return thunk
+
     scenarios = [(f"head_fold_{'bias' if b else 'nobias'}", fold(b)) for b in (False, True)]
+    scenarios += [(f"head_dlogits_{ty}_bias_{'ent' if e else 'noent'}", dlogits(dtype, e))
+                  for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")) for e in (False, True)]
     for dtype, ty in TRITON_DTYPES.items():
         for name in ("clipped", "cispo", "sapo"):
             for full in (False, True):
