@@ -98,7 +98,47 @@ def _target_logit(z_row, b_ptr, target, inv_temperature, HAS_BIAS: tl.constexpr)
     return x * inv_temperature
 
 
-@triton.jit(do_not_specialize=["row0", "V", "stride_z"])
+@triton.jit
+def _dlogits_block(z_row, out_row, b_ptr, cols, ok, target, lse, ent, g, g_h, inv_temperature,
+                   HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """One block of a row's d logits, (g (onehot - p) - g_H p (log p + H)) * inv_temperature, stored in place."""
+    if MASKED:
+        x = tl.load(z_row + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(z_row + cols)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + cols).to(tl.float32)
+    logp_v = x * inv_temperature - lse
+    p = tl.exp(logp_v)
+    dz = tl.where(cols == target, g, 0.0) - g * p
+    if HAS_ENTROPY_GRAD:
+        dz -= g_h * p * tl.where(p > 0.0, logp_v + ent, 0.0)
+    dz = _to_input_dtype(dz * inv_temperature, out_row.dtype.element_ty, ROUND_BY_HAND)
+    # Why the barrier: the half-precision row overlaps the fp32 row it replaces (see the module docstring).
+    tl.debug_barrier()
+    if MASKED:
+        tl.store(out_row + cols, dz, mask=ok)
+    else:
+        tl.store(out_row + cols, dz)
+
+
+@triton.jit
+def _dlogits_row(z_row, out_row, b_ptr, target, lse, ent, g, g_h, V, inv_temperature, HAS_BIAS: tl.constexpr,
+                 HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's d logits over columns [0, V): unmasked (vectorized) full blocks, then one masked tail block."""
+    offs = tl.arange(0, BLOCK)
+    v_main = (V // BLOCK) * BLOCK
+    for v0 in range(0, v_main, BLOCK):
+        _dlogits_block(z_row, out_row, b_ptr, v0 + offs, offs < BLOCK, target, lse, ent, g, g_h, inv_temperature,
+                       HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, False)
+    _dlogits_block(z_row, out_row, b_ptr, v_main + offs, v_main + offs < V, target, lse, ent, g, g_h,
+                   inv_temperature, HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, True)
+
+
+@triton.jit(do_not_specialize=["row0", "V"])
 def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V, stride_z, inv_temperature,
                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """Row r of the fp32 chunk z_ptr (row stride stride_z) -> logp, lse, entropy of token row0 + r."""
@@ -114,7 +154,7 @@ def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V,
     tl.store(ent_ptr + tok, log_s - a / s)
 
 
-@triton.jit(do_not_specialize=["row0", "V", "stride_z", "stride_out"])
+@triton.jit(do_not_specialize=["row0", "V"])
 def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, isr_ptr, w_ptr, ge_ptr,
                           logp_ptr, ent_ptr, terms_ptr, row0, V, stride_z, stride_out, inv_temperature,
                           eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg,
@@ -174,28 +214,13 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
         g_h = 0.0
         if HAS_ENTROPY_GRAD:
             g_h = tl.load(ge_ptr)
-        out_row = out_ptr + r.to(tl.int64) * stride_out
-        offs = tl.arange(0, BLOCK)
         # Why a second sweep rather than keeping the row on chip: V fp32 logits (600 KB at V = 152k) do not fit;
         # the second read of the row is the price of writing d logits without a recompute GEMM.
-        for v0 in range(0, V, BLOCK):
-            cols = v0 + offs
-            ok = cols < V
-            x = tl.load(z_row + cols, mask=ok, other=0.0)
-            if HAS_BIAS:
-                x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            logp_v = x * inv_temperature - lse
-            p = tl.exp(logp_v)
-            dz = tl.where(cols == target, g, 0.0) - g * p
-            if HAS_ENTROPY_GRAD:
-                dz -= g_h * p * tl.where(p > 0.0, logp_v + ent, 0.0)
-            dz = _to_input_dtype(dz * inv_temperature, out_ptr.dtype.element_ty, ROUND_BY_HAND)
-            # Why the barrier: the half-precision row overlaps the fp32 row it replaces (see the module docstring).
-            tl.debug_barrier()
-            tl.store(out_row + cols, dz, mask=ok)
+        _dlogits_row(z_row, out_ptr + r.to(tl.int64) * stride_out, b_ptr, target, lse, ent, g, g_h, V,
+                     inv_temperature, HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, BLOCK)
 
 
-@triton.jit(do_not_specialize=["v0", "Vc", "stride_z", "stride_out"])
+@triton.jit(do_not_specialize=["v0", "Vc"])
 def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, v0, Vc, stride_z,
                         stride_out, inv_temperature, HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
                         ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
@@ -217,21 +242,8 @@ def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     if HAS_ENTROPY_GRAD:
         g_h = tl.load(ge_ptr + r)
         ent = tl.load(ent_ptr + r)
-    offs = tl.arange(0, BLOCK)
-    for c0 in range(0, Vc, BLOCK):
-        cols = c0 + offs
-        ok = cols < Vc
-        x = tl.load(z_row + cols, mask=ok, other=0.0)
-        if HAS_BIAS:
-            x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        logp_v = x * inv_temperature - lse
-        p = tl.exp(logp_v)
-        dz = tl.where(cols == local_target, g, 0.0) - g * p
-        if HAS_ENTROPY_GRAD:
-            dz -= g_h * p * tl.where(p > 0.0, logp_v + ent, 0.0)
-        dz = _to_input_dtype(dz * inv_temperature, out_ptr.dtype.element_ty, ROUND_BY_HAND)
-        tl.debug_barrier()  # the half-precision row overlaps the fp32 row it replaces
-        tl.store(out_row + cols, dz, mask=ok)
+    _dlogits_row(z_row, out_row, b_ptr, local_target, lse, ent, g, g_h, Vc, inv_temperature, HAS_BIAS,
+                 HAS_ENTROPY_GRAD, ROUND_BY_HAND, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------- cuBLAS GEMMs
