@@ -26,8 +26,6 @@ DEFAULT_MEMORY_BUDGET = 1 << 30
 # Fewest rows per chunk worth the fast path: below ~256 rows the per-chunk read + write of the fp32 dW
 # accumulator (8 V H bytes) costs more than the chunk's GEMMs (6 R V H FLOPs) on an H100/H200.
 FAST_PATH_MIN_ROWS = 256
-# The memory-light path's d-logits chunk when memory_budget is None: this fraction of the N x V fp32 logits.
-LIGHT_PATH_LOGITS_FRACTION = 0.01
 
 
 def fast_path_rows(cfg: GRPOLossConfig, impl: str, N: int, V: int) -> int:
@@ -44,11 +42,10 @@ def fast_path_rows(cfg: GRPOLossConfig, impl: str, N: int, V: int) -> int:
     return -(-N // n_chunks)  # evenly spread: no small last chunk
 
 
-def light_path_chunk_bytes(cfg: GRPOLossConfig, N: int, V: int) -> int:
-    """Bytes of the memory-light path's d-logits chunk: memory_budget, or 1% of the N x V fp32 logits."""
-    if cfg.memory_budget is not None:
-        return cfg.memory_budget
-    return int(LIGHT_PATH_LOGITS_FRACTION * 4 * N * V)
+def light_path_chunk_bytes(cfg: GRPOLossConfig) -> int | None:
+    """Bytes of the memory-light path's d-logits chunk: memory_budget, or None: the backward's default,
+    ``linear_backward_kernels.DETERMINISTIC_CHUNK_FRACTION`` (1%) of the fp32 logits of the valid rows."""
+    return cfg.memory_budget
 
 
 class _HeadLossInForward(torch.autograd.Function):

@@ -71,7 +71,7 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     if rows:
         return fused_linear_loss_in_forward(inputs, batch, cfg, rows)
     logps, entropy, _ = head_token_logprobs(inputs, cfg.deterministic, row_mask=mask,
-                                            chunk_bytes=light_path_chunk_bytes(cfg, B * T, V))
+                                            chunk_bytes=light_path_chunk_bytes(cfg))
     return _loss_stage(logps, entropy, batch, cfg, inputs.impl)
 
 
