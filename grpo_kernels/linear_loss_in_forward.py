@@ -70,14 +70,21 @@ class _HeadLossInForward(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss, _grad_sums):
         # Why only a scale: the forward already holds d loss / d (hidden, weight, bias) at grad_loss = 1.
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_grpo_loss computed its gradients in the forward and has already handed "
+                               "them out (a second backward through the same graph, e.g. retain_graph=True): pass "
+                               "grad_in_forward=False for repeated backward passes")
         out = []
         for grad, dtype in zip(ctx.grads, ctx.dtypes):
             if grad is None:
                 out.append(None)
-                continue
-            scaled = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-            torch.mul(grad, grad_loss.to(grad.device), out=scaled)  # one rounding from the fp32 accumulator
-            out.append(scaled)
+            elif grad.dtype == dtype:
+                out.append(grad.mul_(grad_loss.to(grad.device)))  # in place: no second V x H buffer
+            else:
+                scaled = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+                torch.mul(grad, grad_loss.to(grad.device), out=scaled)  # one rounding from the fp32 accumulator
+                out.append(scaled)
+        ctx.grads = None  # handed out (and partly scaled in place): release them with this backward
         return (*out, None, None, None, None, None)
 
 

@@ -173,7 +173,11 @@ def test_grad_in_forward_is_bitwise_reproducible_and_scales_by_grad_output(monke
     loss, _ = gk.fused_linear_grpo_loss(h, inputs["weight"].float(), inputs["ids"], inputs["advantages"],
                                         inputs["mask"], config=case.config, impl="triton", **_rest(inputs))
     (g1,) = torch.autograd.grad(loss, h, retain_graph=True)
-    (g3,) = torch.autograd.grad(3.0 * loss, h)
+    with pytest.raises(RuntimeError, match="grad_in_forward=False"):
+        torch.autograd.grad(loss, h)  # the gradients were handed out (scaled in place) by the first backward
+    loss3, _ = gk.fused_linear_grpo_loss(h, inputs["weight"].float(), inputs["ids"], inputs["advantages"],
+                                         inputs["mask"], config=case.config, impl="triton", **_rest(inputs))
+    (g3,) = torch.autograd.grad(3.0 * loss3, h)
     assert torch.allclose(g3, 3.0 * g1, rtol=1e-6, atol=0)
 
 
