@@ -131,10 +131,13 @@ def test_light_path_chunk_and_no_half_precision_dh_temporary(monkeypatch):
 @pytest.mark.parametrize("grad_in_forward", [True, False], ids=["grad-in-forward", "light"])
 def test_frozen_head_does_no_weight_work(grad_in_forward, monkeypatch):
     """weight.requires_grad False: no dW GEMM (fast path) and no dW matmul (light path); d hidden still right."""
+    import grpo_kernels.kernels.linear_backward_kernels as lbk
     import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
-    calls = []
-    real = epilogue.addmm_f32_
+    calls, light_needs = [], []
+    real, real_bwd = epilogue.addmm_f32_, lbk.linear_logprobs_backward
     monkeypatch.setattr(epilogue, "addmm_f32_", lambda acc, a, b: (calls.append(acc.shape), real(acc, a, b))[1])
+    monkeypatch.setattr(lbk, "linear_logprobs_backward",
+                        lambda *a: (light_needs.append(a[9:12]), real_bwd(*a))[1])
     case = next(c for c in CASES if c.id == "grpo-beta-kl")
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=6)
     h = inputs["hidden"].clone().requires_grad_(True)
@@ -144,6 +147,8 @@ def test_frozen_head_does_no_weight_work(grad_in_forward, monkeypatch):
                                         **_rest(inputs))
     loss.backward()
     assert w.grad is None and not [s for s in calls if tuple(s) == tuple(w.shape)]
+    # the light path's backward is asked for d hidden only (its d weight GEMM is then never run)
+    assert light_needs == ([] if grad_in_forward else [(True, False, False)])
     _, t_grads, _ = _linear_truth(inputs, case, dtype=torch.float64)
     assert _rel(h.grad, t_grads[0]) <= 2e-5
 
