@@ -21,10 +21,10 @@ pays for neither the dW dot nor its atomics. Results vary in the last bits from 
 Extra device memory beyond inputs, outputs and the returned gradients (it = itemsize of the input dtype):
 - atomic: fp32 accumulators cast to the input dtype at the end, for bf16/fp16 inputs only: 4 N H if dh is
   requested, 4 V H if dW, 4 V if dbias (2.5 GB of dW accumulator at V = 152k, H = 4096).
-- deterministic: the d logits chunk, N * min(V, Vc) * it bytes (4 N min(V, Vc) when d logits come from cuBLAS fp32
-  logits + the row-sweep epilogue, ``dlogits_by_gemm``: CUDA bf16/fp16); plus 4 V (fp32 dbias) when dbias is requested with
-  bf16/fp16; plus 4 N H (the fp32 dh accumulator) when dh is requested with bf16/fp16 and V needs more than one
-  chunk.
+- deterministic: the d logits chunk, N * min(V, Vc) * it bytes (4 N min(V, Vc) when d logits come from cuBLAS
+  fp32 logits + the row-sweep epilogue, ``dlogits_by_gemm``: CUDA bf16/fp16); plus 4 V (fp32 dbias) when dbias is
+  requested with bf16/fp16; plus 4 N H (the fp32 dh accumulator) when dh is requested with bf16/fp16 and V needs
+  more than one chunk.
 """
 from __future__ import annotations
 
