@@ -14,7 +14,7 @@ from torch import nn
 from . import triton_loss_stage
 from .config import GRPOLossConfig, resolve_config
 from .inputs import HeadInputs, LogitsInputs, LossInputs
-from .linear_loss_in_forward import fast_path_rows, fused_linear_loss_in_forward, light_path_chunk_bytes
+from .linear_loss_in_forward import gradient_in_forward, light_path_chunk_bytes
 from .logprobs_from_hidden import head_token_logprobs
 from .loss_types import per_token_gradient_known
 from .logprobs_from_logits import logits_token_logprobs
@@ -66,10 +66,9 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     B, T = ids.shape
     batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
                                 sampling_logps, num_items_in_batch)
-    V = inputs.weight.shape[0]
-    rows = fast_path_rows(cfg, inputs.impl, B * T, V)
-    if rows:
-        return fused_linear_loss_in_forward(inputs, batch, cfg, rows)
+    in_forward = gradient_in_forward(inputs, batch, cfg)
+    if in_forward is not None:
+        return in_forward
     logps, entropy, _ = head_token_logprobs(inputs, cfg.deterministic, row_mask=mask,
                                             chunk_bytes=light_path_chunk_bytes(cfg))
     return _loss_stage(logps, entropy, batch, cfg, inputs.impl)

@@ -7,6 +7,8 @@ crosses the epilogue's main-loop / tail boundary. Ground truth: float64 full log
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,12 +36,15 @@ def _rel(a, b):
 
 
 def _spy_paths(monkeypatch):
-    """Record which path each call takes: 'fast' (chunk rows) or 'light' (d-logits chunk bytes)."""
+    """Record which path each call takes: 'fast' (chunk rows), 'sequence' (chunks of whole sequences) or 'light'
+    (d-logits chunk bytes)."""
     import grpo_kernels.loss as loss_module
     seen = []
-    fast, light = loss_module.fused_linear_loss_in_forward, loss_module.head_token_logprobs
-    monkeypatch.setattr(loss_module, "fused_linear_loss_in_forward",
-                        lambda *a: (seen.append(("fast", a[-1])), fast(*a))[1])
+    fast, light = lif.fused_linear_loss_in_forward, loss_module.head_token_logprobs
+    sequence = lif.fused_linear_sequence_loss_in_forward
+    monkeypatch.setattr(lif, "fused_linear_loss_in_forward", lambda *a: (seen.append(("fast", a[-1])), fast(*a))[1])
+    monkeypatch.setattr(lif, "fused_linear_sequence_loss_in_forward",
+                        lambda *a: (seen.append(("sequence", a[-1])), sequence(*a))[1])
     monkeypatch.setattr(loss_module, "head_token_logprobs",
                         lambda *a, **k: (seen.append(("light", k.get("chunk_bytes"))), light(*a, **k))[1])
     return seen
@@ -73,13 +78,48 @@ def test_grad_in_forward_matches_trl_and_light_path(case, monkeypatch):
         assert metrics["cispo_clip_ratio"].item() == pytest.approx(l_metrics["cispo_clip_ratio"].item(), abs=1e-7)
 
 
-def test_configs_without_known_per_token_gradient_take_the_light_path(monkeypatch):
-    """GSPO (sequence-level ratios), vespo, the off-policy and top-entropy masks need cross-token statistics."""
+SEQUENCE_LOCAL = [c for c in CASES if not per_token_gradient_known(c.config) and c.config.top_entropy_quantile == 1]
+SEQUENCE_LOCAL.append(dataclasses.replace(
+    next(c for c in CASES if c.id == "sequence-beta"), id="sequence-entropy-bonus-temperature",
+    overrides={"loss_type": "dr_grpo", "beta": 0.04, "importance_sampling_level": "sequence", "entropy_coef": 0.03,
+               "temperature": 0.8, "delta": 1.2}))
+
+
+@pytest.mark.parametrize("case", SEQUENCE_LOCAL, ids=lambda c: c.id)
+def test_sequence_level_grad_in_forward_matches_trl_and_light_path(case, monkeypatch):
+    """GSPO (sequence-level ratios), vespo and the off-policy mask: chunks of whole sequences (at most 10 rows,
+    so 1-2 sequences of T = 7 per chunk), gradients through the reference on each chunk's sequences; equal to
+    TRL in float64 and to the light path, with bias."""
+    monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 1)
     seen = _spy_paths(monkeypatch)
-    for case in [c for c in CASES if not per_token_gradient_known(c.config)][:4]:
-        inputs = make_inputs(case, hidden_size=HIDDEN, seed=2)
-        _ours(inputs, case, "triton")
-    assert [p for p, _ in seen] == ["light"] * 4
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=22)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(4)) * 0.2
+    loss, grads, metrics = _ours(inputs, case, "triton", bias=bias, memory_budget=10 * 4 * 37)
+    l_loss, l_grads, l_metrics = _ours(inputs, case, "triton", bias=bias, grad_in_forward=False)
+    assert [p for p, _ in seen] == ["sequence", "light"] and len(seen[0][1]) >= 2
+    t_loss, t_grads, t_metrics = _linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
+    assert abs(loss.item() - t_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
+    assert abs(loss.item() - l_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
+    for name, g, lg, t in zip(("d hidden", "d weight", "d bias"), grads, l_grads, t_grads):
+        assert _rel(g, t) <= 2e-5, name
+        assert _rel(g, lg) <= 2e-5, name
+    for name in l_metrics:
+        assert metrics[name].item() == pytest.approx(l_metrics[name].item(), rel=1e-5, abs=1e-7), name
+
+
+def test_sequence_level_paths_fall_back_to_the_light_path(monkeypatch):
+    """A sequence longer than the budget's chunk, the top-entropy mask (a batch-wide quantile) and
+    grad_in_forward=False take the memory-light path."""
+    monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 1)
+    seen = _spy_paths(monkeypatch)
+    gspo = next(c for c in CASES if c.id == "grpo-sequence")
+    inputs = make_inputs(gspo, hidden_size=HIDDEN, seed=2)
+    longest = int(inputs["mask"].sum(-1).max())
+    _ours(inputs, gspo, "triton", memory_budget=(longest - 1) * 4 * 37)
+    _ours(inputs, gspo, "triton", grad_in_forward=False)
+    top = next(c for c in CASES if c.id == "top-entropy")
+    _ours(make_inputs(top, hidden_size=HIDDEN, seed=2), top, "triton")
+    assert [p for p, _ in seen] == ["light"] * 3
 
 
 def test_memory_budget_selects_the_path_and_sizes_the_chunks(monkeypatch):

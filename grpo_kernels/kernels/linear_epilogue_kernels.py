@@ -412,15 +412,59 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens: dict, cfg, kind: int,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_BIAS=bias is not None,
                HAS_ENTROPY_GRAD=ge is not None, WRITE_GRAD=write_grad,
                ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS)
-        # Why these GEMMs are deterministic and unbiased: fixed shapes in a fixed chunk order; dW and dbias
-        # accumulate in fp32 across chunks (cuBLAS beta = 1), never rounding a per-chunk product to bf16.
-        if need_hidden:
-            torch.mm(dz, weight, out=d_hidden[r0:r1])
-        if need_weight:
-            addmm_f32_(dw32, dz.t(), h)
-        if need_bias:
-            db32 += dz.sum(0, dtype=torch.float32)
+        if write_grad:
+            chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
     return logp, ent, terms, d_hidden, dw32, db32
+
+
+def chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0: int) -> None:
+    """From the d logits dz (R, V) of hidden rows h = hidden[r0:r0 + R]: d_hidden[r0:r0 + R] = dz W, dw32 += dz^T h,
+    db32 += column sums (each only when not None).
+
+    Why deterministic and unbiased: fixed shapes in a fixed chunk order; dW and dbias accumulate in fp32 across
+    chunks (cuBLAS beta = 1), never rounding a per-chunk product to bf16."""
+    if d_hidden is not None:
+        torch.mm(dz, weight, out=d_hidden[r0:r0 + dz.shape[0]])
+    if dw32 is not None:
+        addmm_f32_(dw32, dz.t(), h)
+    if db32 is not None:
+        db32 += dz.sum(0, dtype=torch.float32)
+
+
+def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperature: float,
+                        need_hidden: bool, need_weight: bool, need_bias: bool):
+    """The gradient-in-forward pass for losses whose per-token gradient needs whole sequences (GSPO's sequence
+    ratio, vespo's row weights, the off-policy row mask): chunks are runs of whole sequences.
+
+    bounds: row offsets [0, ..., N] of the chunks. Per chunk: cuBLAS fp32 logits, the fold kernel (logp, lse,
+    entropy), ``token_grads(r0, r1, logp, entropy)`` -> (d loss / d logp, d loss / d entropy or None), fp32 for
+    rows r0 .. r1, then the d-logits epilogue in place and the cuBLAS gradient GEMMs. Returns (logp, entropy,
+    d_hidden | None, d_weight fp32 | None, d_bias fp32 | None).
+    """
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
+    need_bias = need_bias and bias is not None
+    write_grad = need_hidden or need_weight or need_bias
+    logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
+    d_hidden = alloc((N, H), dtype, dev) if need_hidden else None
+    dw32 = torch.zeros((V, H), dtype=torch.float32, device=dev) if need_weight else None
+    db32 = torch.zeros((V,), dtype=torch.float32, device=dev) if need_bias else None
+    R = max([1] + [r1 - r0 for r0, r1 in zip(bounds[:-1], bounds[1:])])
+    buf = alloc((R, V), torch.float32, dev)
+    dbuf = half_view(buf, dtype)
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        if r1 == r0:
+            continue
+        z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
+        logits_f32(h, weight, z)
+        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature)
+        if write_grad:
+            g, g_h = token_grads(r0, r1, logp[r0:r1], ent[r0:r1])
+            dlogits_chunk(z, dz, bias, ids[r0:r1], lse[r0:r1], ent[r0:r1], g.contiguous(),
+                          None if g_h is None else g_h.contiguous(), 0, 1.0 / temperature)
+            chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
+    return logp, ent, d_hidden, dw32, db32
 
 
 def aot_launches():
