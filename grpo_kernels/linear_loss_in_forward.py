@@ -5,12 +5,18 @@ For every configuration whose per-token gradient is known once a token's log-pro
 reduction is a per-token weight known before the sweep, so each row chunk goes logits (cuBLAS, fp32) -> fold,
 loss terms and d logits (one Triton epilogue) -> dH, dW, dbias (cuBLAS): 6NHV instead of the recompute design's
 8NHV, 4NHV for a frozen head (``kernels/linear_epilogue_kernels.py``). The backward only scales the stored gradients
-by the incoming gradient. GSPO (sequence-level ratios) is not on this path: its ratio needs the whole sequence.
+by the incoming gradient.
+
+Configurations whose per-token gradient needs only its own sequence (GSPO's sequence ratio, vespo's row weights,
+the off-policy row mask) take the same route with chunks of whole sequences, when every sequence's valid tokens
+fit in one chunk: per chunk the fold kernel gives log-probs and entropies, autograd through the reference loss on
+the chunk's sequences gives their gradients (``fused_linear_sequence_loss_in_forward``), and the d-logits epilogue
+and GEMMs follow. The top-entropy mask (a quantile over the whole batch) stays on the memory-light path.
 
 Memory: ``GRPOLossConfig.memory_budget`` bytes (default ``DEFAULT_MEMORY_BUDGET`` = 1 GiB) bound the fp32 logits
 chunk, R = min(N, budget // (4 V)) rows; when fewer than ``min(N, FAST_PATH_MIN_ROWS)`` rows fit, the memory-light
 path runs instead (its d-logits chunk then gets the budget). Besides the chunk: the fp32 dW accumulator (4 V H,
-trainable head) and dbias (4 V), the d hidden result (N H in hidden's dtype) and 40 bytes per token.
+trainable head) and dbias (4 V), the d hidden result (N H in hidden's dtype) and ~60 bytes per token.
 """
 from __future__ import annotations
 

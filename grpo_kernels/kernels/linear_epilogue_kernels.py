@@ -468,8 +468,9 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperat
 
 
 def aot_launches():
-    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel with / without bias, and the loss-gradient
-    epilogue per policy kind and dtype, plain and with every option (old, ref, is_ratio, delta, bias, entropy)."""
+    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel with / without bias, the d-logits epilogue,
+    and the loss-gradient epilogue per policy kind and dtype, plain and with every option (old, ref, is_ratio,
+    delta, bias, entropy)."""
     from ..config import GRPOLossConfig
     from .linear_tiles import TRITON_DTYPES, aot_inputs
 
@@ -492,9 +493,9 @@ def aot_launches():
         return thunk
 
     from ..loss_types import POLICY_TERMS
-    def dlogits(dtype, has_ent):
+    def dlogits(dtype, has_ent, has_bias=True):
         def thunk():
-            hidden, weight, bias, ids = aot_inputs(dtype, True)
+            hidden, weight, bias, ids = aot_inputs(dtype, has_bias)
             N, V = hidden.shape[0], weight.shape[0]
             z, x = torch.zeros(N, V), torch.zeros(N)
             dlogits_chunk(z, half_view(z, dtype), bias, ids, x, x, x, x if has_ent else None, 0, 1.0)
@@ -503,6 +504,9 @@ def aot_launches():
     scenarios = [(f"head_fold_{'bias' if b else 'nobias'}", fold(b)) for b in (False, True)]
     scenarios += [(f"head_dlogits_{ty}_bias_{'ent' if e else 'noent'}", dlogits(dtype, e))
                   for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")) for e in (False, True)]
+    # fp32 and bias-free d logits: the sequence-level gradient-in-forward path launches these too
+    scenarios += [("head_dlogits_fp32_bias_ent", dlogits(torch.float32, True)),
+                  ("head_dlogits_bf16_nobias_noent", dlogits(torch.bfloat16, False, False))]
     for dtype, ty in TRITON_DTYPES.items():
         for name in ("clipped", "cispo", "sapo"):
             for full in (False, True):
