@@ -195,7 +195,7 @@ def test_frozen_head_does_no_weight_work(grad_in_forward, monkeypatch):
 
 @pytest.mark.parametrize("where", ["hidden", "weight"])
 @pytest.mark.parametrize("grad_in_forward,case_id", [(True, "grpo-token"), (True, "sapo-token"),
-                                                     (False, "grpo-sequence")])
+                                                     (True, "grpo-sequence"), (False, "grpo-sequence")])
 def test_nan_at_a_valid_row_reaches_the_loss(where, grad_in_forward, case_id):
     """A NaN at a valid row (advantage 0 there: the policy term alone would drop it) makes the loss NaN."""
     case = next(c for c in CASES if c.id == case_id)
