@@ -252,7 +252,6 @@ def fused_linear_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs,
     return loss.float() + anchor, metrics
 
 
-
 def gradient_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig):
     """(loss, metrics) of ``fused_linear_grpo_loss`` on a gradient-in-forward path, or None when the memory-light
     path must run (PyTorch implementation, grad_in_forward=False, the top-entropy mask, a budget too small)."""
