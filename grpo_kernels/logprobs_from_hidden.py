@@ -65,8 +65,10 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature):
 
 
 def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature,
-                                   need_hidden, need_weight, need_bias, deterministic=True):
-    """Tiled eager backward (always deterministic): recompute each tile, form dz, accumulate dh, dW, db."""
+                                   need_hidden, need_weight, need_bias, deterministic=True, chunk_bytes=None):
+    """Tiled eager backward (always deterministic): recompute each tile, form dz, accumulate dh, dW, db.
+
+    Its scratch is one TORCH_TILE_ROWS x TORCH_TILE_VOCAB tile whatever ``chunk_bytes`` (a Triton-path option)."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(hidden)
     inv_t = 1.0 / temperature
@@ -104,7 +106,11 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad
             None if d_bias is None else d_bias.to(bias.dtype))
 
 
-def _launchers(impl):
+def _launchers(impl, grad=True):
+    if impl == "triton" and not grad:
+        # no gradient to come: per row chunk, cuBLAS logits (fp32) + one fold kernel (2NHV, no recompute)
+        from .kernels.linear_epilogue_kernels import head_logprobs_chunked
+        return head_logprobs_chunked, None
     if impl == "triton":
         from .kernels.linear_backward_kernels import linear_logprobs_backward
         from .kernels.linear_forward_kernels import linear_logprobs_forward
@@ -116,12 +122,13 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     """(hidden (N, H), weight, bias, ids) -> (logp, entropy, lse); saves inputs plus two fp32 values per token."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature, impl, deterministic):
-        forward_fn, _ = _launchers(impl)
+    def forward(ctx, hidden, weight, bias, ids, temperature, impl, deterministic, chunk_bytes):
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+        forward_fn, _ = _launchers(impl, grad)
         with torch.autocast(hidden.device.type, enabled=False):  # the tiles keep their fp32 accumulation
             logp, lse, entropy = forward_fn(hidden, weight, bias, ids, temperature)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-        ctx.temperature, ctx.impl, ctx.deterministic = temperature, impl, deterministic
+        ctx.temperature, ctx.impl, ctx.deterministic, ctx.chunk_bytes = temperature, impl, deterministic, chunk_bytes
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         return logp, entropy, lse
@@ -132,23 +139,24 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
         grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous()
         _, backward_fn = _launchers(ctx.impl)
         with torch.autocast(hidden.device.type, enabled=False):
             d_hidden, d_weight, d_bias = backward_fn(
                 hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature,
-                need_h, need_w, need_b and bias is not None, ctx.deterministic)
-        return d_hidden, d_weight, d_bias, None, None, None, None
+                need_h, need_w, need_b and bias is not None, ctx.deterministic, ctx.chunk_bytes)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 
-def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask=None):
+def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask=None, chunk_bytes=None):
     """(logp, entropy, lse) shaped like the caller's ids, from validated inputs.
 
     row_mask (like ids, optional): only rows where it is non-zero are computed (the others get 0 and no
     gradient). The valid rows are gathered into a compact (N_valid, H) batch first, so padding costs neither
-    the N x V x H matmuls nor their backward; the loss passes its mask here."""
+    the N x V x H matmuls nor their backward; the loss passes its mask here. chunk_bytes: the deterministic
+    Triton backward's d-logits chunk (None: 1% of the N x V fp32 logits)."""
     hidden, ids, shape = inputs.hidden, inputs.ids, inputs.shape
     rows = None
     if row_mask is not None:
@@ -158,7 +166,7 @@ def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask
         else:
             hidden, ids = hidden.index_select(0, rows), ids.index_select(0, rows)
     logp, entropy, lse = _LinearTokenLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, inputs.temperature,
-                                                    inputs.impl, bool(deterministic))
+                                                    inputs.impl, bool(deterministic), chunk_bytes)
     if rows is not None:
         # scatter back into zeros; index_copy is differentiable w.r.t. the compact values
         logp, entropy, lse = (torch.zeros(shape.numel(), dtype=t.dtype, device=t.device).index_copy(0, rows, t)

@@ -14,6 +14,7 @@ from torch import nn
 from . import triton_loss_stage
 from .config import GRPOLossConfig, resolve_config
 from .inputs import HeadInputs, LogitsInputs, LossInputs
+from .linear_loss_in_forward import gradient_in_forward, light_path_chunk_bytes
 from .logprobs_from_hidden import head_token_logprobs
 from .loss_types import per_token_gradient_known
 from .logprobs_from_logits import logits_token_logprobs
@@ -62,14 +63,20 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
 
     hidden (B, T, H) or (B*T, H); weight (V, H); bias (V,) or None; ids (B, T); other arguments as
     ``grpo_loss``. Gradients flow to hidden, weight and bias, each only when it requires grad (a frozen head
-    skips the d weight sweep). ``config.deterministic`` selects the atomics-free Triton backward.
+    does no d weight work). On the Triton path, token-level configurations compute the gradients in the forward
+    (``config.grad_in_forward``, chunks sized by ``config.memory_budget``); everything else takes the
+    memory-light recompute path, whose ``config.deterministic`` selects the atomics-free backward.
     """
     cfg = resolve_config(config, config_overrides)
     inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,))
     B, T = ids.shape
     batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
                                 sampling_logps, num_items_in_batch)
-    logps, entropy, _ = head_token_logprobs(inputs, cfg.deterministic, row_mask=mask)
+    in_forward = gradient_in_forward(inputs, batch, cfg)
+    if in_forward is not None:
+        return in_forward
+    logps, entropy, _ = head_token_logprobs(inputs, cfg.deterministic, row_mask=mask,
+                                            chunk_bytes=light_path_chunk_bytes(cfg))
     return _loss_stage(logps, entropy, batch, cfg, inputs.impl)
 
 

@@ -42,7 +42,8 @@ def _kernel_modules() -> list:
 
 MODULES = _kernel_modules()
 # Default subset: every config of the small kernels, and each fused-linear kernel with its heaviest flags.
-FAST = (r"^(?!linear_)|^linear_fwd_(fp32|bf16)_bias/|^linear_fwd_fp32_nobias/linear_fwd_merge"
+FAST = (r"^(?!linear_|head_)|^head_(fold_bias|loss_grad_bf16_clipped_all_options)/"
+        r"|^linear_fwd_(fp32|bf16)_bias/|^linear_fwd_fp32_nobias/linear_fwd_merge"
         r"|^linear_dlogits_(fp32|bf16)_bias_ent$|^linear_bwd_atomic_(fp32|bf16)_bias_ent_(hwb|h|w)$")
 
 

@@ -67,7 +67,7 @@ def test_matches_trl_fp32(case, impl):
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("grpo-beta-kl", "everything")], ids=lambda c: c.id)
 def test_triton_backward_modes_match_trl(case, deterministic):
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=2)
-    loss, grads, _ = _ours(inputs, case, "triton", deterministic=deterministic)
+    loss, grads, _ = _ours(inputs, case, "triton", deterministic=deterministic, grad_in_forward=False)
     t_loss, t_grads, _ = _linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
     assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(abs(t_loss.item()), 1e-6)
     for g, t in zip(grads, t_grads):
@@ -220,26 +220,33 @@ def test_autocast_runs_the_head_in_the_autocast_dtype(impl):
     assert torch.equal(loss, expected) and torch.equal(weight.grad, w16.grad.float())
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_padded_rows_are_not_computed(impl, monkeypatch):
+@pytest.mark.parametrize("impl,path", [("torch", "light"), ("triton", "light"), ("triton", "grad-in-forward")])
+def test_padded_rows_are_not_computed(impl, path, monkeypatch):
     """The loss compacts valid rows before the sweep: the launcher sees N_valid rows, padded hidden states
     (even NaN) get zero gradient, and the result equals the unmasked computation on the valid rows."""
-    import grpo_kernels.logprobs_from_hidden as linear_module
     case = next(c for c in CASES if c.id == "grpo-beta-kl")
     inputs = make_inputs(case, hidden_size=HIDDEN, seed=14)
     mask = inputs["mask"]
     seen = []
-    original = linear_module._launchers
+    if path == "light":
+        import grpo_kernels.logprobs_from_hidden as linear_module
+        original = linear_module._launchers
 
-    def spy(which):
-        forward_fn, backward_fn = original(which)
-        return (lambda h, *a: (seen.append(h.shape[0]), forward_fn(h, *a))[1]), backward_fn
-    monkeypatch.setattr(linear_module, "_launchers", spy)
+        def spy(which, grad=True):
+            forward_fn, backward_fn = original(which, grad)
+            return (lambda h, *a: (seen.append(h.shape[0]), forward_fn(h, *a))[1]), backward_fn
+        monkeypatch.setattr(linear_module, "_launchers", spy)
+    else:
+        import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
+        original = epilogue.head_loss_and_grads
+        monkeypatch.setattr(epilogue, "head_loss_and_grads",
+                            lambda h, *a: (seen.append(h.shape[0]), original(h, *a))[1])
     hidden = inputs["hidden"].clone()
     hidden[~mask] = float("nan")
     h = hidden.requires_grad_(True)
     loss, _ = gk.fused_linear_grpo_loss(h, inputs["weight"], inputs["ids"], inputs["advantages"], mask,
-                                        config=case.config, impl=impl, **_rest(inputs))
+                                        config=case.config, impl=impl, grad_in_forward=path != "light",
+                                        **_rest(inputs))
     loss.backward()
     assert seen == [int(mask.sum())]
     assert torch.isfinite(loss) and (h.grad[~mask] == 0).all() and torch.isfinite(h.grad).all()

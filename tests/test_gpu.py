@@ -180,3 +180,73 @@ def test_grad_in_forward_new_lengths_do_not_recompile():
         call(T, tau, eps)
     after = sum(len(entry[0]) for entry in caches.values())
     assert after == before, f"{after - before} new variants compiled for new lengths / hyper-parameters"
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_linear_grad_in_forward_on_gpu(dtype, frozen):
+    """The gradient-in-forward path (cuBLAS fp32 logits + row-sweep epilogue + cuBLAS dH / fp32 dW) with bias,
+    entropy bonus, temperature, KL and is_ratio, in chunks of 700 rows: loss and gradients against fp64 full
+    logits, bitwise reproducible, the same as the light path, and on bf16 fp32-output logits GEMMs (no fallback)."""
+    import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
+    case = next(c for c in CASES if c.id == "is-ratio-token")
+    cfg = case.config.replace(entropy_coef=0.02, temperature=0.9, delta=1.3, memory_budget=700 * 4 * 32000)
+    inputs = {k: (v.to(DEV) if torch.is_tensor(v) else v)
+              for k, v in make_inputs(case, B=4, T=512, V=32000, hidden_size=1024, dtype=dtype).items()}
+    hidden, weight = inputs.pop("hidden"), inputs.pop("weight")
+    bias = (torch.randn(32000, device=DEV) * 0.1).to(dtype)
+    args = (inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"))
+
+    def run(**kw):
+        h, w, b = (t.clone().requires_grad_(not (frozen and t is not hidden)) for t in (hidden, weight, bias))
+        loss, _ = gk.fused_linear_grpo_loss(h, w, *args, bias=b, config=cfg, impl="triton", **inputs, **kw)
+        wrt = (h,) if frozen else (h, w, b)
+        return (loss.detach(), *torch.autograd.grad(loss, wrt))
+    ours = run()
+    h64, w64, b64 = (t.double().requires_grad_(True) for t in (hidden, weight, bias))
+    t_loss, _ = reference_grpo_loss(h64 @ w64.T + b64, *args, config=cfg, **inputs)
+    truth = (t_loss.detach(), *torch.autograd.grad(t_loss, (h64,) if frozen else (h64, w64, b64)))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, o, t in zip(("loss", "d hidden", "d weight", "d bias"), ours, truth):
+        assert _rel(o, t) <= tol, name
+    assert all(torch.equal(a, b) for a, b in zip(ours, run()))
+    light = run(grad_in_forward=False)
+    for name, o, t in zip(("loss", "d hidden", "d weight", "d bias"), ours, light):
+        assert _rel(o, t) <= (1e-5 if dtype == torch.float32 else 1e-2), name
+    if dtype == torch.bfloat16:
+        assert epilogue._DTYPE_OUT["mm"] is True, "torch.mm(out_dtype=float32) unavailable: bf16 logits fallback"
+        if not frozen and epilogue._DTYPE_OUT["addmm"] is not True:
+            import warnings
+            warnings.warn("torch.addmm(fp32 acc, bf16, bf16, out_dtype=float32) unavailable: dW accumulates through "
+                          "blocked fp32 temporaries (exact, slower)")
+
+
+def test_no_grad_linear_logprobs_at_qwen_vocab():
+    """linear_token_logprobs under no_grad (cuBLAS fp32 logits + fold) at V = 151936 against fp64."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    h = torch.randn(1024, 2048, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(151936, 2048, device=DEV, generator=g) / 20).to(torch.bfloat16)
+    ids = torch.randint(0, 151936, (1024,), device=DEV, generator=g)
+    with torch.no_grad():
+        logp, ent = gk.linear_token_logprobs(h, w, ids, temperature=0.8, return_entropy=True, impl="triton")
+        t_logp, t_ent = logprobs_and_entropy(h[:64].double() @ w.double().T, ids[:64], 0.8)
+    assert (logp[:64].double() - t_logp).abs().max().item() < 2e-4
+    assert (ent[:64].double() - t_ent).abs().max().item() < 2e-4
+
+
+def test_fused_linear_sequence_level_grad_in_forward_on_gpu():
+    """GSPO with KL in chunks of whole sequences (bf16, N = 2048, V = 32000): loss and gradients against fp64."""
+    case = next(c for c in CASES if c.id == "sequence-beta")
+    cfg = case.config.replace(memory_budget=1100 * 4 * 32000)  # two sequences of 512 per chunk
+    inputs = {k: (v.to(DEV) if torch.is_tensor(v) else v)
+              for k, v in make_inputs(case, B=4, T=512, V=32000, hidden_size=1024, dtype=torch.bfloat16).items()}
+    hidden, weight = inputs.pop("hidden"), inputs.pop("weight")
+    args = (inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"))
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, _ = gk.fused_linear_grpo_loss(h, w, *args, config=cfg, impl="triton", **inputs)
+    ours = (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    t_loss, _ = reference_grpo_loss(h64 @ w64.T, *args, config=cfg, **inputs)
+    truth = (t_loss.detach(), *torch.autograd.grad(t_loss, (h64, w64)))
+    for name, o, t in zip(("loss", "d hidden", "d weight"), ours, truth):
+        assert _rel(o, t) <= 2e-2, name

@@ -190,6 +190,8 @@ def test_deterministic_several_chunks(dtype, monkeypatch):
 def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch):
     if chunks == "several-chunks":
         monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_BYTES", 1)
+    else:
+        monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_FRACTION", 1.0)
     h, w, b, ids = make_inputs(37, 100, 40, torch.bfloat16)
     _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
     gl, ge = grads_for(37)
@@ -240,3 +242,33 @@ def test_only_block_sizes_and_flags_are_constexpr():
         assert const, fn.__name__
         assert all(c.startswith(("BLOCK_", "HAS_", "NEED_", "GROUP_", "DOT_")) for c in const), (fn.__name__, const)
         assert {"N", "inv_temperature"} <= {p.name for p in params} - const or fn.__name__ == "linear_fwd_merge_kernel"
+
+
+@pytest.mark.parametrize("entropy", [True, False], ids=["entropy-grad", "no-entropy-grad"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_deterministic_dlogits_by_gemm_several_chunks(dtype, entropy, monkeypatch):
+    """The deterministic backward with d logits from fp32 GEMM logits + the row-sweep epilogue (the CUDA bf16/fp16
+    choice), forced here on CPU: 4 vocab chunks, written in place as half-precision rows; bitwise reproducible."""
+    monkeypatch.setattr(lbk, "DLOGITS_BY_GEMM", True)
+    monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_BYTES", 1)
+    h, w, b, ids = make_inputs(37, 100, 40, dtype)
+    first = check_backward(h, w, b, ids, entropy=entropy, deterministic=True)
+    _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
+    gl, ge = grads_for(37, entropy=entropy)
+    again = lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, True, True, True, True)
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+def test_fp32_accumulating_gemm_helpers():
+    """logits_f32 / addmm_f32_ (the cuBLAS steps of the cuBLAS-based paths) against float64, bf16 and fp32."""
+    from grpo_kernels.kernels import linear_epilogue_kernels as epi
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(9, 20, generator=g).to(dtype), torch.randn(20, 7, generator=g).to(dtype)
+        acc = torch.randn(9, 7, generator=g)
+        want = acc.double() + a.double() @ b.double()
+        epi.addmm_f32_(acc, a, b)
+        assert acc.dtype == torch.float32 and (acc.double() - want).abs().max().item() < 1e-5
+        out = torch.empty(9, 7)
+        epi.logits_f32(a, b.t(), out)
+        assert (out.double() - a.double() @ b.double()).abs().max().item() < 1e-5

@@ -5,8 +5,10 @@ shared helpers and the tile table in ``linear_tiles.py``.
 ``deterministic=True`` (the default): no float atomics anywhere. The vocab is cut into chunks of Vc columns; per
 chunk a kernel writes d logits (N, Vc) in the input dtype (every program owns its output tile), then fixed-order
 cuBLAS/torch ops finish the job: dW[chunk] = dl^T @ hidden (complete, written once), dbias[chunk] = column sum,
-dh += dl @ W[chunk] (accumulated over chunks in fp32 for bf16/fp16). Vc is the largest multiple of BLOCK_V with
-N * Vc * itemsize <= ``DETERMINISTIC_CHUNK_BYTES`` (256 MiB; at least BLOCK_V columns). cuBLAS is run-to-run
+dh += dl @ W[chunk] (accumulated over chunks in an fp32 buffer by cuBLAS itself, beta = 1, for bf16/fp16: no
+half-precision product in between). Vc is the largest multiple of BLOCK_V with N * Vc * itemsize <= the chunk
+budget (the caller's ``chunk_bytes``; by default 1% of the N x V fp32 logits, ``DETERMINISTIC_CHUNK_FRACTION``;
+``DETERMINISTIC_CHUNK_BYTES`` when set caps it; at least BLOCK_V columns). cuBLAS is run-to-run
 deterministic on a given GPU and library version (set CUBLAS_WORKSPACE_CONFIG=:4096:8 when streams vary). With fp32
 inputs the matmuls follow torch's fp32 matmul precision setting ("highest" by default, i.e. no TF32).
 
@@ -19,9 +21,10 @@ pays for neither the dW dot nor its atomics. Results vary in the last bits from 
 Extra device memory beyond inputs, outputs and the returned gradients (it = itemsize of the input dtype):
 - atomic: fp32 accumulators cast to the input dtype at the end, for bf16/fp16 inputs only: 4 N H if dh is
   requested, 4 V H if dW, 4 V if dbias (2.5 GB of dW accumulator at V = 152k, H = 4096).
-- deterministic: the d logits chunk, N * min(V, Vc) * it bytes; plus 4 V (fp32 dbias) when dbias is requested with
-  bf16/fp16; plus (4 + it) N H (fp32 dh accumulator and one matmul output) when dh is requested with bf16/fp16
-  and V needs more than one chunk.
+- deterministic: the d logits chunk, N * min(V, Vc) * it bytes (4 N min(V, Vc) when d logits come from cuBLAS
+  fp32 logits + the row-sweep epilogue, ``dlogits_by_gemm``: CUDA bf16/fp16); plus 4 V (fp32 dbias) when dbias is
+  requested with bf16/fp16; plus 4 N H (the fp32 dh accumulator) when dh is requested with bf16/fp16 and V needs
+  more than one chunk.
 """
 from __future__ import annotations
 
@@ -30,10 +33,15 @@ import torch
 from .._checks import alloc
 from . import linear_tiles as tiles
 from .launch import launch
+from .linear_epilogue_kernels import addmm_f32_, dlogits_chunk, half_view, logits_f32
 from .linear_tiles import _dlogits_tile, _grouped_tile, _logits_tile, _mma, _to_input_dtype, tl, triton
 
-# d logits chunk of the deterministic backward (bytes); tests shrink it to exercise several chunks.
-DETERMINISTIC_CHUNK_BYTES = 256 << 20
+# d logits chunk of the deterministic backward when the caller gives no budget: this fraction of N x V fp32 logits.
+DETERMINISTIC_CHUNK_FRACTION = 0.01
+# Optional cap on that chunk (bytes); tests shrink it to exercise several chunks.
+DETERMINISTIC_CHUNK_BYTES = None
+# d logits by cuBLAS + epilogue (True), by the Triton tile kernel (False), or None: decided by dlogits_by_gemm.
+DLOGITS_BY_GEMM = None
 
 
 @triton.jit(do_not_specialize=["N", "n_m_blocks", "n_v_blocks"])
@@ -113,13 +121,15 @@ def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     out = dl_ptr + rows.to(tl.int64)[:, None] * stride_dl + (cols - v_begin)[None, :]
     tl.store(out, _to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
 def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
-                             need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool):
+                             need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool,
+                             chunk_bytes: int | None = None):
     """(d_hidden | None, d_weight | None, d_bias | None) in hidden's / weight's / bias' dtype.
 
     Inputs as in ``linear_logprobs_forward`` plus the forward's lse and entropy and the per-token grads grad_logp
     and grad_entropy (fp32 (N,); grad_entropy may be None: its term is then not compiled in). Per element
     dz_v = grad_logp (onehot_v - p_v) - grad_entropy p_v (log p_v + entropy), d logits = dz / temperature.
-    ``deterministic`` selects the atomic-free path (see the module docstring for both paths and their memory).
+    ``deterministic`` selects the atomic-free path (see the module docstring for both paths and their memory);
+    chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32 logits).
     """
     N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
     need_bias = bool(need_bias) and bias is not None
@@ -136,7 +146,11 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
                   grad_logp=grad_logp, grad_entropy=grad_entropy if has_ent else grad_logp,
                   inv_temperature=1.0 / temperature, has_ent=has_ent)
     if deterministic:
-        return _backward_chunked(common, N, V, H, need_hidden, need_weight, need_bias)
+        if chunk_bytes is None:
+            chunk_bytes = int(DETERMINISTIC_CHUNK_FRACTION * 4 * N * V)
+        if DETERMINISTIC_CHUNK_BYTES is not None:
+            chunk_bytes = min(chunk_bytes, DETERMINISTIC_CHUNK_BYTES)
+        return _backward_chunked(common, N, V, H, need_hidden, need_weight, need_bias, chunk_bytes)
     tile, _, dot_fp32 = tiles.launch_params("bwd", hidden.dtype, dev)
     dh = torch.zeros((N, H), dtype=f32, device=dev) if need_hidden else None
     dw = torch.zeros((V, H), dtype=f32, device=dev) if need_weight else None
@@ -154,40 +168,49 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
             None if db is None else db.to(bias.dtype))
 
 
-def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool):
-    """Deterministic backward: d logits per vocab chunk from a kernel, then fixed-order matmuls and sums."""
+def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+                      chunk_bytes: int):
+    """Deterministic backward: d logits per vocab chunk, then fixed-order matmuls and sums.
+
+    d logits come from the Triton tile kernel, or (``dlogits_by_gemm``) from cuBLAS fp32 logits of the chunk plus
+    the row-sweep epilogue that rewrites them in place: the chunk's buffer is then 4 N Vc bytes instead of it N Vc.
+    """
     hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
     dtype, dev = hidden.dtype, hidden.device
     tile, _, dot_fp32 = tiles.launch_params("dlogits", dtype, dev)
     bv = tile.block_v
-    chunk = max(bv, DETERMINISTIC_CHUNK_BYTES // (N * hidden.element_size()) // bv * bv)
+    by_gemm = dlogits_by_gemm(dtype, dev)
+    chunk = max(bv, chunk_bytes // (N * (4 if by_gemm else hidden.element_size())) // bv * bv)
     chunk = min(chunk, tiles.cdiv(V, bv) * bv)
     n_chunks = tiles.cdiv(V, chunk)
-    buf = alloc((N, min(chunk, V)), dtype, dev)
+    if by_gemm:
+        zflat = alloc((N * min(chunk, V),), torch.float32, dev)
+    else:
+        buf = alloc((N, min(chunk, V)), dtype, dev)
     direct_dh = n_chunks == 1 or dtype == torch.float32
-    d_hidden = d_weight = db32 = dh32 = tmp = None
+    d_hidden = d_weight = db32 = dh32 = None
     if need_hidden:
         if n_chunks == 1:
             d_hidden = alloc((N, H), dtype, dev)
         elif dtype == torch.float32:
             d_hidden = torch.zeros((N, H), dtype=dtype, device=dev)
         else:
-            dh32, tmp = torch.zeros((N, H), dtype=torch.float32, device=dev), alloc((N, H), dtype, dev)
+            dh32 = torch.zeros((N, H), dtype=torch.float32, device=dev)
     if need_weight:
         d_weight = alloc(tuple(weight.shape), weight.dtype, dev)
     if need_bias:
         db32 = alloc((V,), torch.float32, dev)
-    n_m = tiles.cdiv(N, tile.block_m)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
-        dl = buf[:, : v1 - v0]
-        n_v = tiles.cdiv(v1 - v0, bv)
-        launch(linear_dlogits_kernel, (n_m * n_v,),
-            hidden, weight, weight if bias is None else bias, c["ids"], c["lse"], c["entropy"], c["grad_logp"],
-            c["grad_entropy"], buf, N, V, H, hidden.stride(0), weight.stride(0), buf.stride(0), c["inv_temperature"],
-            n_m, n_v, v0, v1, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=c["has_ent"], BLOCK_M=tile.block_m,
-            BLOCK_V=bv, BLOCK_K=tile.block_k, GROUP_M=tiles.GROUP_M, DOT_FP32=dot_fp32, num_warps=tile.num_warps,
-            num_stages=tile.num_stages)
+        if by_gemm:
+            z = zflat[: N * (v1 - v0)].view(N, v1 - v0)
+            logits_f32(hidden, weight[v0:v1], z)
+            dl = half_view(z, dtype)
+            dlogits_chunk(z, dl, bias, c["ids"], c["lse"], c["entropy"], c["grad_logp"],
+                          c["grad_entropy"] if c["has_ent"] else None, v0, c["inv_temperature"])
+        else:
+            dl = buf[:, : v1 - v0]
+            _dlogits_tiles(c, buf, tile, dot_fp32, N, V, H, v0, v1)
         # Why these three ops are deterministic: each is a fixed-shape cuBLAS GEMM or a torch reduction, and
         # every output element is produced by exactly one of them per chunk (no cross-program float atomics).
         if need_weight:
@@ -201,11 +224,33 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_w
             elif direct_dh:
                 d_hidden.addmm_(dl, w_chunk)
             else:
-                torch.mm(dl, w_chunk, out=tmp)
-                dh32.add_(tmp)
+                addmm_f32_(dh32, dl, w_chunk)
     if dh32 is not None:
         d_hidden = dh32.to(dtype)
     return d_hidden, d_weight, None if db32 is None else db32.to(bias.dtype)
+
+
+def _dlogits_tiles(c: dict, buf, tile, dot_fp32: bool, N: int, V: int, H: int, v0: int, v1: int) -> None:
+    """d logits of vocab columns [v0, v1) into buf[:, :v1 - v0] with the Triton tile kernel (recomputed logits)."""
+    hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
+    n_m, n_v = tiles.cdiv(N, tile.block_m), tiles.cdiv(v1 - v0, tile.block_v)
+    launch(linear_dlogits_kernel, (n_m * n_v,),
+           hidden, weight, weight if bias is None else bias, c["ids"], c["lse"], c["entropy"], c["grad_logp"],
+           c["grad_entropy"], buf, N, V, H, hidden.stride(0), weight.stride(0), buf.stride(0), c["inv_temperature"],
+           n_m, n_v, v0, v1, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=c["has_ent"], BLOCK_M=tile.block_m,
+           BLOCK_V=tile.block_v, BLOCK_K=tile.block_k, GROUP_M=tiles.GROUP_M, DOT_FP32=dot_fp32,
+           num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def dlogits_by_gemm(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the deterministic backward forms d logits as cuBLAS fp32 logits + the row-sweep epilogue.
+
+    ``DLOGITS_BY_GEMM`` (None = auto): on CUDA for bf16/fp16, where cuBLAS runs the recompute GEMM faster than the
+    Triton tile kernel (60-70% of cuBLAS measured on an H200); fp32 keeps the tile kernel (IEEE fp32 either way).
+    """
+    if DLOGITS_BY_GEMM is not None:
+        return DLOGITS_BY_GEMM
+    return device.type == "cuda" and dtype != torch.float32
 
 
 

@@ -1,0 +1,517 @@
+"""Fused linear head on cuBLAS GEMMs: row-sweep epilogues over a chunk of fp32 logits, and the chunk loops around
+them (docs/DESIGN.md section 3).
+
+Per chunk of R hidden rows, cuBLAS writes the logits z = h W^T as an fp32 (R, V) buffer (``logits_f32``); one
+Triton program per row then sweeps that row:
+- ``head_fold_kernel`` (log-probs, no gradient): online logsumexp / entropy over the row, target logit -> logp,
+  lse, entropy. ``head_logprobs_chunked`` is the no-grad old / reference-policy pass: GEMM + fold, 2NHV.
+- ``head_loss_grad_kernel`` (the gradient-in-forward path): the same fold, then ``token_terms`` (ratio, clipping,
+  KL, per-token loss and d loss / d logp) with the precomputed reduction weight, per-row metric terms, and a
+  second sweep that rewrites the row in place as d logits in the GEMM input dtype. cuBLAS then forms
+  dH[chunk] = dZ W and accumulates dW += dZ^T h into an fp32 buffer (never a per-chunk bf16 rounding), dbias
+  likewise: 6NHV for a trainable head, 4NHV for a frozen one (no dW GEMM at all).
+
+Bias and 1 / temperature are applied in the epilogue (z = (x + b) * inv_temperature), so the GEMM is a plain
+``h @ W.T``. Why one program per row: a row of V fp32 logits is a contiguous stream; each program reads it with
+16-byte vector loads in an unmasked main loop plus one masked tail block, keeps per-lane online statistics (no
+cross-lane reduction inside the loop) and combines the lanes once at the end.
+
+Why d logits in place: a bf16/fp16 d-logits row needs half the bytes of the fp32 logits row, so it is written
+into the first half of the same row (a strided (R, V) view with row stride 2V); block k of the write covers only
+fp32 elements below the end of block k of the read, and a barrier between the block's load and its store orders
+the two across warps. fp32 inputs overwrite each element with its own d logit.
+
+Determinism: every output element is produced by one program or one GEMM per chunk, chunks run in a fixed
+order, metric terms are summed by torch in a fixed order. cuBLAS GEMMs are run-to-run deterministic for a fixed
+GPU, library version and stream configuration (set CUBLAS_WORKSPACE_CONFIG=:4096:8 when streams vary).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import alloc
+from .._triton import import_triton, interpreting
+from .launch import launch, target_arch
+from .linear_tiles import _NEG_BIG, _to_input_dtype
+from .token_terms import token_terms
+
+triton, tl = import_triton()
+
+# fp32 elements per block of the row sweep: 8 warps x 32 lanes x 8 elements (two 16-byte loads per lane; 48-64
+# registers on sm_90, so four programs share an SM and keep enough loads in flight).
+ROW_BLOCK = 2048
+ROW_WARPS = 8
+# Under TRITON_INTERPRET: a small block, so that small test rows cross the main-loop / tail boundary.
+INTERPRET_ROW_BLOCK = 16
+N_ROW_TERMS = 8  # w*l, kl, clip low, clip high, clip region, cispo clipped, (2 unused: 32-byte rows)
+# Rows per chunk of the no-grad log-prob pass: an fp32 (R, V) chunk of at most this many bytes (256 MiB).
+LOGPROBS_CHUNK_BYTES = 256 << 20
+
+
+def _row_block() -> int:
+    return INTERPRET_ROW_BLOCK if target_arch() is None and interpreting() else ROW_BLOCK
+
+
+@triton.jit
+def _online(m, s, a, z, ok):
+    """One block of per-lane online statistics: running max m, sum e^(z-m), sum e^(z-m) (z-m)."""
+    m_new = tl.maximum(m, z)
+    alpha = tl.exp(m - m_new)
+    u = z - m_new
+    e = tl.where(ok, tl.exp(u), 0.0)
+    # Why the guard: a -inf logit (a -inf bias) has e = 0 but u = -inf, and 0 * -inf is NaN.
+    a = alpha * (a - (m_new - m) * s) + tl.where(e > 0.0, e * u, 0.0)
+    return m_new, alpha * s + e, a
+
+
+@triton.jit
+def _row_fold(z_row, b_ptr, V, inv_temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """(max, sum e^(z-max), sum e^(z-max) (z-max)) of one fp32 logits row, z = (x + b) * inv_temperature."""
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), _NEG_BIG, dtype=tl.float32)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    a = tl.zeros((BLOCK,), dtype=tl.float32)
+    v_main = (V // BLOCK) * BLOCK
+    # Why an unmasked main loop: full blocks need no predicate, so the loads vectorize to 16 bytes.
+    for v0 in range(0, v_main, BLOCK):
+        x = tl.load(z_row + v0 + offs)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + v0 + offs).to(tl.float32)
+        m, s, a = _online(m, s, a, x * inv_temperature, offs < BLOCK)
+    cols = v_main + offs
+    ok = cols < V
+    x = tl.load(z_row + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    m, s, a = _online(m, s, a, tl.where(ok, x * inv_temperature, _NEG_BIG), ok)
+    # Combine the lanes once: re-centre each lane's sums on the row max.
+    m_row = tl.max(m, axis=0)
+    c = tl.exp(m - m_row)
+    return m_row, tl.sum(c * s, axis=0), tl.sum(c * (a + (m - m_row) * s), axis=0)
+
+
+@triton.jit
+def _target_logit(z_row, b_ptr, target, inv_temperature, HAS_BIAS: tl.constexpr):
+    x = tl.load(z_row + target)
+    if HAS_BIAS:
+        x += tl.load(b_ptr + target).to(tl.float32)
+    return x * inv_temperature
+
+
+@triton.jit
+def _dlogits_block(z_row, out_row, b_ptr, cols, ok, target, lse, ent, g, g_h, inv_temperature,
+                   HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """One block of a row's d logits, (g (onehot - p) - g_H p (log p + H)) * inv_temperature, stored in place."""
+    if MASKED:
+        x = tl.load(z_row + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(z_row + cols)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + cols).to(tl.float32)
+    logp_v = x * inv_temperature - lse
+    p = tl.exp(logp_v)
+    dz = tl.where(cols == target, g, 0.0) - g * p
+    if HAS_ENTROPY_GRAD:
+        dz -= g_h * p * tl.where(p > 0.0, logp_v + ent, 0.0)
+    dz = _to_input_dtype(dz * inv_temperature, out_row.dtype.element_ty, ROUND_BY_HAND)
+    # Why the barrier: the half-precision row overlaps the fp32 row it replaces (see the module docstring).
+    tl.debug_barrier()
+    if MASKED:
+        tl.store(out_row + cols, dz, mask=ok)
+    else:
+        tl.store(out_row + cols, dz)
+
+
+@triton.jit
+def _dlogits_row(z_row, out_row, b_ptr, target, lse, ent, g, g_h, V, inv_temperature, HAS_BIAS: tl.constexpr,
+                 HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's d logits over columns [0, V): unmasked (vectorized) full blocks, then one masked tail block."""
+    offs = tl.arange(0, BLOCK)
+    v_main = (V // BLOCK) * BLOCK
+    for v0 in range(0, v_main, BLOCK):
+        _dlogits_block(z_row, out_row, b_ptr, v0 + offs, offs < BLOCK, target, lse, ent, g, g_h, inv_temperature,
+                       HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, False)
+    _dlogits_block(z_row, out_row, b_ptr, v_main + offs, v_main + offs < V, target, lse, ent, g, g_h,
+                   inv_temperature, HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, True)
+
+
+@triton.jit(do_not_specialize=["row0", "V"])
+def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V, stride_z, inv_temperature,
+                     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of the fp32 chunk z_ptr (row stride stride_z) -> logp, lse, entropy of token row0 + r."""
+    r = tl.program_id(0)
+    tok = row0 + r
+    z_row = z_ptr + r.to(tl.int64) * stride_z
+    m, s, a = _row_fold(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
+    log_s = tl.log(s)
+    lse = m + log_s
+    zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), inv_temperature, HAS_BIAS)
+    tl.store(lse_ptr + tok, lse)
+    tl.store(logp_ptr + tok, zt - lse)
+    tl.store(ent_ptr + tok, log_s - a / s)
+
+
+@triton.jit(do_not_specialize=["row0", "V"])
+def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, isr_ptr, w_ptr, ge_ptr,
+                          logp_ptr, ent_ptr, terms_ptr, row0, V, stride_z, stride_out, inv_temperature,
+                          eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg,
+                          KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS: tl.constexpr,
+                          HAS_DELTA: tl.constexpr, USE_BETA: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                          ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of the chunk: fold, per-token loss terms and gradient, then (WRITE_GRAD) d logits in place.
+
+    Per-token inputs (old, ref, adv, isr, reduction weight w) are fp32 (N,) indexed by token row0 + r; ge_ptr holds
+    d loss / d entropy (one fp32 value for every valid token). Writes logp, entropy, the token's 8 metric terms and
+    d logits = (g (onehot - p) - g_H p (log p + H)) * inv_temperature to out_ptr's row r (row stride stride_out).
+    """
+    r = tl.program_id(0)
+    tok = row0 + r
+    z_row = z_ptr + r.to(tl.int64) * stride_z
+    m, s, a = _row_fold(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
+    log_s = tl.log(s)
+    lse = m + log_s
+    ent = log_s - a / s
+    target = tl.load(ids_ptr + tok)
+    logp = _target_logit(z_row, b_ptr, target, inv_temperature, HAS_BIAS) - lse
+    tl.store(logp_ptr + tok, logp)
+    tl.store(ent_ptr + tok, ent)
+
+    # The per-token GRPO maths, defined once (token_terms.py); the reduction is the precomputed weight w.
+    old = logp
+    ref = logp
+    isr = logp
+    if HAS_OLD:
+        old = tl.load(old_ptr + tok)
+    if HAS_REF:
+        ref = tl.load(ref_ptr + tok)
+    if HAS_IS:
+        isr = tl.load(isr_ptr + tok)
+    adv = tl.load(adv_ptr + tok)
+    w = tl.load(w_ptr + tok)
+    policy, d_policy, kl, rho, rho1 = token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta,
+                                                  sapo_t_pos, sapo_t_neg, KIND, HAS_OLD, HAS_REF, HAS_IS,
+                                                  HAS_DELTA, USE_BETA, BIAS_CORRECTION)
+    low = tl.where((rho1 < 1.0 - eps_low) & (adv < 0), 1.0, 0.0)
+    high = tl.where((rho1 > 1.0 + eps_high) & (adv > 0), 1.0, 0.0)
+    terms = terms_ptr + tok.to(tl.int64) * 8
+    # Why the select: a NaN log-prob (NaN hidden / weight at a valid row) must reach the loss, even where the
+    # policy term's clamps and minimum would drop it (advantage 0, a clipped ratio).
+    tl.store(terms + 0, tl.where(logp != logp, logp, w * policy))
+    tl.store(terms + 1, kl)
+    tl.store(terms + 2, low)
+    tl.store(terms + 3, high)
+    tl.store(terms + 4, tl.maximum(low, high))
+    tl.store(terms + 5, tl.where((rho > eps_high) & (adv > 0), 1.0, 0.0))
+    tl.store(terms + 6, 0.0)
+    tl.store(terms + 7, 0.0)
+
+    if WRITE_GRAD:
+        g = w * d_policy
+        g_h = 0.0
+        if HAS_ENTROPY_GRAD:
+            g_h = tl.load(ge_ptr)
+        # Why a second sweep rather than keeping the row on chip: V fp32 logits (600 KB at V = 152k) do not fit;
+        # the second read of the row is the price of writing d logits without a recompute GEMM.
+        _dlogits_row(z_row, out_ptr + r.to(tl.int64) * stride_out, b_ptr, target, lse, ent, g, g_h, V,
+                     inv_temperature, HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, BLOCK)
+
+
+@triton.jit(do_not_specialize=["v0", "Vc"])
+def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, v0, Vc, stride_z,
+                        stride_out, inv_temperature, HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+                        ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Light-path backward: row r of an fp32 (N, Vc) logits chunk (vocab v0 .. v0 + Vc) -> its d logits in place.
+
+    From the forward's saved lse / entropy and the per-token gradients g = d loss / d logp (gl_ptr) and
+    g_H = d loss / d entropy (ge_ptr): d logits = (g (onehot - p) - g_H p (log p + H)) * inv_temperature, written
+    in out_ptr's dtype to its row r (row stride stride_out; out may alias z, see the module docstring).
+    b_ptr points at bias[v0].
+    """
+    r = tl.program_id(0)
+    z_row = z_ptr + r.to(tl.int64) * stride_z
+    out_row = out_ptr + r.to(tl.int64) * stride_out
+    lse = tl.load(lse_ptr + r)
+    g = tl.load(gl_ptr + r)
+    local_target = tl.load(ids_ptr + r) - v0
+    g_h = 0.0
+    ent = 0.0
+    if HAS_ENTROPY_GRAD:
+        g_h = tl.load(ge_ptr + r)
+        ent = tl.load(ent_ptr + r)
+    _dlogits_row(z_row, out_row, b_ptr, local_target, lse, ent, g, g_h, Vc, inv_temperature, HAS_BIAS,
+                 HAS_ENTROPY_GRAD, ROUND_BY_HAND, BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------- cuBLAS GEMMs
+
+_DTYPE_OUT = {"mm": None, "addmm": None}  # whether torch's out_dtype GEMM variants work here (probed once)
+# Largest fp32 temporary of the fallback accumulation (torch without an fp32-accumulator addmm for bf16 inputs).
+FALLBACK_BLOCK_BYTES = 64 << 20
+
+
+def _unsupported(err: Exception) -> bool:
+    """An error that says this torch lacks the out_dtype GEMM variant (not an out-of-memory or a shape bug)."""
+    text = str(err)
+    return isinstance(err, (TypeError, NotImplementedError)) or "dtype" in text or "overload" in text
+
+
+def logits_f32(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out (R, V) fp32 = h (R, H) @ weight (V, H)^T with fp32 accumulation and fp32 output.
+
+    CUDA bf16/fp16: ``torch.mm(..., out_dtype=torch.float32)`` (torch >= 2.11); without it, the half-precision
+    product upcast (logits rounded to bf16 once, as eager PyTorch). CPU: the rounded inputs multiplied in fp32.
+    """
+    if h.dtype == torch.float32:
+        torch.mm(h, weight.t(), out=out)
+    elif not h.is_cuda:
+        torch.mm(h.float(), weight.float().t(), out=out)
+    else:
+        if _DTYPE_OUT["mm"] is not False:
+            try:
+                torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+                _DTYPE_OUT["mm"] = True
+                return
+            except (TypeError, RuntimeError, NotImplementedError) as err:
+                if not _unsupported(err):
+                    raise
+                _DTYPE_OUT["mm"] = False
+        out.copy_(torch.mm(h, weight.t()))
+
+
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b for bf16/fp16/fp32 a, b, accumulated in fp32 with no half-precision intermediate.
+
+    CUDA: ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` (cuBLAS beta = 1, no temporary); where this
+    torch rejects an fp32 accumulator for half inputs: fp32 products (``logits_f32``) of at most
+    ``FALLBACK_BLOCK_BYTES`` rows of acc at a time, added in. CPU: the inputs upcast, then ``addmm_``.
+    """
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if not a.is_cuda:
+        acc.addmm_(a.float(), b.float())
+        return
+    if _DTYPE_OUT["addmm"] is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _DTYPE_OUT["addmm"] = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError) as err:
+            if not _unsupported(err):
+                raise
+            _DTYPE_OUT["addmm"] = False
+    rows = max(1, min(acc.shape[0], FALLBACK_BLOCK_BYTES // (4 * max(1, acc.shape[1]))))
+    tmp = torch.empty((rows, acc.shape[1]), dtype=torch.float32, device=acc.device)
+    for i0 in range(0, acc.shape[0], rows):
+        i1 = min(acc.shape[0], i0 + rows)
+        logits_f32(a[i0:i1], b.t(), tmp[: i1 - i0])
+        acc[i0:i1].add_(tmp[: i1 - i0])
+
+
+def half_view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (R, V) d-logits view in ``dtype`` that shares ``buf``'s (R, V) fp32 rows (row stride 2V for half)."""
+    if dtype == torch.float32:
+        return buf
+    return buf.view(dtype)[:, : buf.shape[1]]
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+
+def chunk_rows(budget_bytes: int, V: int, N: int) -> int:
+    """Rows of an fp32 (rows, V) chunk within ``budget_bytes``, spread evenly over the chunks (0 if none fit)."""
+    max_rows = budget_bytes // (4 * V)
+    if max_rows <= 0 or N == 0:
+        return max(0, min(N, max_rows))
+    n_chunks = -(-N // max_rows)
+    return -(-N // n_chunks)
+
+
+def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float) -> None:
+    """logp / lse / entropy of tokens row0 .. row0 + len(z) from their fp32 logits rows z (R, V)."""
+    R, V = z.shape
+    if R == 0:
+        return
+    launch(head_fold_kernel, (R,), z, z if bias is None else bias, ids, logp, lse, ent, row0, V, z.stride(0),
+           1.0 / temperature, HAS_BIAS=bias is not None, BLOCK=_row_block(), num_warps=ROW_WARPS)
+
+
+def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: int, inv_temperature: float) -> None:
+    """d logits of vocab columns v0 .. v0 + Vc for every token from their fp32 logits z (N, Vc), into ``out``
+    (N, Vc) in the input dtype (``half_view(z)`` to write in place). grad_entropy None: no entropy term."""
+    N, Vc = z.shape
+    if N == 0:
+        return
+    has_ent = grad_entropy is not None
+    launch(head_dlogits_kernel, (N,), z, out, z if bias is None else bias[v0:], ids, lse,
+           entropy if has_ent else lse, grad_logp, grad_entropy if has_ent else lse, v0, Vc, z.stride(0),
+           out.stride(0), inv_temperature, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent,
+           ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS)
+
+
+def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None):
+    """(logp, lse, entropy), fp32 (N,): per row chunk, cuBLAS logits (fp32) + the fold kernel; no gradient work.
+
+    Extra memory: one fp32 (R, V) chunk, R = rows within ``chunk_bytes`` (at least one row)."""
+    N, V = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
+    R = max(1, chunk_rows(LOGPROBS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, V, N))
+    buf = alloc((min(R, N), V), torch.float32, dev)
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        z = buf[: r1 - r0]
+        logits_f32(hidden[r0:r1], weight, z)
+        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature)
+    return logp, lse, ent
+
+
+def head_loss_and_grads(hidden, weight, bias, ids, tokens: dict, cfg, kind: int, rows: int,
+                        need_hidden: bool, need_weight: bool, need_bias: bool):
+    """The gradient-in-forward pass over row chunks of ``rows`` tokens.
+
+    tokens: fp32 (N,) contiguous per-token tensors ``adv``, ``w`` (reduction weight) and optionally ``old``,
+    ``ref``, ``isr``; ``ge``: fp32 (1,) d loss / d entropy or None. Returns (logp, entropy, terms (N, 8) fp32,
+    d_hidden in hidden's dtype | None, d_weight fp32 | None, d_bias fp32 | None); d_weight and d_bias accumulate
+    over chunks in fp32. Extra memory: the fp32 (rows, V) chunk, plus the fp32 dW / dbias accumulators.
+    """
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
+    need_bias = need_bias and bias is not None
+    write_grad = need_hidden or need_weight or need_bias
+    logp, ent = alloc((N,), torch.float32, dev), alloc((N,), torch.float32, dev)
+    terms = alloc((N, N_ROW_TERMS), torch.float32, dev)
+    d_hidden = alloc((N, H), dtype, dev) if need_hidden else None
+    dw32 = torch.zeros((V, H), dtype=torch.float32, device=dev) if need_weight else None
+    db32 = torch.zeros((V,), dtype=torch.float32, device=dev) if need_bias else None
+    if N == 0:
+        return logp, ent, terms, d_hidden, dw32, db32
+    R = max(1, min(rows, N))
+    buf = alloc((R, V), torch.float32, dev)
+    dbuf = half_view(buf, dtype)
+    adv = tokens["adv"]
+    opt = {k: tokens.get(k) for k in ("old", "ref", "isr")}
+    old, ref, isr = (adv if opt[k] is None else opt[k] for k in ("old", "ref", "isr"))
+    ge = tokens.get("ge")
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
+        logits_f32(h, weight, z)
+        launch(head_loss_grad_kernel, (r1 - r0,),
+               z, dz, z if bias is None else bias, ids, old, ref, adv, isr, tokens["w"], adv if ge is None else ge,
+               logp, ent, terms, r0, V, z.stride(0), dz.stride(0),
+               1.0 / cfg.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0),
+               float(cfg.beta), float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
+               KIND=kind, HAS_OLD=opt["old"] is not None, HAS_REF=opt["ref"] is not None,
+               HAS_IS=opt["isr"] is not None, HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
+               BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_BIAS=bias is not None,
+               HAS_ENTROPY_GRAD=ge is not None, WRITE_GRAD=write_grad,
+               ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS)
+        if write_grad:
+            chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
+    return logp, ent, terms, d_hidden, dw32, db32
+
+
+def chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0: int) -> None:
+    """From the d logits dz (R, V) of hidden rows h = hidden[r0:r0 + R]: d_hidden[r0:r0 + R] = dz W, dw32 += dz^T h,
+    db32 += column sums (each only when not None).
+
+    Why deterministic and unbiased: fixed shapes in a fixed chunk order; dW and dbias accumulate in fp32 across
+    chunks (cuBLAS beta = 1), never rounding a per-chunk product to bf16."""
+    if d_hidden is not None:
+        torch.mm(dz, weight, out=d_hidden[r0:r0 + dz.shape[0]])
+    if dw32 is not None:
+        addmm_f32_(dw32, dz.t(), h)
+    if db32 is not None:
+        db32 += dz.sum(0, dtype=torch.float32)
+
+
+def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperature: float,
+                        need_hidden: bool, need_weight: bool, need_bias: bool):
+    """The gradient-in-forward pass for losses whose per-token gradient needs whole sequences (GSPO's sequence
+    ratio, vespo's row weights, the off-policy row mask): chunks are runs of whole sequences.
+
+    bounds: row offsets [0, ..., N] of the chunks. Per chunk: cuBLAS fp32 logits, the fold kernel (logp, lse,
+    entropy), ``token_grads(r0, r1, logp, entropy)`` -> (d loss / d logp, d loss / d entropy or None), fp32 for
+    rows r0 .. r1, then the d-logits epilogue in place and the cuBLAS gradient GEMMs. Returns (logp, entropy,
+    d_hidden | None, d_weight fp32 | None, d_bias fp32 | None).
+    """
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
+    need_bias = need_bias and bias is not None
+    write_grad = need_hidden or need_weight or need_bias
+    logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
+    d_hidden = alloc((N, H), dtype, dev) if need_hidden else None
+    dw32 = torch.zeros((V, H), dtype=torch.float32, device=dev) if need_weight else None
+    db32 = torch.zeros((V,), dtype=torch.float32, device=dev) if need_bias else None
+    R = max([1] + [r1 - r0 for r0, r1 in zip(bounds[:-1], bounds[1:])])
+    buf = alloc((R, V), torch.float32, dev)
+    dbuf = half_view(buf, dtype)
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        if r1 == r0:
+            continue
+        z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
+        logits_f32(h, weight, z)
+        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature)
+        if write_grad:
+            g, g_h = token_grads(r0, r1, logp[r0:r1], ent[r0:r1])
+            dlogits_chunk(z, dz, bias, ids[r0:r1], lse[r0:r1], ent[r0:r1], g.contiguous(),
+                          None if g_h is None else g_h.contiguous(), 0, 1.0 / temperature)
+            chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
+    return logp, ent, d_hidden, dw32, db32
+
+
+def aot_launches():
+    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel with / without bias, the d-logits epilogue,
+    and the loss-gradient epilogue per policy kind and dtype, plain and with every option (old, ref, is_ratio,
+    delta, bias, entropy)."""
+    from ..config import GRPOLossConfig
+    from .linear_tiles import TRITON_DTYPES, aot_inputs
+
+    def fold(has_bias):
+        def thunk():
+            hidden, weight, bias, ids = aot_inputs(torch.bfloat16, has_bias)
+            head_logprobs_chunked(hidden, weight, bias, ids, 0.7, chunk_bytes=64 * 4 * weight.shape[0])
+        return thunk
+
+    def loss(dtype, kind, full):
+        def thunk():
+            hidden, weight, bias, ids = aot_inputs(dtype, full)
+            N = hidden.shape[0]
+            x = torch.zeros(N)
+            tokens = {"adv": x, "w": x}
+            if full:
+                tokens.update(old=x, ref=x, isr=x, ge=torch.zeros(1))
+            cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None)
+            head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind, 64, True, False, full)
+        return thunk
+
+    from ..loss_types import POLICY_TERMS
+    def dlogits(dtype, has_ent, has_bias=True):
+        def thunk():
+            hidden, weight, bias, ids = aot_inputs(dtype, has_bias)
+            N, V = hidden.shape[0], weight.shape[0]
+            z, x = torch.zeros(N, V), torch.zeros(N)
+            dlogits_chunk(z, half_view(z, dtype), bias, ids, x, x, x, x if has_ent else None, 0, 1.0)
+        return thunk
+
+    scenarios = [(f"head_fold_{'bias' if b else 'nobias'}", fold(b)) for b in (False, True)]
+    scenarios += [(f"head_dlogits_{ty}_bias_{'ent' if e else 'noent'}", dlogits(dtype, e))
+                  for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")) for e in (False, True)]
+    # fp32 and bias-free d logits: the sequence-level gradient-in-forward path launches these too
+    scenarios += [("head_dlogits_fp32_bias_ent", dlogits(torch.float32, True)),
+                  ("head_dlogits_bf16_nobias_noent", dlogits(torch.bfloat16, False, False))]
+    for dtype, ty in TRITON_DTYPES.items():
+        for name in ("clipped", "cispo", "sapo"):
+            for full in (False, True):
+                if ty != "bf16" and (name != "clipped" or not full):
+                    continue  # fp32 / fp16 change only the d-logits store: one variant each
+                scenarios.append((f"head_loss_grad_{ty}_{name}_{'all_options' if full else 'plain'}",
+                                  loss(dtype, POLICY_TERMS.index(name), full)))
+    return scenarios

@@ -1,0 +1,253 @@
+"""The two Triton paths of fused_linear_grpo_loss (grpo_kernels/linear_loss_in_forward.py): gradient in the
+forward (cuBLAS-shaped row chunks + the row-sweep epilogue) and the memory-light recompute path.
+
+Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (conftest.py); the interpreter's row block is 16, so V=37
+crosses the epilogue's main-loop / tail boundary. Ground truth: float64 full logits through TRL's _compute_loss
+(tests/oracles.py) and the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+import grpo_kernels.linear_loss_in_forward as lif
+from grpo_kernels.loss_types import per_token_gradient_known
+
+from .cases import CASES, make_inputs
+from .test_fused_linear import HIDDEN, _linear_truth, _ours, _rest
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    """Buffers the launchers allocate start as NaN: a row or chunk the kernels skip shows up in the results."""
+    monkeypatch.setenv("GRPO_KERNELS_POISON", "1")
+
+TOKEN_LOCAL = [c for c in CASES if per_token_gradient_known(c.config)]
+METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12)).item()
+
+
+def _spy_paths(monkeypatch):
+    """Record which path each call takes: 'fast' (chunk rows), 'sequence' (chunks of whole sequences) or 'light'
+    (d-logits chunk bytes)."""
+    import grpo_kernels.loss as loss_module
+    seen = []
+    fast, light = lif.fused_linear_loss_in_forward, loss_module.head_token_logprobs
+    sequence = lif.fused_linear_sequence_loss_in_forward
+    monkeypatch.setattr(lif, "fused_linear_loss_in_forward", lambda *a: (seen.append(("fast", a[-1])), fast(*a))[1])
+    monkeypatch.setattr(lif, "fused_linear_sequence_loss_in_forward",
+                        lambda *a: (seen.append(("sequence", a[-1])), sequence(*a))[1])
+    monkeypatch.setattr(loss_module, "head_token_logprobs",
+                        lambda *a, **k: (seen.append(("light", k.get("chunk_bytes"))), light(*a, **k))[1])
+    return seen
+
+
+@pytest.mark.parametrize("case", TOKEN_LOCAL, ids=lambda c: c.id)
+def test_grad_in_forward_matches_trl_and_light_path(case, monkeypatch):
+    """Every token-level configuration, with bias: the fast path equals TRL's loss in float64 and the light
+    path (grad_in_forward=False; its d logits from GEMM logits + the row-sweep epilogue, two 32-column chunks),
+    loss, gradients and metrics; chunks of 3 rows split sequences (T = 7)."""
+    import grpo_kernels.kernels.linear_backward_kernels as lbk
+    monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 1)
+    monkeypatch.setattr(lbk, "DLOGITS_BY_GEMM", True)
+    seen = _spy_paths(monkeypatch)
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=21)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(3)) * 0.2
+    loss, grads, metrics = _ours(inputs, case, "triton", bias=bias, memory_budget=3 * 4 * 37)
+    l_loss, l_grads, l_metrics = _ours(inputs, case, "triton", bias=bias, grad_in_forward=False)
+    assert [p for p, _ in seen] == ["fast", "light"] and seen[0][1] == 3
+    t_loss, t_grads, t_metrics = _linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
+    assert abs(loss.item() - t_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
+    assert abs(loss.item() - l_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
+    for name, g, lg, t in zip(("d hidden", "d weight", "d bias"), grads, l_grads, t_grads):
+        assert _rel(g, t) <= 2e-5, name
+        assert _rel(g, lg) <= 2e-5, name
+    for name in METRICS:
+        assert metrics[name].item() == pytest.approx(l_metrics[name].item(), rel=1e-5, abs=1e-7), name
+        if name in t_metrics:
+            assert metrics[name].item() == pytest.approx(float(t_metrics[name]), rel=1e-5, abs=1e-7), name
+    if "cispo_clip_ratio" in l_metrics:
+        assert metrics["cispo_clip_ratio"].item() == pytest.approx(l_metrics["cispo_clip_ratio"].item(), abs=1e-7)
+
+
+SEQUENCE_LOCAL = [c for c in CASES if not per_token_gradient_known(c.config) and c.config.top_entropy_quantile == 1]
+SEQUENCE_LOCAL.append(dataclasses.replace(
+    next(c for c in CASES if c.id == "sequence-beta"), id="sequence-entropy-bonus-temperature",
+    overrides={"loss_type": "dr_grpo", "beta": 0.04, "importance_sampling_level": "sequence", "entropy_coef": 0.03,
+               "temperature": 0.8, "delta": 1.2}))
+
+
+@pytest.mark.parametrize("case", SEQUENCE_LOCAL, ids=lambda c: c.id)
+def test_sequence_level_grad_in_forward_matches_trl_and_light_path(case, monkeypatch):
+    """GSPO (sequence-level ratios), vespo and the off-policy mask: chunks of whole sequences (at most 10 rows,
+    so 1-2 sequences of T = 7 per chunk), gradients through the reference on each chunk's sequences; equal to
+    TRL in float64 and to the light path, with bias."""
+    monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 1)
+    seen = _spy_paths(monkeypatch)
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=22)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(4)) * 0.2
+    loss, grads, metrics = _ours(inputs, case, "triton", bias=bias, memory_budget=10 * 4 * 37)
+    l_loss, l_grads, l_metrics = _ours(inputs, case, "triton", bias=bias, grad_in_forward=False)
+    assert [p for p, _ in seen] == ["sequence", "light"] and len(seen[0][1]) >= 2
+    t_loss, t_grads, t_metrics = _linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
+    assert abs(loss.item() - t_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
+    assert abs(loss.item() - l_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
+    for name, g, lg, t in zip(("d hidden", "d weight", "d bias"), grads, l_grads, t_grads):
+        assert _rel(g, t) <= 2e-5, name
+        assert _rel(g, lg) <= 2e-5, name
+    for name in l_metrics:
+        assert metrics[name].item() == pytest.approx(l_metrics[name].item(), rel=1e-5, abs=1e-7), name
+
+
+def test_sequence_level_paths_fall_back_to_the_light_path(monkeypatch):
+    """A sequence longer than the budget's chunk, the top-entropy mask (a batch-wide quantile) and
+    grad_in_forward=False take the memory-light path."""
+    monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 1)
+    seen = _spy_paths(monkeypatch)
+    gspo = next(c for c in CASES if c.id == "grpo-sequence")
+    inputs = make_inputs(gspo, hidden_size=HIDDEN, seed=2)
+    longest = int(inputs["mask"].sum(-1).max())
+    _ours(inputs, gspo, "triton", memory_budget=(longest - 1) * 4 * 37)
+    _ours(inputs, gspo, "triton", grad_in_forward=False)
+    top = next(c for c in CASES if c.id == "top-entropy")
+    _ours(make_inputs(top, hidden_size=HIDDEN, seed=2), top, "triton")
+    assert [p for p, _ in seen] == ["light"] * 3
+
+
+def test_memory_budget_selects_the_path_and_sizes_the_chunks(monkeypatch):
+    """Default budget: fast path in one chunk; below min(N, FAST_PATH_MIN_ROWS) rows of fp32 logits: the light
+    path, whose d-logits chunk gets the budget; the fast path's fp32 chunk never exceeds the budget."""
+    import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=5)
+    N, V = inputs["ids"].numel(), 37
+    seen = _spy_paths(monkeypatch)
+    chunks = []
+    real_alloc = epilogue.alloc
+    monkeypatch.setattr(epilogue, "alloc", lambda shape, *a: (chunks.append(tuple(shape)), real_alloc(shape, *a))[1])
+    _ours(inputs, case, "triton")
+    assert seen[-1] == ("fast", N)
+    monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 4)
+    chunks.clear()
+    _ours(inputs, case, "triton", memory_budget=5 * 4 * V + 3)
+    assert seen[-1][0] == "fast" and seen[-1][1] <= 5
+    assert max(r * c for r, c in (s for s in chunks if len(s) == 2 and s[1] == V)) * 4 <= 5 * 4 * V + 3
+    _ours(inputs, case, "triton", memory_budget=3 * 4 * V)
+    assert seen[-1] == ("light", 3 * 4 * V)
+
+
+def test_light_path_chunk_and_no_half_precision_dh_temporary(monkeypatch):
+    """The deterministic light backward: its d-logits chunk stays within the budget (or one BLOCK_V-wide column
+    block), the fp32 dh accumulator is the only (N, H) scratch, and the default budget is 1% of the fp32 logits."""
+    import grpo_kernels.kernels.linear_backward_kernels as lbk
+    case = next(c for c in CASES if c.id == "dapo-token")
+    inputs = make_inputs(case, B=3, T=5, V=300, hidden_size=40, dtype=torch.bfloat16, seed=4)
+    N_valid = int(inputs["mask"].sum())
+    allocs = []
+    real_alloc = lbk.alloc
+    monkeypatch.setattr(lbk, "alloc", lambda shape, *a: (allocs.append(tuple(shape)), real_alloc(shape, *a))[1])
+    budget = N_valid * 64 * 2
+    loss, grads, _ = _ours(inputs, case, "triton", grad_in_forward=False, memory_budget=budget)
+    dl = [s for s in allocs if s[0] == N_valid and s[1] not in (40,)]
+    assert dl and all(r * c * 2 <= max(budget, N_valid * 32 * 2) for r, c in dl), dl
+    assert (N_valid, 40) not in allocs, "no half-precision (N, H) temporary"
+    t_loss, t_grads, _ = _linear_truth(inputs, case)
+    assert _rel(grads[0], t_grads[0]) <= 1e-2 and _rel(grads[1], t_grads[1]) <= 1e-2
+    assert lif.light_path_chunk_bytes(case.config) is None and lbk.DETERMINISTIC_CHUNK_FRACTION == 0.01
+    allocs.clear()
+    _ours(inputs, case, "triton", grad_in_forward=False)  # default: 1% of the valid rows' fp32 logits
+    dl = [s for s in allocs if s[0] == N_valid and s[1] not in (40,)]
+    assert dl and all(c == 32 for _, c in dl), dl  # 1% is below one 32-column block here: one block
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False], ids=["grad-in-forward", "light"])
+def test_frozen_head_does_no_weight_work(grad_in_forward, monkeypatch):
+    """weight.requires_grad False: no dW GEMM (fast path) and no dW matmul (light path); d hidden still right."""
+    import grpo_kernels.kernels.linear_backward_kernels as lbk
+    import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
+    calls, light_needs = [], []
+    real, real_bwd = epilogue.addmm_f32_, lbk.linear_logprobs_backward
+    monkeypatch.setattr(epilogue, "addmm_f32_", lambda acc, a, b: (calls.append(acc.shape), real(acc, a, b))[1])
+    monkeypatch.setattr(lbk, "linear_logprobs_backward",
+                        lambda *a: (light_needs.append(a[9:12]), real_bwd(*a))[1])
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=6)
+    h = inputs["hidden"].clone().requires_grad_(True)
+    w = inputs["weight"].clone()
+    loss, _ = gk.fused_linear_grpo_loss(h, w, inputs["ids"], inputs["advantages"], inputs["mask"],
+                                        config=case.config, impl="triton", grad_in_forward=grad_in_forward,
+                                        **_rest(inputs))
+    loss.backward()
+    assert w.grad is None and not [s for s in calls if tuple(s) == tuple(w.shape)]
+    # the light path's backward is asked for d hidden only (its d weight GEMM is then never run)
+    assert light_needs == ([] if grad_in_forward else [(True, False, False)])
+    _, t_grads, _ = _linear_truth(inputs, case, dtype=torch.float64)
+    assert _rel(h.grad, t_grads[0]) <= 2e-5
+
+
+@pytest.mark.parametrize("where", ["hidden", "weight"])
+@pytest.mark.parametrize("grad_in_forward,case_id", [(True, "grpo-token"), (True, "sapo-token"),
+                                                     (True, "grpo-sequence"), (False, "grpo-sequence")])
+def test_nan_at_a_valid_row_reaches_the_loss(where, grad_in_forward, case_id):
+    """A NaN at a valid row (advantage 0 there: the policy term alone would drop it) makes the loss NaN."""
+    case = next(c for c in CASES if c.id == case_id)
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=7)
+    hidden, weight = inputs["hidden"].clone(), inputs["weight"].clone()
+    inputs["advantages"][0] = 0.0
+    inputs["mask"][0, 0] = True
+    if where == "hidden":
+        hidden[0, 0, 3] = float("nan")
+    else:
+        weight[5, 2] = float("nan")
+    loss, _ = gk.fused_linear_grpo_loss(hidden, weight, inputs["ids"], inputs["advantages"], inputs["mask"],
+                                        config=case.config, impl="triton", grad_in_forward=grad_in_forward,
+                                        **_rest(inputs))
+    assert torch.isnan(loss)
+
+
+def test_grad_in_forward_is_bitwise_reproducible_and_scales_by_grad_output(monkeypatch):
+    monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 1)
+    case = next(c for c in CASES if c.id == "is-ratio-token")
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=8, dtype=torch.bfloat16)
+    runs = [_ours(inputs, case, "triton", memory_budget=4 * 4 * 37) for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+    h = inputs["hidden"].clone().float().requires_grad_(True)
+    loss, _ = gk.fused_linear_grpo_loss(h, inputs["weight"].float(), inputs["ids"], inputs["advantages"],
+                                        inputs["mask"], config=case.config, impl="triton", **_rest(inputs))
+    (g1,) = torch.autograd.grad(loss, h, retain_graph=True)
+    with pytest.raises(RuntimeError, match="grad_in_forward=False"):
+        torch.autograd.grad(loss, h)  # the gradients were handed out (scaled in place) by the first backward
+    loss3, _ = gk.fused_linear_grpo_loss(h, inputs["weight"].float(), inputs["ids"], inputs["advantages"],
+                                         inputs["mask"], config=case.config, impl="triton", **_rest(inputs))
+    (g3,) = torch.autograd.grad(3.0 * loss3, h)
+    assert torch.allclose(g3, 3.0 * g1, rtol=1e-6, atol=0)
+
+
+def test_no_grad_logprobs_use_gemm_and_fold_in_several_chunks(monkeypatch):
+    """linear_token_logprobs under no_grad: row chunks of fp32 logits + the fold kernel, vs float64."""
+    import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
+    monkeypatch.setattr(epilogue, "LOGPROBS_CHUNK_BYTES", 3 * 4 * 41)
+    seen = []
+    real = epilogue.fold_chunk
+    monkeypatch.setattr(epilogue, "fold_chunk", lambda z, *a: (seen.append(z.shape[0]), real(z, *a))[1])
+    g = torch.Generator().manual_seed(9)
+    h, w, b = torch.randn(7, 16, generator=g), torch.randn(41, 16, generator=g) / 3, torch.randn(41, generator=g)
+    b[4] = float("-inf")  # a banned token
+    ids = torch.randint(0, 41, (7,), generator=g) % 4
+    with torch.no_grad():
+        logp, ent = gk.linear_token_logprobs(h, w, ids, bias=b, temperature=0.8, return_entropy=True, impl="triton")
+    assert seen and max(seen) <= 3 and sum(seen) == 7
+    z = ((h.double() @ w.double().T + b.double()) / 0.8)
+    lp = torch.log_softmax(z, -1)
+    assert torch.allclose(logp.double(), lp.gather(-1, ids[:, None]).squeeze(-1), atol=2e-5)
+    assert torch.allclose(ent.double(), -(lp.exp() * torch.where(lp.exp() > 0, lp, 0.0)).sum(-1), atol=2e-5)
