@@ -45,9 +45,14 @@ class Provider:
     triton_on_cuda: tuple = ()  # paths on which impl="auto" runs Triton kernels on CUDA
     fallbacks: dict = dataclasses.field(default_factory=dict)  # path -> (label of the failed try, builder, note)
     only: tuple | None = None  # (variant, mode) pairs this provider runs; None: all
+    grads_in_forward_on_triton: tuple = ()  # paths on which its Triton kernels compute the gradients in the forward
 
     def runs_triton(self, path: str, s: Settings) -> bool:
         return path in self.triton or (s.cuda and path in self.triton_on_cuda)
+
+    def computes_grads_in_forward(self, path: str, s: Settings) -> bool:
+        """Its forward already computes the gradients (its "backward" only scales them): not a peer backward time."""
+        return path in self.grads_in_forward or (path in self.grads_in_forward_on_triton and self.runs_triton(path, s))
 
     def skip_reason(self, path: str, shape: Shape, s: Settings) -> str | None:
         for module in self.requires:
@@ -126,7 +131,8 @@ def _ours_builders(impl: str, **overrides):
     return {
         "linear": lambda c: lambda: gk.fused_linear_grpo_loss(c.hidden, c.weight, c.ids, c.advantages,
                                                               impl=impl, **_cfg_args(c), **overrides)[0],
-        "logits": lambda c: lambda: gk.grpo_loss(c.logits, c.ids, c.advantages, impl=impl, **_cfg_args(c))[0],
+        "logits": lambda c: lambda: gk.grpo_loss(c.logits, c.ids, c.advantages, impl=impl, **_cfg_args(c),
+                                                 **overrides)[0],
         "logprob": lambda c: lambda: gk.linear_token_logprobs(c.hidden, c.weight, c.ids, impl=impl, mask=c.mask),
     }
 
@@ -239,15 +245,28 @@ def _trl_triton_logits(case: Case):
 # ----------------------------------------------------------------------------------------------------------------
 # the registry, in report order
 
-_OURS_SRC = ("grpo_kernels/linear.py: forward sweep, backward recomputes the logit tiles then dH / dW; "
-             "mask= gathers the valid rows first (CPU and Triton); logits path: the Triton sweep skips padded rows")
+_OURS_SRC = ("grpo_kernels/linear_loss_in_forward.py (Triton default: per chunk of valid rows cuBLAS logits, "
+             "epilogue, dH / dW GEMMs, all in the forward); grpo_kernels/logprobs_from_hidden.py (CPU path and "
+             "grad_in_forward=False: forward sweep, backward recomputes the logit tiles); mask= gathers the valid "
+             "rows first; logits path: the Triton sweep skips padded rows and writes d logits in the forward")
 OURS = Provider("ours", "ours", _ours_builders("auto"), triton_on_cuda=("linear", "logits", "logprob"),
                 work=WorkDecl("recompute", {"linear": "always", "logprob": "always", "logits": "triton"},
+                              linear_triton="gemm-in-forward", logits_in_forward="triton",
                               exact_logits_traffic="triton", source=_OURS_SRC),
-                notes={"linear": "impl=auto: Triton on CUDA, chunked torch on CPU; deterministic backward",
-                       "logits": "impl=auto: Triton on CUDA, chunked torch on CPU",
+                grads_in_forward_on_triton=("linear", "logits"),
+                notes={"linear": "impl=auto: Triton on CUDA (gradients in the forward, 6NHV), chunked torch on CPU",
+                       "logits": "impl=auto: Triton on CUDA (d logits written by the forward kernel), chunked torch "
+                                 "on CPU",
                        "logprob": "impl=auto under no_grad, mask= (valid rows only)"})
-OURS_ATOMIC = Provider("ours-atomic", "ours", {"linear": _ours_builders("triton", deterministic=False)["linear"]},
+OURS_LIGHT = Provider("ours-light", "ours", _ours_builders("triton", grad_in_forward=False), triton=("linear",
+                                                                                                     "logits"),
+                      work=WorkDecl("recompute", {"linear": "always", "logits": "triton"},
+                                    exact_logits_traffic="triton", source=_OURS_SRC),
+                      only=(("valid", "fwdbwd"), ("valid", "fwd"), ("valid", "bwd"), ("padded", "fwdbwd")),
+                      notes={"linear": "grad_in_forward=False: the memory-light recompute path (8NHV)",
+                             "logits": "grad_in_forward=False: forward sweep + separate backward sweep"})
+OURS_ATOMIC = Provider("ours-atomic", "ours", {"linear": _ours_builders("triton", deterministic=False,
+                                                                        grad_in_forward=False)["linear"]},
                        triton=("linear",),
                        work=WorkDecl("recompute", {"linear": "always"}, source=_OURS_SRC),
                        only=(("valid", "fwdbwd"), ("valid", "bwd"), ("padded", "fwdbwd")),
@@ -255,7 +274,9 @@ OURS_ATOMIC = Provider("ours-atomic", "ours", {"linear": _ours_builders("triton"
                                         "(the torch path on CPU is always deterministic: CUDA only)"})
 OURS_INTERP = Provider("ours-triton-interp", "ours", _ours_builders("triton"), triton=("linear", "logits", "logprob"),
                        work=WorkDecl("recompute", {"linear": "always", "logprob": "always", "logits": "triton"},
+                                     linear_triton="gemm-in-forward", logits_in_forward="triton",
                                      exact_logits_traffic="triton", source=_OURS_SRC),
+                       grads_in_forward_on_triton=("linear", "logits"),
                        notes={p: "impl=triton under TRITON_INTERPRET=1" for p in ("linear", "logits", "logprob")})
 _EAGER_WORK = WorkDecl("materialize", exact_logits_traffic="never",
                        source="hidden @ W.T kept for autograd (no recompute); several passes over the logits")
@@ -297,7 +318,7 @@ TRL_TRITON = Provider("trl-triton", "peer", {"logits": _trl_triton_logits},
                                            "forward; backward reads valid rows, writes a new d logits buffer"),
                       notes={"logits": "selective_log_softmax_and_entropy(row_mask=mask) + loss_from_logps"})
 
-PROVIDERS = (OURS, OURS_ATOMIC, OURS_INTERP, EAGER, COMPILE, LIGER_CHUNKED, LIGER_TRITON, TRL_CHUNKED, TRL_TRITON)
+PROVIDERS = (OURS, OURS_LIGHT, OURS_ATOMIC, OURS_INTERP, EAGER, COMPILE, LIGER_CHUNKED, LIGER_TRITON, TRL_CHUNKED, TRL_TRITON)
 
 
 def providers_for(path: str, variant: str, mode: str, s: Settings) -> list[Provider]:

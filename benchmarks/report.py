@@ -97,7 +97,8 @@ def _value_check(r: dict, eager: dict | None) -> str:
 
 
 def excluded_from_best(r: dict) -> bool:
-    # Liger's chunked loss computes the gradients in its forward: its "backward" is a copy, not a peer time.
+    # Liger's chunked loss and our Triton paths compute the gradients in their forward: their "backward" only
+    # scales them (nothing when the incoming gradient is 1), not a backward time to compare.
     return r["mode"] == "bwd" and r.get("grads_in_forward", False)
 
 

@@ -10,12 +10,16 @@ Every provider declares (``providers.py``, field ``work``) how it runs the lm_he
   | ``materialize`` (eager, torch.compile: logits kept for the backward) | 2 | 4 | 6 | 4 |
   | ``recompute`` (ours, TRL chunked: backward recomputes the logits) | 2 | 6 | 8 | 6 |
   | ``grads-in-forward`` (Liger chunked: forward does logits, recompute, dH, dW) | 8 | 0 | 8 | 6 |
+  | ``gemm-in-forward`` (ours on Triton: per chunk logits, then dH and dW from the same chunk) | 6 | 0 | 6 | 4 |
 
   and 2 for the no-grad log-probs (one GEMM) whatever the strategy.
 - logits path: **bytes of B x T x V traffic**: forward reads each computed row once; backward reads each computed
   row once and writes d logits for every row (zeros at skipped rows). That is exactly what the one-sweep Triton
-  kernels (ours, Liger's, TRL's) do; for eager, torch.compile and our chunked CPU path, which make several passes,
-  it is a lower bound (``exact=False``), so their rate and "% of ceiling" are lower bounds too.
+  kernels (Liger's, TRL's, ours with ``grad_in_forward=False``) do; for eager, torch.compile and our chunked CPU
+  path, which make several passes, it is a lower bound (``exact=False``), so their rate and "% of ceiling" are
+  lower bounds too. Ours with the gradient in the forward (the Triton default) reads each computed row, re-reads it
+  (from L2 when the row is still there) and writes d logits, all in the forward; its backward moves no logits when
+  the incoming gradient is 1: counted as one read + one write in the forward, a lower bound of its traffic.
 - rows computed R: all N, or only the valid (unpadded) rows for a provider that skips padding on that path.
 
 With these amounts, a rate above 100% of a ceiling measured in the same run would mean the model or the ceiling is
@@ -25,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 
-STRATEGIES = ("materialize", "recompute", "grads-in-forward")
+STRATEGIES = ("materialize", "recompute", "grads-in-forward", "gemm-in-forward")
 
 # multiples of R*H*V: (forward, backward) with the weight trainable, and the dW share of the backward
-_LINEAR = {"materialize": (2, 4), "recompute": (2, 6), "grads-in-forward": (8, 0)}
+_LINEAR = {"materialize": (2, 4), "recompute": (2, 6), "grads-in-forward": (8, 0), "gemm-in-forward": (6, 0)}
+_IN_FORWARD = ("grads-in-forward", "gemm-in-forward")
 _DW = 2
 
 
@@ -37,6 +42,8 @@ class WorkDecl:
     """What a provider declares about its own work.
 
     linear: the strategy of its lm_head (None: it has no linear path);
+    linear_triton: the strategy when it runs its Triton kernels, where that differs (None: ``linear``);
+    logits_in_forward: "always" | "triton" | "never": whether its logits path writes d logits in the forward;
     skips_padded: path -> "always" | "triton": paths on which only valid rows are computed (with "triton", only
     when the provider runs its Triton kernels there, on CUDA or under the interpreter);
     exact_logits_traffic: "always" | "triton" | "never": whether the logits-path byte count is exact (one sweep
@@ -46,13 +53,16 @@ class WorkDecl:
 
     linear: str | None = None
     skips_padded: dict = dataclasses.field(default_factory=dict)
+    linear_triton: str | None = None
+    logits_in_forward: str = "never"
     exact_logits_traffic: str = "always"
     source: str = ""
 
     def __post_init__(self):
-        if self.linear is not None and self.linear not in STRATEGIES:
-            raise ValueError(f"linear must be one of {STRATEGIES}, got {self.linear!r}")
-        for how in (*self.skips_padded.values(), self.exact_logits_traffic):
+        for strategy in (self.linear, self.linear_triton):
+            if strategy is not None and strategy not in STRATEGIES:
+                raise ValueError(f"linear must be one of {STRATEGIES}, got {strategy!r}")
+        for how in (*self.skips_padded.values(), self.exact_logits_traffic, self.logits_in_forward):
             if how not in ("always", "triton", "never"):
                 raise ValueError(f"expected 'always', 'triton' or 'never', got {how!r}")
 
@@ -74,15 +84,16 @@ def rows_computed(decl: WorkDecl, path: str, N: int, valid_rows: int, triton: bo
     return valid_rows if _holds(decl.skips_padded.get(path), triton) else N
 
 
-def matmul_multiple(decl: WorkDecl, mode: str, frozen: bool) -> int:
+def matmul_multiple(decl: WorkDecl, mode: str, frozen: bool, triton: bool = False) -> int:
     """FLOPs of one call in units of R*H*V."""
     if mode == "nograd":
         return 2
-    if decl.linear is None:
+    strategy = decl.linear_triton if triton and decl.linear_triton is not None else decl.linear
+    if strategy is None:
         raise ValueError("this provider declares no linear strategy")
-    fwd, bwd = _LINEAR[decl.linear]
+    fwd, bwd = _LINEAR[strategy]
     if frozen:
-        if decl.linear == "grads-in-forward":
+        if strategy in _IN_FORWARD:
             fwd -= _DW
         else:
             bwd -= _DW
@@ -94,12 +105,16 @@ def work(decl: WorkDecl, path: str, mode: str, *, N: int, H: int, V: int, valid_
     """The work of one call of ``mode`` ("fwd", "bwd", "fwdbwd", "nograd") on ``path``."""
     R = rows_computed(decl, path, N, valid_rows, triton)
     if path == "logits":
-        reads = {"fwd": 1, "bwd": 1, "fwdbwd": 2}[mode]
-        writes = 0 if mode == "fwd" else 1
+        if _holds(decl.logits_in_forward, triton):
+            reads, writes = (0, 0) if mode == "bwd" else (1, 1)
+            exact = False
+        else:
+            reads = {"fwd": 1, "bwd": 1, "fwdbwd": 2}[mode]
+            writes = 0 if mode == "fwd" else 1
+            exact = _holds(decl.exact_logits_traffic, triton)
         amount = float(element_size) * V * (reads * R + writes * N)
-        exact = _holds(decl.exact_logits_traffic, triton)
-        formula = (f"{reads if reads > 1 else ''}RV read" + (" + NV write" if writes else "")
-                   + ("" if exact else " (lower bound)"))
+        formula = ((f"{reads if reads > 1 else ''}RV read" if reads else "no logits traffic")
+                   + (" + NV write" if writes else "") + ("" if exact else " (lower bound)"))
         return Work(amount, "B", R, formula, exact)
-    k = matmul_multiple(decl, mode, frozen)
+    k = matmul_multiple(decl, mode, frozen, triton)
     return Work(float(k) * R * H * V, "FLOP", R, f"{k}RHV", True)

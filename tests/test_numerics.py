@@ -466,3 +466,26 @@ def test_only_inplace_backward_touches_the_logits(impl):
     for k in ("logits", "hidden", "weight"):
         inputs[k].requires_grad_(False)
     _unchanged(inputs, snapshot)
+
+
+def test_tf32_rule_follows_torch_setting():
+    """One rule for fp32 inputs (grpo_kernels/_precision.py): TF32 exactly when torch's own fp32 matmuls use it, for
+    the Triton dots (DOT_FP32 = DOT_TF32) as for the cuBLAS GEMMs (which read the same setting). Every way of setting
+    it is tried in a child process: torch refuses to read the legacy flag once the two APIs were mixed."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from grpo_kernels._precision import fp32_matmuls_use_tf32 as tf32
+assert not tf32()
+torch.backends.cuda.matmul.allow_tf32 = True; assert tf32()
+torch.backends.cuda.matmul.allow_tf32 = False; assert not tf32()
+torch.set_float32_matmul_precision("high"); assert tf32()
+torch.set_float32_matmul_precision("highest"); assert not tf32()
+torch.backends.cuda.matmul.fp32_precision = "tf32"; assert tf32()
+torch.backends.cuda.matmul.fp32_precision = "ieee"; assert not tf32()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -230,7 +230,7 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_w
     return d_hidden, d_weight, None if db32 is None else db32.to(bias.dtype)
 
 
-def _dlogits_tiles(c: dict, buf, tile, dot_fp32: bool, N: int, V: int, H: int, v0: int, v1: int) -> None:
+def _dlogits_tiles(c: dict, buf, tile, dot_fp32: int, N: int, V: int, H: int, v0: int, v1: int) -> None:
     """d logits of vocab columns [v0, v1) into buf[:, :v1 - v0] with the Triton tile kernel (recomputed logits)."""
     hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
     n_m, n_v = tiles.cdiv(N, tile.block_m), tiles.cdiv(v1 - v0, tile.block_v)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._precision import fp32_matmuls_use_tf32
 from .._triton import import_triton, interpreting
 from .launch import target_arch
 
@@ -74,17 +75,24 @@ def _arch_and_sms(device: torch.device) -> tuple[int, int]:
 RECORDING_SMS = 132
 
 
-def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[Tile, int, bool]:
+# DOT_FP32 values: how the kernels' tl.dot multiplies (see _mma).
+DOT_NATIVE, DOT_IEEE, DOT_TF32 = 0, 1, 2
+
+
+def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[Tile, int, int]:
     """(tile, number of SMs, DOT_FP32) for a launch on ``device`` (or for ``target_arch()`` while recording)."""
+    fp32_dot = DOT_TF32 if fp32_matmuls_use_tf32() else DOT_IEEE
     arch = target_arch()
     if arch is not None:
-        return TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], RECORDING_SMS, dtype == torch.float32
+        return (TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], RECORDING_SMS,
+                DOT_IEEE if dtype == torch.float32 else DOT_NATIVE)
     if device.type != "cuda":
         assert interpreting(), "CPU tensors need TRITON_INTERPRET=1 (the API layer chooses the implementation)"
-        # Why DOT_FP32 for bf16 here: the interpreter's bf16 tl.dot returns garbage (docs/DESIGN.md section 6).
-        return INTERPRET_TILE, INTERPRET_SMS, dtype in (torch.float32, torch.bfloat16)
+        # Why DOT_IEEE for bf16 here: the interpreter's bf16 tl.dot returns garbage (docs/DESIGN.md section 6).
+        return INTERPRET_TILE, INTERPRET_SMS, DOT_IEEE if dtype in (torch.float32, torch.bfloat16) else DOT_NATIVE
     arch, sms = _arch_and_sms(device)
-    return TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], sms, dtype == torch.float32
+    return (TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], sms,
+            fp32_dot if dtype == torch.float32 else DOT_NATIVE)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -115,14 +123,19 @@ _NEG_BIG = tl.constexpr(-1e30)
 def _mma(a, b, acc, DOT_FP32: tl.constexpr):
     """acc + a @ b with fp32 accumulation.
 
-    DOT_FP32: upcast both tiles to fp32 and multiply with IEEE fp32 (no TF32). It is set for fp32 inputs (the fp32
-    contract needs it on GPU) and, under TRITON_INTERPRET only, for bf16 (the interpreter's bf16 tl.dot is
-    wrong); compiled bf16/fp16 dots stay native so they lower to HGMMA/HMMA.
+    DOT_FP32: 0 (DOT_NATIVE) multiplies the tiles as they are: compiled bf16/fp16 dots lower to HGMMA/HMMA.
+    1 (DOT_IEEE) upcasts both tiles to fp32 and multiplies in IEEE fp32: fp32 inputs under torch's default
+    precision, and bf16 under TRITON_INTERPRET (the interpreter's bf16 tl.dot is wrong). 2 (DOT_TF32): fp32 inputs
+    while torch's fp32 matmuls use TF32 (grpo_kernels/_precision.py: one rule for Triton and cuBLAS).
     """
     if DOT_FP32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision="ieee")
+    if DOT_FP32 == 2:
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
