@@ -62,7 +62,10 @@ class HeadInputs:
     impl: str
 
     @classmethod
-    def validate(cls, hidden, weight, ids, bias, temperature, impl, ids_dims=None) -> "HeadInputs":
+    def validate(cls, hidden, weight, ids, bias, temperature, impl, ids_dims=None,
+                 check_ids: bool = True) -> "HeadInputs":
+        """check_ids=False: ids index a vocabulary larger than weight's (a vocab-parallel shard; its caller checks
+        them against the whole vocabulary)."""
         temperature = _checks.temperature(temperature)
         _checks.tensor("hidden", hidden, floating=True, dims=(2, 3))
         _checks.tensor("weight", weight, floating=True, dims=(2,))
@@ -93,7 +96,8 @@ class HeadInputs:
         if bias is not None and bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
         _checks.same_device(hidden=hidden, weight=weight, ids=ids, bias=bias)
-        _checks.token_ids(ids, weight.shape[0])
+        if check_ids:
+            _checks.token_ids(ids, weight.shape[0])
         impl = resolve_impl(impl, hidden, weight, bias)
         hidden2d = hidden.reshape(N, H)
         if impl == "triton":

@@ -176,7 +176,8 @@ def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
                           temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
-                          deterministic: bool = True, mask: torch.Tensor | None = None):
+                          deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
+                          vocab_start: int | None = None):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     hidden: (B, T, H) or (N, H); weight: (V, H) in hidden's dtype; bias: (V,) or None; ids: (B, T) or (N,)
@@ -185,7 +186,19 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     ``torch.no_grad()`` it is the one-sweep old/reference-policy path. Never holds an N x V tensor. With ``mask``
     (shaped like ids) only the rows where it is non-zero are computed; the others are 0. Under ``torch.autocast``
     the head runs in the autocast dtype, like ``nn.Linear``.
+
+    Vocab-parallel (``process_group``, a torch.distributed group): ``weight`` / ``bias`` are this rank's contiguous
+    shard (V_r, H) / (V_r,) of the vocabulary, starting at full-vocabulary id ``vocab_start`` (None: the sum of
+    the lower ranks' shard sizes); hidden, ids and mask are the same on every rank and ids lie in the full
+    vocabulary. Every rank gets the full-vocabulary logp / entropy, its own dW / dbias and the all-reduced
+    d hidden (``grpo_kernels/vocab_parallel.py``).
     """
+    if process_group is not None:
+        from .vocab_parallel import vocab_parallel_token_logprobs
+        return vocab_parallel_token_logprobs(hidden, weight, ids, bias, temperature, return_entropy, impl,
+                                             deterministic, mask, process_group, vocab_start)
+    if vocab_start is not None:
+        raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel head)")
     inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl)
     if mask is not None:
         _checks.tensor("mask", mask)

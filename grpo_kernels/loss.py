@@ -58,7 +58,8 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
 
 def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
                            is_ratio=None, num_items_in_batch=None, config: GRPOLossConfig | None = None,
-                           impl: str = "auto", sampling_logps=None, **config_overrides):
+                           impl: str = "auto", sampling_logps=None, process_group=None,
+                           vocab_start: int | None = None, **config_overrides):
     """GRPO loss from final hidden states and the lm_head, never writing the B x T x V logits.
 
     hidden (B, T, H) or (B*T, H); weight (V, H); bias (V,) or None; ids (B, T); other arguments as
@@ -66,7 +67,19 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     does no d weight work). On the Triton path, token-level configurations compute the gradients in the forward
     (``config.grad_in_forward``, chunks sized by ``config.memory_budget``); everything else takes the
     memory-light recompute path, whose ``config.deterministic`` selects the atomics-free backward.
+
+    Vocab-parallel (``process_group``): ``weight`` / ``bias`` are this rank's vocabulary shard starting at
+    ``vocab_start``, everything else is replicated, as for ``linear_token_logprobs``; every rank gets the same
+    loss, its own dW / dbias and the all-reduced d hidden. Both impls take the recompute path there (the gradient
+    in the forward needs the global logsumexp first).
     """
+    if process_group is not None:
+        from .vocab_parallel import vocab_parallel_grpo_loss
+        return vocab_parallel_grpo_loss(hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
+                                        num_items_in_batch, config, impl, sampling_logps, config_overrides,
+                                        process_group, vocab_start)
+    if vocab_start is not None:
+        raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel head)")
     cfg = resolve_config(config, config_overrides)
     inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,))
     B, T = ids.shape

@@ -1,0 +1,321 @@
+"""Vocab-parallel lm_head: ``linear_token_logprobs`` / ``fused_linear_grpo_loss`` with ``process_group``.
+
+Each rank of the group holds a contiguous shard of the head, ``weight`` (V_r, H) and ``bias`` (V_r,) covering the
+full-vocabulary ids [vocab_start, vocab_start + V_r); hidden, ids, mask and the loss inputs are replicated (the
+same on every rank, as after a tensor-parallel block). The shards' outputs combine exactly (docs/DESIGN.md
+section 3's maths, split over the vocabulary):
+
+- per rank, the ordinary fused head on the shard (Triton or chunked torch, ``head_token_logprobs``) gives the
+  shard's log-prob ``logp_r`` of the id clamped into the shard and its entropy ``H_r``; the clamped id's logit
+  ``z_c`` (an N x H gather, ``_TargetLogit``) turns it into the shard's logsumexp ``lse_r = z_c - logp_r``, with
+  its exact gradient (d lse_r / dz = p_r);
+- one all-gather of the three per-token numbers (lse_r, z_c where the rank owns the id, lse_r - H_r) then gives,
+  on every rank alike, ``lse = logsumexp_r lse_r``, ``logp = z_target - lse`` and
+  ``H = lse - sum_r exp(lse_r - lse) (lse_r - H_r)``: 12 N bytes per rank, never a V-sized tensor;
+- the loss stage runs on the (B, T) log-probs, replicated. In the backward each rank keeps the gradient of its own
+  slot of the gathered table (every rank computed the same loss from it: no communication), its dW / dbias stay
+  local, and the hidden state's gradient is all-reduced over the group (the head's input is replicated), so every
+  rank ends with the full dh.
+
+The Triton gradient-in-forward path (``linear_loss_in_forward.py``) does not apply here: its per-token gradient
+needs the global logsumexp before the shard's sweep. Both impls run the memory-light recompute path per shard.
+
+Validation: every rank validates its own arguments, then one all-gather of a small table (shard size, start, N,
+ids / mask checksums, the local error message if any) lets every rank reach the same verdict, so a bad shard,
+a mismatched N or an error on one rank raises the same ValueError on every rank instead of a hang.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from . import _checks
+from .config import resolve_config
+from .inputs import HeadInputs, LossInputs
+from .linear_loss_in_forward import light_path_chunk_bytes
+from .logprobs_from_hidden import _acc_dtype, head_token_logprobs
+
+# Rows per chunk of the target-logit gather (bounds its fp32 scratch to TARGET_CHUNK_ROWS x H).
+TARGET_CHUNK_ROWS = 4096
+# Bytes of a rank's error message carried by the validation all-gather.
+MESSAGE_BYTES = 512
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's shard [start, start + size) of a vocabulary of ``total`` ids, in a group of ``world`` ranks."""
+
+    group: object
+    rank: int
+    world: int
+    start: int
+    size: int
+    total: int
+
+
+# ----------------------------------------------------------------------------------------------- autograd pieces
+
+class _ReplicatedInput(torch.autograd.Function):
+    """Identity in the forward; the backward sums the gradient over the group (the input is replicated and each
+    rank's shard contributes its part of dh). Summed in fp32: half-precision partials would lose bits."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        total = grad.to(torch.float32) if grad.dtype in (torch.bfloat16, torch.float16) else grad.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return total.to(grad.dtype), None
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """(K, n) per rank -> (world, K, n) on every rank. Every rank computes the same loss from the gathered table,
+    so the gradient of a rank's own slot is already the full one: the backward keeps it, with no communication."""
+
+    @staticmethod
+    def forward(ctx, local, group, rank, world):
+        ctx.rank = rank
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return grad[ctx.rank], None, None, None
+
+
+class _TargetLogit(torch.autograd.Function):
+    """z_c = (h . W[c] + b[c]) / tau for one shard-local id c per row, in the accumulation dtype; chunks of
+    TARGET_CHUNK_ROWS rows keep its scratch small, and the backward scatters dW / dbias rows (fp32 accumulation)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, local_ids, temperature):
+        acc = _acc_dtype(hidden)
+        z = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        for r0 in range(0, hidden.shape[0], TARGET_CHUNK_ROWS):
+            c = local_ids[r0:r0 + TARGET_CHUNK_ROWS]
+            rows = hidden[r0:r0 + TARGET_CHUNK_ROWS].to(acc) * weight.index_select(0, c).to(acc)
+            z[r0:r0 + c.shape[0]] = rows.sum(-1)
+        if bias is not None:
+            z += bias.index_select(0, local_ids).to(acc)
+        z /= temperature
+        ctx.save_for_backward(hidden, weight, bias, local_ids)
+        ctx.temperature = temperature
+        return z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        hidden, weight, bias, local_ids = ctx.saved_tensors
+        acc = _acc_dtype(hidden)
+        g = grad.to(acc) / ctx.temperature
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        for r0 in range(0, hidden.shape[0], TARGET_CHUNK_ROWS):
+            c = local_ids[r0:r0 + TARGET_CHUNK_ROWS]
+            gc = g[r0:r0 + c.shape[0]].unsqueeze(-1)
+            if need_h:
+                d_hidden[r0:r0 + c.shape[0]] = gc * weight.index_select(0, c).to(acc)
+            if need_w:
+                d_weight.index_add_(0, c, gc * hidden[r0:r0 + c.shape[0]].to(acc))
+        d_bias = None
+        if need_b and bias is not None:
+            d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device).index_add_(0, local_ids, g)
+            d_bias = d_bias.to(bias.dtype)
+        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype), d_bias, None, None)
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+
+_FIELDS = ("ok", "size", "start", "n", "n_valid", "h", "id_min", "id_max", "ids_sum", "mask_sum", "bias",
+           "temperature", "msg_len")
+
+
+def _checksum(x: torch.Tensor) -> int:
+    """An order-sensitive integer checksum (int64 wrap-around, the same on every rank) of an integer tensor."""
+    x = x.reshape(-1).long()
+    pos = torch.arange(x.numel(), device=x.device)
+    return int(((x + 1) * (2 * pos + 1)).sum())
+
+
+def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None) -> list[int]:
+    if inputs is None:
+        row = dict.fromkeys(_FIELDS, -1)
+        row["ok"] = 0
+    else:
+        ids = inputs.ids
+        valid = None if mask is None else mask.reshape(-1) != 0
+        lo, hi = torch.aminmax(ids) if ids.numel() else (torch.tensor(0), torch.tensor(0))
+        row = {"ok": 1, "size": inputs.weight.shape[0], "start": -1 if vocab_start is None else vocab_start,
+               "n": ids.numel(), "n_valid": ids.numel() if valid is None else int(valid.sum()),
+               "h": inputs.hidden.shape[-1], "id_min": int(lo), "id_max": int(hi), "ids_sum": _checksum(ids),
+               "mask_sum": 0 if valid is None else _checksum(valid), "bias": int(inputs.bias is not None),
+               "temperature": int(torch.tensor(inputs.temperature, dtype=torch.float64).view(torch.int64))}
+    encoded = list((message or "").encode()[:MESSAGE_BYTES])
+    row["msg_len"] = len(encoded)
+    return [row[f] for f in _FIELDS] + encoded + [0] * (MESSAGE_BYTES - len(encoded))
+
+
+def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | None]:
+    """(each rank's start, V_total, error message or None) from the gathered table: the same on every rank."""
+    rows = [dict(zip(_FIELDS, r[:len(_FIELDS)])) for r in table]
+    head = f"vocab-parallel lm_head over a process_group of {world} ranks: "
+    failed = [(k, bytes(table[k][len(_FIELDS):len(_FIELDS) + rows[k]["msg_len"]]).decode(errors="replace"))
+              for k in range(world) if not rows[k]["ok"]]
+    if failed:
+        return [], 0, head + "invalid arguments on " + "; ".join(f"rank {k}: {m}" for k, m in failed)
+
+    def same(field, what):
+        values = [r[field] for r in rows]
+        if len(set(values)) > 1:
+            return head + f"{what} must be the same on every rank, got {values} on ranks 0..{world - 1}"
+        return None
+
+    for field, what in (("n", "the number of tokens N of hidden / ids (the head's input is replicated)"),
+                        ("h", "hidden's size H"), ("ids_sum", "ids (checksum)"),
+                        ("n_valid", "the number of valid tokens in mask"), ("mask_sum", "mask (checksum)"),
+                        ("bias", "whether a bias is given (1) or not (0)"),
+                        ("temperature", "temperature (as float64 bits)")):
+        error = same(field, what)
+        if error:
+            return [], 0, error
+    sizes = [r["size"] for r in rows]
+    given = [r["start"] for r in rows]
+    if any(s >= 0 for s in given) and any(s < 0 for s in given):
+        return [], 0, head + ("vocab_start must be given on every rank or on none, got "
+                              f"{[None if s < 0 else s for s in given]} on ranks 0..{world - 1}")
+    starts = given if given[0] >= 0 else [sum(sizes[:k]) for k in range(world)]
+    total = sum(sizes)
+    order = sorted(range(world), key=lambda k: starts[k])
+    end = 0
+    for k in order:
+        if starts[k] != end:
+            shards = ", ".join(f"rank {j}: [{starts[j]}, {starts[j] + sizes[j]})" for j in range(world))
+            return [], 0, head + ("the weight shards must be contiguous and cover [0, V) without overlap "
+                                  f"(vocab_start and weight.shape[0] of each rank), got {shards}")
+        end += sizes[k]
+    lo, hi = min(r["id_min"] for r in rows), max(r["id_max"] for r in rows)
+    if rows[0]["n"] > 0 and (lo < 0 or hi >= total):
+        return [], 0, head + (f"ids must lie in [0, V) = [0, {total}) (V = the sum of the shards' sizes "
+                              f"{sizes}), got values in [{lo}, {hi}]")
+    return starts, total, None
+
+
+def _table_device(group, hidden) -> torch.device:
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    if isinstance(hidden, torch.Tensor):
+        return hidden.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def validate(process_group, vocab_start, hidden, local):
+    """Run ``local()`` -> (HeadInputs, mask or None, extra) on this rank, then agree with the group in one
+    all-gather. Returns (inputs, mask, extra, VocabShard); raises the same ValueError on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group needs an initialized torch.distributed (init_process_group)")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise ValueError(f"process_group must be a torch.distributed.ProcessGroup, got "
+                         f"{type(process_group).__name__}")
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    result, message = (None, None, None), None
+    try:
+        if vocab_start is not None and (isinstance(vocab_start, bool) or not isinstance(vocab_start, int)
+                                        or vocab_start < 0):
+            raise ValueError(f"vocab_start must be an int >= 0 or None, got {vocab_start!r}")
+        result = local()
+    except ValueError as error:  # reported through the gather below, so that every rank raises alike
+        message = str(error)
+    row = _local_row(result[0], result[1], vocab_start, message)
+    mine = torch.tensor(row, dtype=torch.int64, device=_table_device(process_group, hidden))
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=process_group)
+    starts, total, error = _verdict([p.tolist() for p in parts], world)
+    if error:
+        raise ValueError(error)
+    inputs, mask, extra = result
+    return inputs, mask, extra, VocabShard(process_group, rank, world, starts[rank], inputs.weight.shape[0], total)
+
+
+# ------------------------------------------------------------------------------------------------- the sharded head
+
+def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, deterministic: bool = True, row_mask=None,
+                          chunk_bytes=None):
+    """(logp, entropy, lse) over the full vocabulary, shaped like the caller's ids, from this rank's shard.
+
+    ``inputs.ids`` are full-vocabulary ids. Rows where ``row_mask`` is zero are skipped (0, no gradient)."""
+    hidden, ids, shape = inputs.hidden, inputs.ids, inputs.shape
+    rows = None
+    if row_mask is not None:
+        rows = row_mask.reshape(-1).nonzero().squeeze(1)
+        if rows.numel() == ids.numel():
+            rows = None
+        else:
+            hidden, ids = hidden.index_select(0, rows), ids.index_select(0, rows)
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        hidden = _ReplicatedInput.apply(hidden, shard.group)
+    owned = (ids >= shard.start) & (ids < shard.start + shard.size)
+    local_ids = (ids - shard.start).clamp(0, shard.size - 1)
+    local = replace(inputs, hidden=hidden, ids=local_ids, shape=local_ids.shape)
+    logp_r, entropy_r, _ = head_token_logprobs(local, deterministic, chunk_bytes=chunk_bytes)
+    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.temperature)
+    lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
+    table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), lse_r - entropy_r]),
+                                    shard.group, shard.rank, shard.world)
+    lse = torch.logsumexp(table[:, 0], 0)
+    logp = table[:, 1].sum(0) - lse
+    entropy = lse - (torch.exp(table[:, 0] - lse) * table[:, 2]).sum(0)
+    if rows is not None:
+        logp, entropy, lse = (torch.zeros(shape.numel(), dtype=t.dtype, device=t.device).index_copy(0, rows, t)
+                              for t in (logp, entropy, lse))
+    return logp.view(shape), entropy.view(shape), lse.detach().view(shape)
+
+
+def _mask_like_ids(mask, ids):
+    if mask is not None:
+        _checks.tensor("mask", mask)
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(f"mask must have the shape of ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
+    return mask
+
+
+def vocab_parallel_token_logprobs(hidden, weight, ids, bias, temperature, return_entropy, impl, deterministic,
+                                  mask, process_group, vocab_start):
+    """``linear_token_logprobs`` with ``process_group`` (see its docstring and this module's)."""
+    def local():
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl, check_ids=False)
+        return inputs, _mask_like_ids(mask, ids), None
+
+    inputs, mask, _, shard = validate(process_group, vocab_start, hidden, local)
+    logp, entropy, _ = sharded_head_logprobs(inputs, shard, deterministic, row_mask=mask)
+    return (logp, entropy) if return_entropy else logp
+
+
+def vocab_parallel_grpo_loss(hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
+                             num_items_in_batch, config, impl, sampling_logps, config_overrides, process_group,
+                             vocab_start):
+    """``fused_linear_grpo_loss`` with ``process_group`` (see its docstring and this module's)."""
+    from .loss import _loss_stage  # loss.py imports this module lazily: no import cycle
+
+    def local():
+        cfg = resolve_config(config, config_overrides)
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,),
+                                     check_ids=False)
+        B, T = ids.shape
+        batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
+                                    sampling_logps, num_items_in_batch)
+        return inputs, batch.mask, (batch, cfg)
+
+    inputs, mask, (batch, cfg), shard = validate(process_group, vocab_start, hidden, local)
+    logps, entropy, _ = sharded_head_logprobs(inputs, shard, cfg.deterministic, row_mask=mask,
+                                              chunk_bytes=light_path_chunk_bytes(cfg))
+    return _loss_stage(logps, entropy, batch, cfg, inputs.impl)

@@ -1,0 +1,300 @@
+"""Vocab-parallel lm_head (``process_group=``) on CPU with gloo: 2 and 3 ranks against the unsharded call.
+
+Each launch starts ``world`` plain processes running this file (``python tests/test_vocab_parallel.py MODE RANK
+WORLD STORE OUT``), joined through a file store, bounded by LAUNCH_TIMEOUT (a hang fails the test instead of
+blocking CI). A launch runs all its cases and saves each rank's results; the tests compare them with the
+unsharded call made here: loss, metrics, d hidden, the ranks' dW / dbias shards concatenated, logp and entropy.
+V = 23 is divisible by neither 2 nor 3. The error launch gives one rank a bad shard / N / ids / argument and
+checks that every rank raises the same ValueError (and that the group still works afterwards).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+
+try:
+    from tests.tolerances import assert_three_way
+except ImportError:  # run as a worker script: only the package is needed there
+    assert_three_way = None
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT = 150  # seconds for a whole launch (process start, imports, every case); ~10-25 s when idle
+B, T, H, V = 4, 5, 8, 23
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# name -> (kind, impl, dtype, bias, sharding, config overrides). sharding "rank_order": vocab_start derived from
+# the lower ranks' sizes; "reversed": explicit vocab_start, rank 0 holding the last block.
+CASES = {
+    "grpo_beta_bias": ("loss", "torch", torch.float64, True, "rank_order", dict(loss_type="grpo", beta=0.04)),
+    "dapo": ("loss", "torch", torch.float64, False, "rank_order", dict(loss_type="dapo")),
+    "bnpo_entropy_bonus": ("loss", "torch", torch.float64, True, "rank_order",
+                           dict(loss_type="bnpo", entropy_coef=0.05)),
+    "gspo_sequence": ("loss", "torch", torch.float64, False, "reversed",
+                      dict(loss_type="grpo", importance_sampling_level="sequence")),
+    "vespo": ("loss", "torch", torch.float64, False, "rank_order", dict(loss_type="vespo")),
+    "dr_grpo_top_entropy": ("loss", "torch", torch.float64, True, "rank_order",
+                            dict(loss_type="dr_grpo", top_entropy_quantile=0.5)),
+    "logprobs_bias": ("logprobs", "torch", torch.float64, True, "rank_order", {}),
+    "logprobs_reversed": ("logprobs", "torch", torch.float64, False, "reversed", {}),
+    "triton_loss": ("loss", "triton", torch.float32, True, "rank_order",
+                    dict(loss_type="grpo", beta=0.04, entropy_coef=0.05)),
+    "triton_logprobs": ("logprobs", "triton", torch.float32, False, "rank_order", {}),
+}
+ERROR_CASES = {  # name -> text every rank's message must contain
+    "shard_gap": "must be contiguous and cover [0, V)",
+    "short_shard_ids_out_of_range": "ids must lie in [0, V) = [0, 22)",
+    "mismatched_n": "number of tokens N",
+    "mismatched_ids": "ids (checksum) must be the same on every rank",
+    "mismatched_mask": "mask",
+    "bad_bias_on_one_rank": "invalid arguments on rank 1: bias must have shape",
+    "vocab_start_on_some_ranks": "vocab_start must be given on every rank or on none",
+}
+
+
+def case_inputs(dtype, bias: bool, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7
+    ids = torch.randint(0, V, (B, T), generator=g)
+    ids[0, 0], ids[1, 1], ids[2, 2] = 0, V - 1, V // 2  # both ends of the vocabulary and a shard boundary
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[3, 1:] = False
+    out = {
+        "hidden": hidden.to(dtype), "weight": weight.to(dtype), "ids": ids, "mask": mask,
+        "bias": (torch.randn(V, generator=g, dtype=torch.float64) * 0.5).to(dtype) if bias else None,
+        "advantages": torch.randn(B, generator=g, dtype=torch.float64).to(dtype),
+        "old_logps": (-3.2 + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)).to(dtype),
+        "ref_logps": (-3.2 + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)).to(dtype),
+        "grad_logp": torch.randn(B, T, generator=g, dtype=torch.float64).to(dtype),
+        "grad_entropy": torch.randn(B, T, generator=g, dtype=torch.float64).to(dtype),
+    }
+    return out
+
+
+def shard_bounds(world: int, sharding: str) -> list[tuple[int, int]]:
+    """(start, size) per rank; V = 23 split as evenly as possible (12 + 11, 8 + 8 + 7)."""
+    sizes = [V // world + (k < V % world) for k in range(world)]
+    blocks = [(sum(sizes[:k]), sizes[k]) for k in range(world)]
+    return blocks if sharding == "rank_order" else blocks[::-1]
+
+
+def run_case(name: str, x: dict, weight, bias, group=None, vocab_start=None, impl=None):
+    """One call plus its backward; returns the outputs and the gradients of hidden, weight and bias."""
+    kind, case_impl, _, _, _, overrides = CASES[name]
+    impl = impl or case_impl
+    hidden = x["hidden"].clone().requires_grad_(True)
+    weight = weight.clone().requires_grad_(True)
+    bias = None if bias is None else bias.clone().requires_grad_(True)
+    if kind == "loss":
+        loss, metrics = gk.fused_linear_grpo_loss(
+            hidden, weight, x["ids"], x["advantages"], x["mask"], bias=bias, old_logps=x["old_logps"],
+            ref_logps=x["ref_logps"], impl=impl, process_group=group, vocab_start=vocab_start, **overrides)
+        loss.backward()
+        out = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+    else:
+        logp, entropy = gk.linear_token_logprobs(hidden, weight, x["ids"], bias=bias, return_entropy=True,
+                                                 impl=impl, mask=x["mask"], process_group=group,
+                                                 vocab_start=vocab_start)
+        ((logp * x["grad_logp"]).sum() + (entropy * x["grad_entropy"]).sum()).backward()
+        with torch.no_grad():  # the no-grad path of each impl
+            out_ng = gk.linear_token_logprobs(x["hidden"], weight, x["ids"], bias=bias, impl=impl,
+                                              mask=x["mask"], process_group=group, vocab_start=vocab_start)
+        out = {"logp": logp.detach(), "entropy": entropy.detach(), "logp_no_grad": out_ng}
+    out.update(dh=hidden.grad, dw=weight.grad, db=None if bias is None else bias.grad)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+
+def _worker_cases(mode: str) -> list[str]:
+    if mode == "errors":
+        return list(ERROR_CASES)
+    return [n for n, c in CASES.items() if c[1] == "torch" or INTERPRET]
+
+
+def _run_error_case(name: str, rank: int, world: int, group):
+    x = case_inputs(torch.float64, bias=True)
+    bounds = shard_bounds(world, "rank_order")
+    start, size = bounds[rank]
+    weight, bias = x["weight"][start:start + size], x["bias"][start:start + size]
+    hidden, ids, mask, vocab_start = x["hidden"], x["ids"], x["mask"], None
+    kwargs = {}
+    if name == "shard_gap":
+        vocab_start = start + (rank == 1)
+    elif name == "short_shard_ids_out_of_range":
+        if rank == world - 1:
+            weight, bias = weight[:-1], bias[:-1]
+    elif name == "mismatched_n" and rank == 0:
+        hidden, ids, mask = hidden[:-1], ids[:-1], mask[:-1]
+    elif name == "mismatched_ids" and rank == 2:
+        ids = ids.clone()
+        ids[0, 1] = (ids[0, 1] + 1) % V
+    elif name == "mismatched_mask" and rank == 1:
+        mask = mask.clone()
+        mask[0, 0] = False
+    elif name == "bad_bias_on_one_rank" and rank == 1:
+        bias = bias[:-1]
+    elif name == "vocab_start_on_some_ranks" and rank == 0:
+        vocab_start = 0
+    if name in ("mismatched_n", "mismatched_mask"):
+        kwargs = dict(advantages=x["advantages"][:hidden.shape[0]])
+        gk.fused_linear_grpo_loss(hidden, weight, ids, mask=mask, bias=bias, impl="torch", process_group=group,
+                                  vocab_start=vocab_start, **kwargs)
+    else:
+        gk.linear_token_logprobs(hidden, weight, ids, bias=bias, mask=mask, impl="torch", process_group=group,
+                                 vocab_start=vocab_start)
+
+
+def worker(mode: str, rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=LAUNCH_TIMEOUT))
+    group = dist.new_group(list(range(world)))  # a group other than WORLD, as a tensor-parallel group would be
+    results = {}
+    for name in _worker_cases(mode):
+        if mode == "errors":
+            try:
+                _run_error_case(name, rank, world, group)
+                results[name] = None
+            except ValueError as error:
+                results[name] = str(error)
+            continue
+        _, _, dtype, bias, sharding, _ = CASES[name]
+        x = case_inputs(dtype, bias)
+        start, size = shard_bounds(world, sharding)[rank]
+        vocab_start = None if sharding == "rank_order" else start
+        res = run_case(name, x, x["weight"][start:start + size],
+                       None if x["bias"] is None else x["bias"][start:start + size], group, vocab_start)
+        results[name] = {**res, "start": start}
+    if mode == "errors":  # the group still works after the errors: one good call
+        x = case_inputs(torch.float64, bias=False)
+        start, size = shard_bounds(world, "rank_order")[rank]
+        logp = gk.linear_token_logprobs(x["hidden"], x["weight"][start:start + size], x["ids"], impl="torch",
+                                        process_group=group)
+        results["after_errors"] = logp
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------ pytest side
+
+def launch(world: int, mode: str, tmp: Path) -> list[dict]:
+    """Start ``world`` worker processes, wait at most LAUNCH_TIMEOUT, return each rank's results."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    store = tmp / "store"
+    logs = [open(tmp / f"rank{r}.log", "w") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, __file__, mode, str(r), str(world), str(store), str(tmp)],
+                              env=env, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        for r in hung:
+            procs[r].kill()
+            procs[r].wait()
+        for f in logs:
+            f.close()
+    tails = "\n".join(f"--- rank {r} ---\n{(tmp / f'rank{r}.log').read_text()[-3000:]}" for r in range(world))
+    assert not hung, f"ranks {hung} still running after {LAUNCH_TIMEOUT} s (a hang):\n{tails}"
+    assert all(p.returncode == 0 for p in procs), f"a rank failed:\n{tails}"
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory):
+    runs = {}
+
+    def get(world: int, mode: str = "cases"):
+        if (world, mode) not in runs:
+            runs[world, mode] = launch(world, mode, tmp_path_factory.mktemp(f"vp_{mode}_{world}"))
+        return runs[world, mode]
+    return get
+
+
+def _close(got, unsharded, truth, dtype, what):
+    """float64: equal to the unsharded call to rounding. Lower precision: the three-way rule of
+    docs/DESIGN.md section 6 against the float64 unsharded call, the middle term being the unsharded call in the
+    same dtype and impl (the sharded head may not be much less accurate than the unsharded one)."""
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, unsharded, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+    else:
+        assert_three_way(got, unsharded, truth, dtype, what)
+
+
+def _params():
+    for world in (2, 3):
+        for name, case in CASES.items():
+            marks = [pytest.mark.interpreter] if case[1] == "triton" else []
+            yield pytest.param(world, name, id=f"{world}ranks-{name}", marks=marks)
+
+
+@pytest.mark.parametrize("world,name", list(_params()))
+def test_sharded_head_matches_unsharded(sharded_results, world, name):
+    kind, impl, dtype, bias, sharding, _ = CASES[name]
+    x = case_inputs(dtype, bias)
+    expected = run_case(name, x, x["weight"], x["bias"])
+    x64 = case_inputs(torch.float64, bias)
+    truth = expected if dtype == torch.float64 else run_case(name, x64, x64["weight"], x64["bias"], impl="torch")
+    ranks = sharded_results(world)
+    order = sorted(range(world), key=lambda r: ranks[r][name]["start"])
+    for r in range(world):
+        got = ranks[r][name]
+        for key, value in expected.items():
+            if key in ("dw", "db"):
+                continue
+            assert value is not None and got[key] is not None, key
+            _close(got[key], value, truth[key], dtype, f"rank {r}, {key}")
+    # the ranks' weight / bias gradient shards, laid out by vocab_start, are the unsharded gradients
+    keys = ("dw", "db") if bias else ("dw",)
+    for key in keys:
+        _close(torch.cat([ranks[r][name][key] for r in order]), expected[key], truth[key], dtype, key)
+    assert expected["dh"].abs().sum() > 0 and expected["dw"].abs().sum() > 0  # a test that can fail
+
+
+@pytest.mark.parametrize("name", list(ERROR_CASES))
+def test_bad_shard_raises_on_every_rank(sharded_results, name):
+    ranks = sharded_results(3, "errors")
+    messages = [ranks[r][name] for r in range(3)]
+    assert all(m is not None for m in messages), f"{name}: some rank did not raise: {messages}"
+    assert len(set(messages)) == 1, f"{name}: ranks raised different errors: {messages}"
+    assert messages[0].startswith("vocab-parallel lm_head over a process_group of 3 ranks: "), messages[0]
+    assert ERROR_CASES[name] in messages[0], messages[0]
+    x = case_inputs(torch.float64, bias=False)
+    expected = gk.linear_token_logprobs(x["hidden"], x["weight"], x["ids"], impl="torch")
+    for r in range(3):  # after the errors the group still works
+        torch.testing.assert_close(ranks[r]["after_errors"], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_vocab_start_without_group_is_refused():
+    x = case_inputs(torch.float32, bias=False)
+    with pytest.raises(ValueError, match="vocab_start is only meaningful with process_group"):
+        gk.linear_token_logprobs(x["hidden"], x["weight"], x["ids"], vocab_start=0)
+    with pytest.raises(ValueError, match="vocab_start is only meaningful with process_group"):
+        gk.fused_linear_grpo_loss(x["hidden"], x["weight"], x["ids"], x["advantages"], vocab_start=0)
+
+
+def test_process_group_needs_initialized_distributed():
+    x = case_inputs(torch.float32, bias=False)
+    with pytest.raises(ValueError, match="process_group needs an initialized torch.distributed"):
+        gk.linear_token_logprobs(x["hidden"], x["weight"], x["ids"], process_group=object())
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
