@@ -140,29 +140,33 @@ _FIELDS = ("ok", "size", "start", "n", "n_valid", "h", "id_min", "id_max", "ids_
            "temperature", "msg_len")
 
 
-def _checksum(x: torch.Tensor) -> int:
+def _checksum(x: torch.Tensor) -> torch.Tensor:
     """An order-sensitive integer checksum (int64 wrap-around, the same on every rank) of an integer tensor."""
     x = x.reshape(-1).long()
     pos = torch.arange(x.numel(), device=x.device)
-    return int(((x + 1) * (2 * pos + 1)).sum())
+    return ((x + 1) * (2 * pos + 1)).sum()
 
 
-def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None) -> list[int]:
+def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None, device) -> torch.Tensor:
+    """This rank's row of the validation table (int64 on ``device``), formed without a host sync."""
+    encoded = list((message or "").encode()[:MESSAGE_BYTES])
+    text = encoded + [0] * (MESSAGE_BYTES - len(encoded))
     if inputs is None:
         row = dict.fromkeys(_FIELDS, -1)
-        row["ok"] = 0
-    else:
-        ids = inputs.ids
-        valid = None if mask is None else mask.reshape(-1) != 0
-        lo, hi = torch.aminmax(ids) if ids.numel() else (torch.tensor(0), torch.tensor(0))
-        row = {"ok": 1, "size": inputs.weight.shape[0], "start": -1 if vocab_start is None else vocab_start,
-               "n": ids.numel(), "n_valid": ids.numel() if valid is None else int(valid.sum()),
-               "h": inputs.hidden.shape[-1], "id_min": int(lo), "id_max": int(hi), "ids_sum": _checksum(ids),
-               "mask_sum": 0 if valid is None else _checksum(valid), "bias": int(inputs.bias is not None),
-               "temperature": int(torch.tensor(inputs.temperature, dtype=torch.float64).view(torch.int64))}
-    encoded = list((message or "").encode()[:MESSAGE_BYTES])
-    row["msg_len"] = len(encoded)
-    return [row[f] for f in _FIELDS] + encoded + [0] * (MESSAGE_BYTES - len(encoded))
+        row.update(ok=0, msg_len=len(encoded))
+        return torch.tensor([row[f] for f in _FIELDS] + text, dtype=torch.int64, device=device)
+    ids = inputs.ids
+    valid = None if mask is None else (mask.reshape(-1) != 0)
+    lo, hi = torch.aminmax(ids) if ids.numel() else (ids.new_zeros(()), ids.new_zeros(()))
+    row = {"ok": 1, "size": inputs.weight.shape[0], "start": -1 if vocab_start is None else vocab_start,
+           "n": ids.numel(), "n_valid": ids.numel() if valid is None else valid.sum(),
+           "h": inputs.hidden.shape[-1], "id_min": lo, "id_max": hi, "ids_sum": _checksum(ids),
+           "mask_sum": 0 if valid is None else _checksum(valid), "bias": int(inputs.bias is not None),
+           "temperature": int(torch.tensor(inputs.temperature, dtype=torch.float64).view(torch.int64)),
+           "msg_len": 0}
+    values = [v.to(device=device, dtype=torch.int64).reshape(1) if isinstance(v, torch.Tensor)
+              else torch.tensor([v], dtype=torch.int64, device=device) for v in (row[f] for f in _FIELDS)]
+    return torch.cat(values + [torch.tensor(text, dtype=torch.int64, device=device)])
 
 
 def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | None]:
@@ -233,13 +237,12 @@ def validate(process_group, vocab_start, hidden, local):
                                         or vocab_start < 0):
             raise ValueError(f"vocab_start must be an int >= 0 or None, got {vocab_start!r}")
         result = local()
-    except ValueError as error:  # reported through the gather below, so that every rank raises alike
-        message = str(error)
-    row = _local_row(result[0], result[1], vocab_start, message)
-    mine = torch.tensor(row, dtype=torch.int64, device=_table_device(process_group, hidden))
+    except Exception as error:  # reported through the gather below, so that every rank raises alike
+        message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+    mine = _local_row(result[0], result[1], vocab_start, message, _table_device(process_group, hidden))
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=process_group)
-    starts, total, error = _verdict([p.tolist() for p in parts], world)
+    starts, total, error = _verdict(torch.stack(parts).tolist(), world)  # the one host sync
     if error:
         raise ValueError(error)
     inputs, mask, extra = result

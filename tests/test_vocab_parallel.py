@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -190,14 +192,14 @@ def worker(mode: str, rank: int, world: int, store: str, out: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ pytest side
 
-def launch(world: int, mode: str, tmp: Path) -> list[dict]:
-    """Start ``world`` worker processes, wait at most LAUNCH_TIMEOUT, return each rank's results."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    store = tmp / "store"
+def start_ranks(world: int, tmp: Path, argv, env=None) -> list[str]:
+    """Start ``world`` processes (``argv(rank)``, extra environment ``env(rank)``), wait at most LAUNCH_TIMEOUT,
+    kill any still running; fail on a hang or a non-zero exit. Returns each rank's output."""
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS="1")
     logs = [open(tmp / f"rank{r}.log", "w") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, __file__, mode, str(r), str(world), str(store), str(tmp)],
-                              env=env, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, *argv(r)], env={**base, **(env(r) if env else {})}, cwd=ROOT,
+                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     try:
         for p in procs:
@@ -211,9 +213,16 @@ def launch(world: int, mode: str, tmp: Path) -> list[dict]:
             procs[r].wait()
         for f in logs:
             f.close()
-    tails = "\n".join(f"--- rank {r} ---\n{(tmp / f'rank{r}.log').read_text()[-3000:]}" for r in range(world))
+    outputs = [(tmp / f"rank{r}.log").read_text() for r in range(world)]
+    tails = "\n".join(f"--- rank {r} ---\n{out[-3000:]}" for r, out in enumerate(outputs))
     assert not hung, f"ranks {hung} still running after {LAUNCH_TIMEOUT} s (a hang):\n{tails}"
     assert all(p.returncode == 0 for p in procs), f"a rank failed:\n{tails}"
+    return outputs
+
+
+def launch(world: int, mode: str, tmp: Path) -> list[dict]:
+    """Run this file's worker on ``world`` ranks; return each rank's results."""
+    start_ranks(world, tmp, lambda r: [__file__, mode, str(r), str(world), str(tmp / "store"), str(tmp)])
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -280,6 +289,24 @@ def test_bad_shard_raises_on_every_rank(sharded_results, name):
     expected = gk.linear_token_logprobs(x["hidden"], x["weight"], x["ids"], impl="torch")
     for r in range(3):  # after the errors the group still works
         torch.testing.assert_close(ranks[r]["after_errors"], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_readme_example_runs_on_two_ranks(tmp_path):
+    """README's Distributed example, as written, on 2 ranks with the environment torchrun would set."""
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Distributed"):], re.S).group(1)
+    script = tmp_path / "vocab_parallel_example.py"
+    script.write_text(code)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    outputs = start_ranks(2, tmp_path, lambda r: [str(script)],
+                          lambda r: dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    lines = [re.search(r"rank \d: loss (\S+) weight.grad \((\d+), 64\) ref \(4, 16\)", out) for out in outputs]
+    assert all(lines), outputs
+    assert lines[0].group(1) == lines[1].group(1)  # the same loss on both ranks
+    assert [int(m.group(2)) for m in lines] == [501, 500]  # V = 1001 split 501 + 500
 
 
 def test_vocab_start_without_group_is_refused():
