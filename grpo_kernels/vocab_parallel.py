@@ -181,12 +181,13 @@ def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | 
     def same(field, what):
         values = [r[field] for r in rows]
         if len(set(values)) > 1:
-            return head + f"{what} must be the same on every rank, got {values} on ranks 0..{world - 1}"
+            got = "their checksums differ" if field.endswith("_sum") else "got"
+            return head + f"{what} must be the same on every rank, {got} {values} on ranks 0..{world - 1}"
         return None
 
     for field, what in (("n", "the number of tokens N of hidden / ids (the head's input is replicated)"),
-                        ("h", "hidden's size H"), ("ids_sum", "ids (checksum)"),
-                        ("n_valid", "the number of valid tokens in mask"), ("mask_sum", "mask (checksum)"),
+                        ("h", "hidden's size H"), ("ids_sum", "ids"),
+                        ("n_valid", "the number of valid tokens in mask"), ("mask_sum", "mask"),
                         ("bias", "whether a bias is given (1) or not (0)"),
                         ("temperature", "temperature (as float64 bits)")):
         error = same(field, what)

@@ -55,7 +55,7 @@ ERROR_CASES = {  # name -> text every rank's message must contain
     "shard_gap": "must be contiguous and cover [0, V)",
     "short_shard_ids_out_of_range": "ids must lie in [0, V) = [0, 22)",
     "mismatched_n": "number of tokens N",
-    "mismatched_ids": "ids (checksum) must be the same on every rank",
+    "mismatched_ids": "ids must be the same on every rank, their checksums differ",
     "mismatched_mask": "mask",
     "bad_bias_on_one_rank": "invalid arguments on rank 1: bias must have shape",
     "vocab_start_on_some_ranks": "vocab_start must be given on every rank or on none",
