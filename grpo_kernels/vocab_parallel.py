@@ -137,7 +137,7 @@ class _TargetLogit(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------- validation
 
 _FIELDS = ("ok", "size", "start", "n", "n_valid", "h", "id_min", "id_max", "ids_sum", "mask_sum", "bias",
-           "temperature", "msg_len")
+           "temperature", "hidden_grad", "msg_len")
 
 
 def _checksum(x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +163,7 @@ def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None
            "h": inputs.hidden.shape[-1], "id_min": lo, "id_max": hi, "ids_sum": _checksum(ids),
            "mask_sum": 0 if valid is None else _checksum(valid), "bias": int(inputs.bias is not None),
            "temperature": int(torch.tensor(inputs.temperature, dtype=torch.float64).view(torch.int64)),
-           "msg_len": 0}
+           "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad), "msg_len": 0}
     values = [v.to(device=device, dtype=torch.int64).reshape(1) if isinstance(v, torch.Tensor)
               else torch.tensor([v], dtype=torch.int64, device=device) for v in (row[f] for f in _FIELDS)]
     return torch.cat(values + [torch.tensor(text, dtype=torch.int64, device=device)])
@@ -189,7 +189,8 @@ def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | 
                         ("h", "hidden's size H"), ("ids_sum", "ids"),
                         ("n_valid", "the number of valid tokens in mask"), ("mask_sum", "mask"),
                         ("bias", "whether a bias is given (1) or not (0)"),
-                        ("temperature", "temperature (as float64 bits)")):
+                        ("temperature", "temperature (as float64 bits)"),
+                        ("hidden_grad", "whether hidden requires grad (1) or not (0): its backward all-reduces")):
         error = same(field, what)
         if error:
             return [], 0, error

@@ -45,6 +45,8 @@ CASES = {
     "vespo": ("loss", "torch", torch.float64, False, "rank_order", dict(loss_type="vespo")),
     "dr_grpo_top_entropy": ("loss", "torch", torch.float64, True, "rank_order",
                             dict(loss_type="dr_grpo", top_entropy_quantile=0.5)),
+    "frozen_head_cispo": ("loss", "torch", torch.float64, True, "rank_order", dict(loss_type="cispo")),
+    "all_masked": ("loss", "torch", torch.float64, True, "rank_order", dict(loss_type="grpo", beta=0.04)),
     "logprobs_bias": ("logprobs", "torch", torch.float64, True, "rank_order", {}),
     "logprobs_reversed": ("logprobs", "torch", torch.float64, False, "reversed", {}),
     "triton_loss": ("loss", "triton", torch.float32, True, "rank_order",
@@ -59,6 +61,7 @@ ERROR_CASES = {  # name -> text every rank's message must contain
     "mismatched_mask": "mask",
     "bad_bias_on_one_rank": "invalid arguments on rank 1: bias must have shape",
     "vocab_start_on_some_ranks": "vocab_start must be given on every rank or on none",
+    "hidden_grad_on_some_ranks": "whether hidden requires grad (1) or not (0)",
 }
 
 
@@ -94,9 +97,12 @@ def run_case(name: str, x: dict, weight, bias, group=None, vocab_start=None, imp
     """One call plus its backward; returns the outputs and the gradients of hidden, weight and bias."""
     kind, case_impl, _, _, _, overrides = CASES[name]
     impl = impl or case_impl
+    trainable = not name.startswith("frozen_head")  # a frozen head: gradients for hidden only
+    if name == "all_masked":
+        x = {**x, "mask": torch.zeros_like(x["mask"])}
     hidden = x["hidden"].clone().requires_grad_(True)
-    weight = weight.clone().requires_grad_(True)
-    bias = None if bias is None else bias.clone().requires_grad_(True)
+    weight = weight.clone().requires_grad_(trainable)
+    bias = None if bias is None else bias.clone().requires_grad_(trainable)
     if kind == "loss":
         loss, metrics = gk.fused_linear_grpo_loss(
             hidden, weight, x["ids"], x["advantages"], x["mask"], bias=bias, old_logps=x["old_logps"],
@@ -148,6 +154,8 @@ def _run_error_case(name: str, rank: int, world: int, group):
         bias = bias[:-1]
     elif name == "vocab_start_on_some_ranks" and rank == 0:
         vocab_start = 0
+    elif name == "hidden_grad_on_some_ranks" and rank == 2:
+        hidden = hidden.clone().requires_grad_(True)
     if name in ("mismatched_n", "mismatched_mask"):
         kwargs = dict(advantages=x["advantages"][:hidden.shape[0]])
         gk.fused_linear_grpo_loss(hidden, weight, ids, mask=mask, bias=bias, impl="torch", process_group=group,
@@ -273,8 +281,14 @@ def test_sharded_head_matches_unsharded(sharded_results, world, name):
     # the ranks' weight / bias gradient shards, laid out by vocab_start, are the unsharded gradients
     keys = ("dw", "db") if bias else ("dw",)
     for key in keys:
+        if expected[key] is None:  # frozen head
+            assert all(ranks[r][name][key] is None for r in range(world)), key
+            continue
         _close(torch.cat([ranks[r][name][key] for r in order]), expected[key], truth[key], dtype, key)
-    assert expected["dh"].abs().sum() > 0 and expected["dw"].abs().sum() > 0  # a test that can fail
+    if name == "all_masked":
+        assert expected["loss"] == 0 and expected["dh"].abs().sum() == 0
+    else:  # a test that can fail: the gradients compared are not all zero
+        assert expected["dh"].abs().sum() > 0 and (expected["dw"] is None or expected["dw"].abs().sum() > 0)
 
 
 @pytest.mark.parametrize("name", list(ERROR_CASES))
