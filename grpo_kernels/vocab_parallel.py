@@ -9,9 +9,11 @@ section 3's maths, split over the vocabulary):
   shard's log-prob ``logp_r`` of the id clamped into the shard and its entropy ``H_r``; the clamped id's logit
   ``z_c`` (an N x H gather, ``_TargetLogit``) turns it into the shard's logsumexp ``lse_r = z_c - logp_r``, with
   its exact gradient (d lse_r / dz = p_r);
-- one all-gather of the three per-token numbers (lse_r, z_c where the rank owns the id, lse_r - H_r) then gives,
-  on every rank alike, ``lse = logsumexp_r lse_r``, ``logp = z_target - lse`` and
-  ``H = lse - sum_r exp(lse_r - lse) (lse_r - H_r)``: 12 N bytes per rank, never a V-sized tensor;
+- one all-gather of the three per-token numbers (lse_r, z_c where the rank owns the id, H_r) then gives, on every
+  rank alike, ``lse = logsumexp_r lse_r``, ``logp = z_target - lse`` and, with ``w_r = exp(lse_r - lse)``,
+  ``H = sum_r w_r (H_r - log w_r)`` (the entropy of a mixture of the shards' softmaxes): 12 N bytes per rank
+  (fp32), never a V-sized tensor. Each shard needs a finite logit per valid token (a shard whose logits are all
+  -inf gives NaN; the unsharded head needs one finite logit in the whole row);
 - the loss stage runs on the (B, T) log-probs, replicated. In the backward each rank keeps the gradient of its own
   slot of the gathered table (every rank computed the same loss from it: no communication), its dW / dbias stay
   local, and the hidden state's gradient is all-reduced over the group (the head's input is replicated), so every
@@ -274,11 +276,14 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, deterministic: 
     logp_r, entropy_r, _ = head_token_logprobs(local, deterministic, chunk_bytes=chunk_bytes)
     z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.temperature)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
-    table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), lse_r - entropy_r]),
+    table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]),
                                     shard.group, shard.rank, shard.world)
     lse = torch.logsumexp(table[:, 0], 0)
     logp = table[:, 1].sum(0) - lse
-    entropy = lse - (torch.exp(table[:, 0] - lse) * table[:, 2]).sum(0)
+    # the entropy of a mixture of the shards' softmaxes with weights w_r = exp(lse_r - lse): sum_r w_r H_r + H(w).
+    # Every term is >= 0 (no cancellation against lse, unlike lse - sum_v p_v z_v).
+    log_w = table[:, 0] - lse
+    entropy = (torch.exp(log_w) * (table[:, 2] - log_w)).sum(0)
     if rows is not None:
         logp, entropy, lse = (torch.zeros(shape.numel(), dtype=t.dtype, device=t.device).index_copy(0, rows, t)
                               for t in (logp, entropy, lse))
