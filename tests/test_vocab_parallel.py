@@ -49,6 +49,7 @@ CASES = {
     "all_masked": ("loss", "torch", torch.float64, True, "rank_order", dict(loss_type="grpo", beta=0.04)),
     "logprobs_bias": ("logprobs", "torch", torch.float64, True, "rank_order", {}),
     "logprobs_reversed": ("logprobs", "torch", torch.float64, False, "reversed", {}),
+    "bf16_loss": ("loss", "torch", torch.bfloat16, True, "rank_order", dict(loss_type="bnpo", entropy_coef=0.05)),
     "triton_loss": ("loss", "triton", torch.float32, True, "rank_order",
                     dict(loss_type="grpo", beta=0.04, entropy_coef=0.05)),
     "triton_logprobs": ("logprobs", "triton", torch.float32, False, "rank_order", {}),
@@ -267,7 +268,8 @@ def test_sharded_head_matches_unsharded(sharded_results, world, name):
     kind, impl, dtype, bias, sharding, _ = CASES[name]
     x = case_inputs(dtype, bias)
     expected = run_case(name, x, x["weight"], x["bias"])
-    x64 = case_inputs(torch.float64, bias)
+    # ground truth: the same (rounded) inputs in float64
+    x64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in x.items()}
     truth = expected if dtype == torch.float64 else run_case(name, x64, x64["weight"], x64["bias"], impl="torch")
     ranks = sharded_results(world)
     order = sorted(range(world), key=lambda r: ranks[r][name]["start"])
