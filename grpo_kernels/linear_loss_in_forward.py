@@ -231,9 +231,12 @@ def fused_linear_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs,
                 e = torch.zeros(sub_mask.shape, dtype=torch.float32, device=dev)
                 e[sub_mask] = ent
                 e.requires_grad_(True)
-            sub_loss, _ = loss_from_logps(x, batch.advantages[b0:b1], sub_mask, rows_of(batch.old_logps, b0, b1),
-                                          rows_of(batch.ref_logps, b0, b1), rows_of(batch.is_ratio, b0, b1), e,
-                                          None, rows_of(batch.sampling_logps, b0, b1), cfg)
+            sub_loss, _ = loss_from_logps(x, batch.advantages[b0:b1], sub_mask,
+                                          old_logps=rows_of(batch.old_logps, b0, b1),
+                                          ref_logps=rows_of(batch.ref_logps, b0, b1),
+                                          is_ratio=rows_of(batch.is_ratio, b0, b1), entropy=e,
+                                          num_items_in_batch=None,
+                                          sampling_logps=rows_of(batch.sampling_logps, b0, b1), config=cfg)
             grads = torch.autograd.grad(sub_loss, [x] if e is None else [x, e])
         sub_w = reduction_weights(sub_mask.float(), cfg.loss_type, None, cfg.max_completion_length)
         scale = (weights[b0:b1][sub_mask] / sub_w[sub_mask])
@@ -246,9 +249,10 @@ def fused_linear_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs,
     if valid is not None:
         logp, ent = (torch.zeros(B * T, dtype=t.dtype, device=dev).index_copy(0, valid, t) for t in (logp, ent))
     with torch.no_grad():
-        loss, metrics = loss_from_logps(logp.view(B, T), batch.advantages, batch.mask, batch.old_logps,
-                                        batch.ref_logps, batch.is_ratio, ent.view(B, T), batch.num_items_in_batch,
-                                        batch.sampling_logps, cfg)
+        loss, metrics = loss_from_logps(logp.view(B, T), batch.advantages, batch.mask, old_logps=batch.old_logps,
+                                        ref_logps=batch.ref_logps, is_ratio=batch.is_ratio, entropy=ent.view(B, T),
+                                        num_items_in_batch=batch.num_items_in_batch,
+                                        sampling_logps=batch.sampling_logps, config=cfg)
     return loss.float() + anchor, metrics
 
 
