@@ -15,7 +15,7 @@ from . import triton_loss_stage
 from .config import GRPOLossConfig, resolve_config
 from .inputs import HeadInputs, LogitsInputs, LossInputs
 from .linear_loss_in_forward import gradient_in_forward, light_path_chunk_bytes
-from .logprobs_from_hidden import head_token_logprobs
+from .logprobs_from_hidden import head_token_logprobs, linear_token_logprobs
 from .loss_types import per_token_gradient_known
 from .logprobs_from_logits import logits_token_logprobs
 from .reference import loss_from_logps
@@ -117,7 +117,8 @@ class FusedLinearGRPOLoss(nn.Module):
     num_items_in_batch) or Liger's (_input, lin_weight, selected_token_ids, attention_mask, advantages, bias,
     ref_per_token_logps, old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio,
     num_items_in_batch), positionally in Liger's order too. With ``ref_input``/``ref_weight`` and no
-    ``ref_logps`` the reference log-probs are computed with the fused no-grad path. Returns (loss, metrics).
+    ``ref_logps`` the reference log-probs are computed with the fused no-grad path. ``process_group`` /
+    ``vocab_start`` (keywords) make it a vocab-parallel head (``fused_linear_grpo_loss``). Returns (loss, metrics).
     """
 
     _POSITIONAL = ("hidden", "weight", "ids", "mask", "advantages", "bias", "ref_logps", "old_logps",
@@ -138,7 +139,7 @@ class FusedLinearGRPOLoss(nn.Module):
             if key in named:
                 raise ValueError(f"argument {key!r} given twice")
             named[key] = value
-        unknown = set(named) - set(self._POSITIONAL) - {"sampling_logps"}
+        unknown = set(named) - set(self._POSITIONAL) - {"sampling_logps", "process_group", "vocab_start"}
         if unknown:
             raise ValueError(f"unknown argument(s) {sorted(unknown)} for FusedLinearGRPOLoss.forward")
         for required in ("hidden", "weight", "ids", "advantages"):
@@ -147,8 +148,9 @@ class FusedLinearGRPOLoss(nn.Module):
         ref_input, ref_weight, ref_bias = (named.pop(k, None) for k in ("ref_input", "ref_weight", "ref_bias"))
         if named.get("ref_logps") is None and self.config.beta != 0.0 and ref_input is not None:
             with torch.no_grad():
-                ref = HeadInputs.validate(ref_input, named["weight"] if ref_weight is None else ref_weight,
-                                          named["ids"], named.get("bias") if ref_weight is None else ref_bias,
-                                          self.config.temperature, self.impl)
-                named["ref_logps"] = head_token_logprobs(ref, deterministic=False)[0]
+                named["ref_logps"] = linear_token_logprobs(
+                    ref_input, named["weight"] if ref_weight is None else ref_weight, named["ids"],
+                    bias=named.get("bias") if ref_weight is None else ref_bias, temperature=self.config.temperature,
+                    impl=self.impl, process_group=named.get("process_group"),
+                    vocab_start=named.get("vocab_start")).view(named["ids"].shape)
         return fused_linear_grpo_loss(config=self.config, impl=self.impl, **named)
