@@ -33,7 +33,7 @@ from .._checks import alloc
 from .._triton import import_triton, interpreting
 from .launch import launch, target_arch
 from .linear_tiles import _NEG_BIG, _to_input_dtype
-from .token_terms import token_terms
+from .token_terms import token_terms_at
 
 triton, tl = import_triton()
 
@@ -138,6 +138,14 @@ def _dlogits_row(z_row, out_row, b_ptr, target, lse, ent, g, g_h, V, inv_tempera
                    inv_temperature, HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, True)
 
 
+@triton.jit
+def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """(logsumexp, entropy) of one row of fp32 logits: the fold of both epilogues."""
+    m, s, a = _row_fold(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
+    log_s = tl.log(s)
+    return m + log_s, log_s - a / s
+
+
 @triton.jit(do_not_specialize=["row0", "V"])
 def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V, stride_z, inv_temperature,
                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -145,13 +153,11 @@ def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V,
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    m, s, a = _row_fold(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
-    log_s = tl.log(s)
-    lse = m + log_s
+    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
     zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), inv_temperature, HAS_BIAS)
     tl.store(lse_ptr + tok, lse)
     tl.store(logp_ptr + tok, zt - lse)
-    tl.store(ent_ptr + tok, log_s - a / s)
+    tl.store(ent_ptr + tok, ent)
 
 
 @triton.jit(do_not_specialize=["row0", "V"])
@@ -171,30 +177,18 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    m, s, a = _row_fold(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
-    log_s = tl.log(s)
-    lse = m + log_s
-    ent = log_s - a / s
+    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
     target = tl.load(ids_ptr + tok)
     logp = _target_logit(z_row, b_ptr, target, inv_temperature, HAS_BIAS) - lse
     tl.store(logp_ptr + tok, logp)
     tl.store(ent_ptr + tok, ent)
 
     # The per-token GRPO maths, defined once (token_terms.py); the reduction is the precomputed weight w.
-    old = logp
-    ref = logp
-    isr = logp
-    if HAS_OLD:
-        old = tl.load(old_ptr + tok)
-    if HAS_REF:
-        ref = tl.load(ref_ptr + tok)
-    if HAS_IS:
-        isr = tl.load(isr_ptr + tok)
     adv = tl.load(adv_ptr + tok)
     w = tl.load(w_ptr + tok)
-    policy, d_policy, kl, rho, rho1 = token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta,
-                                                  sapo_t_pos, sapo_t_neg, KIND, HAS_OLD, HAS_REF, HAS_IS,
-                                                  HAS_DELTA, USE_BETA, BIAS_CORRECTION)
+    policy, d_policy, kl, rho, rho1 = token_terms_at(logp, old_ptr, ref_ptr, isr_ptr, tok, tok, adv, eps_low,
+                                                     eps_high, delta, beta, sapo_t_pos, sapo_t_neg, KIND, HAS_OLD,
+                                                     HAS_REF, HAS_IS, HAS_DELTA, USE_BETA, BIAS_CORRECTION)
     low = tl.where((rho1 < 1.0 - eps_low) & (adv < 0), 1.0, 0.0)
     high = tl.where((rho1 > 1.0 + eps_high) & (adv > 0), 1.0, 0.0)
     terms = terms_ptr + tok.to(tl.int64) * 8

@@ -23,7 +23,7 @@ from .launch import launch
 from .logits_kernels import as_btv, tiles
 from .logits_rows import num_sms, row_logsumexp_entropy, write_row_dlogits
 from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
-from .token_terms import token_terms
+from .token_terms import token_terms_at
 
 # Per-row terms: w*l, m*kl, m*low, m*high, m*region, m*cispo_clipped (token_loss_kernels' sums), then m*entropy.
 N_TERMS = 7
@@ -63,18 +63,10 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
         logp = tl.load(base + target, mask=keep, other=0.0).to(tl.float32) * inv_temperature - lse
         w = tl.load(w_ptr + row)
         adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
-        old = logp
-        ref = logp
-        isr = logp
-        if HAS_OLD:
-            old = tl.load(old_ptr + row)
-        if HAS_REF:
-            ref = tl.load(ref_ptr + row)
-        if HAS_IS:
-            isr = tl.load(is_ptr + b * is_stride_b + t * is_stride_t)
-        policy, d_policy, kl, rho, rho1 = token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta,
-                                                      sapo_t_pos, sapo_t_neg, KIND, HAS_OLD, HAS_REF, HAS_IS,
-                                                      HAS_DELTA, USE_BETA, BIAS_CORRECTION)
+        policy, d_policy, kl, rho, rho1 = token_terms_at(logp, old_ptr, ref_ptr, is_ptr, row,
+                                                         b * is_stride_b + t * is_stride_t, adv, eps_low, eps_high,
+                                                         delta, beta, sapo_t_pos, sapo_t_neg, KIND, HAS_OLD,
+                                                         HAS_REF, HAS_IS, HAS_DELTA, USE_BETA, BIAS_CORRECTION)
         # Why where and not a product: padded tokens may hold anything (inf), 0 * inf must not leak a NaN.
         g = tl.where(keep, w * d_policy, 0.0)
         g_h = tl.where(keep, h_scale * m, 0.0)

@@ -80,3 +80,23 @@ def token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta, sapo_t
             policy = policy + beta * kl
             d_policy = d_policy + beta * d_kl
     return policy, d_policy, kl, rho, rho1
+
+
+@triton.jit
+def token_terms_at(logp, old_ptr, ref_ptr, isr_ptr, tok, isr_offset, adv, eps_low, eps_high, delta, beta,
+                   sapo_t_pos, sapo_t_neg, KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
+                   HAS_IS: tl.constexpr, HAS_DELTA: tl.constexpr, USE_BETA: tl.constexpr,
+                   BIAS_CORRECTION: tl.constexpr):
+    """``token_terms`` of one token whose optional inputs are read where present: old / ref log-probs at ``tok``,
+    is_ratio at ``isr_offset``. Used by the row kernels that form the gradient in the forward."""
+    old = logp
+    ref = logp
+    isr = logp
+    if HAS_OLD:
+        old = tl.load(old_ptr + tok)
+    if HAS_REF:
+        ref = tl.load(ref_ptr + tok)
+    if HAS_IS:
+        isr = tl.load(isr_ptr + isr_offset)
+    return token_terms(logp, old, ref, adv, isr, eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg, KIND,
+                       HAS_OLD, HAS_REF, HAS_IS, HAS_DELTA, USE_BETA, BIAS_CORRECTION)
