@@ -65,17 +65,22 @@ def test_grad_in_forward_matches_trl_and_light_path(case, monkeypatch):
     l_loss, l_grads, l_metrics = _ours(inputs, case, "triton", bias=bias, grad_in_forward=False)
     assert [p for p, _ in seen] == ["fast", "light"] and seen[0][1] == 3
     t_loss, t_grads, t_metrics = _linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
-    assert abs(loss.item() - t_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
-    assert abs(loss.item() - l_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
-    for name, g, lg, t in zip(("d hidden", "d weight", "d bias"), grads, l_grads, t_grads):
-        assert _rel(g, t) <= 2e-5, name
-        assert _rel(g, lg) <= 2e-5, name
+    _assert_agree(loss, grads, l_loss, l_grads, t_loss, t_grads)
     for name in METRICS:
         assert metrics[name].item() == pytest.approx(l_metrics[name].item(), rel=1e-5, abs=1e-7), name
         if name in t_metrics:
             assert metrics[name].item() == pytest.approx(float(t_metrics[name]), rel=1e-5, abs=1e-7), name
     if "cispo_clip_ratio" in l_metrics:
         assert metrics["cispo_clip_ratio"].item() == pytest.approx(l_metrics["cispo_clip_ratio"].item(), abs=1e-7)
+
+
+def _assert_agree(loss, grads, l_loss, l_grads, t_loss, t_grads):
+    """The in-forward path's loss and (d hidden, d weight, d bias) against float64 truth and the light path."""
+    assert abs(loss.item() - t_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
+    assert abs(loss.item() - l_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
+    for name, g, lg, t in zip(("d hidden", "d weight", "d bias"), grads, l_grads, t_grads):
+        assert _rel(g, t) <= 2e-5, name
+        assert _rel(g, lg) <= 2e-5, name
 
 
 SEQUENCE_LOCAL = [c for c in CASES if not per_token_gradient_known(c.config) and c.config.top_entropy_quantile == 1]
@@ -98,11 +103,7 @@ def test_sequence_level_grad_in_forward_matches_trl_and_light_path(case, monkeyp
     l_loss, l_grads, l_metrics = _ours(inputs, case, "triton", bias=bias, grad_in_forward=False)
     assert [p for p, _ in seen] == ["sequence", "light"] and len(seen[0][1]) >= 2
     t_loss, t_grads, t_metrics = _linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
-    assert abs(loss.item() - t_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
-    assert abs(loss.item() - l_loss.item()) <= 2e-6 * max(abs(t_loss.item()), 1e-3)
-    for name, g, lg, t in zip(("d hidden", "d weight", "d bias"), grads, l_grads, t_grads):
-        assert _rel(g, t) <= 2e-5, name
-        assert _rel(g, lg) <= 2e-5, name
+    _assert_agree(loss, grads, l_loss, l_grads, t_loss, t_grads)
     for name in l_metrics:
         assert metrics[name].item() == pytest.approx(l_metrics[name].item(), rel=1e-5, abs=1e-7), name
 

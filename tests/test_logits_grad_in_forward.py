@@ -14,11 +14,10 @@ from grpo_kernels import GRPOLossConfig, _checks, triton_loss_stage
 from grpo_kernels.kernels import logits_kernels
 from grpo_kernels.kernels.logits_loss_kernels import N_TERMS
 from grpo_kernels.loss_types import LOSS_TYPES, per_token_gradient_known
-from grpo_kernels.reference import loss_from_logps, reference_grpo_loss
 
 from .cases import CASES, make_inputs
 from .oracles import trl_compute_loss
-from .tolerances import assert_three_way, naive_logprobs_entropy
+from .tolerances import assert_three_way, loss_truth_and_same_dtype
 
 pytestmark = pytest.mark.interpreter
 MODES = ("grad_in_forward", "separate")
@@ -90,19 +89,10 @@ def test_both_modes_three_way_bf16(case, mode, monkeypatch):
     no worse than plain PyTorch in bf16 (DESIGN.md's three-way rule)."""
     monkeypatch.setattr(logits_kernels, "MAX_BLOCK_V", 128)
     inputs = make_inputs(case, B=3, T=4, V=300, dtype=torch.bfloat16, seed=7)
-    rest = _rest(inputs)
-    args = (inputs["ids"], inputs["advantages"], inputs["mask"])
-    x64 = inputs["logits"].double().requires_grad_(True)
-    loss64, _ = reference_grpo_loss(x64, *args, config=case.config, **rest)
-    (grad64,) = torch.autograd.grad(loss64, x64)
-    xd = inputs["logits"].clone().requires_grad_(True)
-    logp_d, ent_d = naive_logprobs_entropy(xd, inputs["ids"], case.config.temperature)
-    loss_d, _ = loss_from_logps(logp_d, inputs["advantages"], inputs["mask"], entropy=ent_d, config=case.config,
-                                **rest)
-    (grad_d,) = torch.autograd.grad(loss_d, xd)
+    loss64, grad64, loss_d, grad_d = loss_truth_and_same_dtype(inputs, case.config)
     loss, grad, _ = _ours(inputs, case.config, mode, monkeypatch)
     assert grad.dtype == torch.bfloat16
-    assert_three_way(loss, loss_d.detach(), loss64.detach(), torch.bfloat16, "loss")
+    assert_three_way(loss, loss_d, loss64, torch.bfloat16, "loss")
     assert_three_way(grad, grad_d, grad64, torch.bfloat16, "d logits", scale=grad64.abs().max().item())
 
 

@@ -5,10 +5,10 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels import _checks
 from grpo_kernels.kernels import logits_kernels
-from grpo_kernels.reference import logprobs_and_entropy, reference_grpo_loss
+from grpo_kernels.reference import logprobs_and_entropy
 
 from .cases import CASES, make_inputs
-from .tolerances import assert_three_way, naive_logprobs_entropy
+from .tolerances import assert_three_way, loss_truth_and_same_dtype, naive_logprobs_entropy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (B, T, V, block_v): V not a power of two, T = 1, a single token, V below / above / across the block size
@@ -122,23 +122,12 @@ def test_grpo_loss_triton_three_way(case, dtype):
     inputs = make_inputs(case, B=3, T=5, V=300, dtype=dtype, seed=11)
     rest = {k: v for k, v in inputs.items() if k not in ("logits", "ids", "advantages", "mask")}
     args = (inputs["ids"], inputs["advantages"], inputs["mask"])
-
-    x64 = inputs["logits"].double().requires_grad_(True)
-    loss64, _ = reference_grpo_loss(x64, *args, config=case.config, **rest)
-    (grad64,) = torch.autograd.grad(loss64, x64)
-
-    # torch in the input dtype: the naive log-softmax in D, then the same loss stage
-    xd = inputs["logits"].clone().requires_grad_(True)
-    logp_d, ent_d = naive_logprobs_entropy(xd, inputs["ids"], case.config.temperature)
-    from grpo_kernels.reference import loss_from_logps
-    loss_d, _ = loss_from_logps(logp_d, inputs["advantages"], inputs["mask"], entropy=ent_d, config=case.config,
-                                **rest)
-    (grad_d,) = torch.autograd.grad(loss_d, xd)
+    loss64, grad64, loss_d, grad_d = loss_truth_and_same_dtype(inputs, case.config)
 
     x = inputs["logits"].clone().requires_grad_(True)
     loss, _ = gk.grpo_loss(x, *args, config=case.config, impl="triton", **rest)
     (grad,) = torch.autograd.grad(loss, x)
-    assert_three_way(loss.detach(), loss_d.detach(), loss64.detach(), dtype, "loss")
+    assert_three_way(loss.detach(), loss_d, loss64, dtype, "loss")
     assert_three_way(grad, grad_d, grad64, dtype, "d logits", scale=grad64.abs().max().item())
 
 

@@ -140,13 +140,26 @@ def _check_metrics(metrics, truth_metrics, what):
         assert abs(v.item() - t) <= 1e-4 * max(1.0, abs(t)), f"{what}: metric {k} {v.item()!r} vs {t!r}"
 
 
+def _check_head_grads(leaves, frozen, truths, dtype, what: str) -> None:
+    """Gradients of (hidden, weight, bias) against float64 truths; a frozen leaf must get none."""
+    for name, leaf, truth in zip(("hidden", "weight", "bias"), [t for t in leaves if t is not None], truths):
+        if name in frozen:
+            assert leaf.grad is None, f"{what}: frozen {name} got a gradient"
+        else:
+            _check_grad(leaf.grad, truth, dtype, f"{what} d {name}")
+
+
 def _check_grad(grad, truth, dtype, what):
     """Three-way rule with the best possible result in ``dtype`` (truth rounded) as the middle term."""
     assert grad is not None and grad.dtype == dtype, what
     assert torch.isfinite(grad).all(), f"{what}: non-finite gradient"
     scale = truth.abs().max().item() if truth.numel() else 0.0
     if scale == 0.0:
-        assert (grad == 0).all(), f"{what}: the float64 gradient is zero, ours is not"
+        # An exactly zero truth (e.g. V = 1: p = 1, so onehot - p = 0) may come out as rounding noise when the
+        # forward and the backward form the logits with different GEMMs (cuBLAS / tl.dot): bounded absolutely,
+        # with the atol of the dtype (the scale floor of 1 of tests/tolerances.py).
+        worst = grad.abs().max().item() if grad.numel() else 0.0
+        assert worst <= GRAD_ATOL[dtype], f"{what}: the float64 gradient is zero, ours reaches {worst:.3e}"
         return
     err = (grad.double() - truth).abs().max().item() / scale
     rounding = (truth.to(dtype).double() - truth).abs().max().item() / scale
@@ -336,11 +349,7 @@ def test_linear_token_logprobs_property(impl):
         for name, ours, truth in (("logp", logp, t_logp), ("entropy", ent, t_ent)):
             err = (ours.double() - truth.detach()).abs().max().item()
             assert err <= 1e-4 * max(1.0, truth.abs().max().item()), f"{impl} {name}: {err:.3e}"
-        for name, leaf, truth in zip(("hidden", "weight", "bias"), [t for t in leaves if t is not None], t_grads):
-            if name in frozen:
-                assert leaf.grad is None, f"{impl}: frozen {name} got a gradient"
-            else:
-                _check_grad(leaf.grad, truth, dtype, f"{impl} d {name}")
+        _check_head_grads(leaves, frozen, t_grads, dtype, impl)
 
     run()
 
@@ -372,10 +381,6 @@ def test_fused_linear_grpo_loss_property(impl):
         what = f"{impl} {cfg.loss_type} {dtype}"
         _check_loss(loss, t_loss, dtype, what)
         _check_metrics(metrics, t_metrics, what)
-        for name, leaf, truth in zip(("hidden", "weight", "bias"), [t for t in leaves if t is not None], t_grads):
-            if name in frozen:
-                assert leaf.grad is None, f"{what}: frozen {name} got a gradient"
-            else:
-                _check_grad(leaf.grad, truth, dtype, f"{what} d {name}")
+        _check_head_grads(leaves, frozen, t_grads, dtype, what)
 
     run()

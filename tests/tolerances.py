@@ -29,3 +29,22 @@ def naive_logprobs_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature:
     logp = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp.float(), entropy.float()
+
+
+def loss_truth_and_same_dtype(inputs: dict, config):
+    """The first two terms of the rule for a loss on logits: (loss, d logits) in float64 (ground truth) and from
+    plain PyTorch in the logits' own dtype (naive log-softmax, then the reference loss stage).
+
+    inputs: ``tests.cases.make_inputs`` output (logits, ids, advantages, mask and the optional per-token tensors).
+    """
+    from grpo_kernels.reference import loss_from_logps, reference_grpo_loss
+
+    rest = {k: v for k, v in inputs.items() if k not in ("logits", "ids", "advantages", "mask")}
+    x64 = inputs["logits"].double().requires_grad_(True)
+    loss64, _ = reference_grpo_loss(x64, inputs["ids"], inputs["advantages"], inputs["mask"], config=config, **rest)
+    (grad64,) = torch.autograd.grad(loss64, x64)
+    xd = inputs["logits"].clone().requires_grad_(True)
+    logp_d, ent_d = naive_logprobs_entropy(xd, inputs["ids"], config.temperature)
+    loss_d, _ = loss_from_logps(logp_d, inputs["advantages"], inputs["mask"], entropy=ent_d, config=config, **rest)
+    (grad_d,) = torch.autograd.grad(loss_d, xd)
+    return loss64.detach(), grad64, loss_d.detach(), grad_d
