@@ -264,16 +264,24 @@ def logits_f32(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None
     elif not h.is_cuda:
         torch.mm(h.float(), weight.float().t(), out=out)
     else:
-        if _DTYPE_OUT["mm"] is not False:
-            try:
-                torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
-                _DTYPE_OUT["mm"] = True
-                return
-            except (TypeError, RuntimeError, NotImplementedError) as err:
-                if not _unsupported(err):
-                    raise
-                _DTYPE_OUT["mm"] = False
-        out.copy_(torch.mm(h, weight.t()))
+        if not _out_dtype_gemm("mm", lambda: torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)):
+            out.copy_(torch.mm(h, weight.t()))
+
+
+def _out_dtype_gemm(kind: str, gemm) -> bool:
+    """Run ``gemm`` (torch's fp32-output ``kind`` variant) unless this torch is known to lack it; False when it does
+    (learned on the first call and cached), so the caller takes its fallback."""
+    if _DTYPE_OUT[kind] is False:
+        return False
+    try:
+        gemm()
+    except (TypeError, RuntimeError, NotImplementedError) as err:
+        if not _unsupported(err):
+            raise
+        _DTYPE_OUT[kind] = False
+        return False
+    _DTYPE_OUT[kind] = True
+    return True
 
 
 def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -289,15 +297,8 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if not a.is_cuda:
         acc.addmm_(a.float(), b.float())
         return
-    if _DTYPE_OUT["addmm"] is not False:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _DTYPE_OUT["addmm"] = True
-            return
-        except (TypeError, RuntimeError, NotImplementedError) as err:
-            if not _unsupported(err):
-                raise
-            _DTYPE_OUT["addmm"] = False
+    if _out_dtype_gemm("addmm", lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)):
+        return
     rows = max(1, min(acc.shape[0], FALLBACK_BLOCK_BYTES // (4 * max(1, acc.shape[1]))))
     tmp = torch.empty((rows, acc.shape[1]), dtype=torch.float32, device=acc.device)
     for i0 in range(0, acc.shape[0], rows):
