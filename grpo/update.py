@@ -5,8 +5,6 @@ under causal attention and saves most of the padding cost of short completions.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from grpo_kernels.loss_types import LOSS_TABLE
@@ -14,6 +12,7 @@ from grpo_kernels.loss_types import LOSS_TABLE
 from .distributed import DistEnv, all_reduce_sum
 from .policy import GRPOPolicy
 from .rollout import Rollout
+from .sharding import clip_grad_norm, gradient_sync, is_fsdp
 
 
 def trim(batch: dict) -> dict:
@@ -50,7 +49,7 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
                    env: DistEnv) -> dict:
     """Gradient-accumulated loss over ``rows`` in micro-batches, clipping, one optimizer and scheduler step.
 
-    ``model`` is ``policy`` or its DDP wrapper. When the rollout kept its sampling forward's hidden states
+    ``model`` is ``policy``, its DDP wrapper, or ``policy`` itself sharded with FSDP2 (grpo/sharding.py). When the rollout kept its sampling forward's hidden states
     (``rollout.hidden``, single-pass mode: the whole rollout is one micro-batch of one on-policy step), the loss
     backpropagates through them instead of running the backbone again. Returns the token-weighted means of the loss metrics plus ``loss``
     and ``grad_norm`` (floats: one host sync per micro-batch, for the metrics).
@@ -71,7 +70,7 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
     for i, mrows in enumerate(micro_rows):
         batch = trim(rollout.batch(mrows, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps))
         last = i == len(micro_rows) - 1
-        sync = model.no_sync() if env.enabled and not last else contextlib.nullcontext()
+        sync = gradient_sync(model, last, env)
         hidden = None
         if rollout.hidden is not None:
             if mrows.numel() != rollout.batch_size or not torch.equal(mrows, torch.arange(len(mrows), device=mrows.device)):
@@ -88,7 +87,11 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
             totals[k] = totals.get(k, 0.0) + v.detach().float() * weight
     rollout.hidden = None  # its graph is consumed
     params = [p for p in policy.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+    if is_fsdp(model):  # gradients are DTensor shards: the norm of the full gradient
+        grad_norm = clip_grad_norm(params, max_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     optimizer.step()
     scheduler.step()
     names = list(totals)
