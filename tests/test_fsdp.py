@@ -158,7 +158,7 @@ def test_bf16_mixed_precision_two_ranks_match_one_rank(tmp_path):
     one, params1 = _worker(tmp_path, 1, *configs, name="one")
     for name in two:
         diff = max(float((params2[name][k] - params1[name][k]).abs().max()) for k in params1[name])
-        assert diff <= 1e-4, (name, diff)
-        assert two[name]["grad_norms_sharded"] == pytest.approx(one[name]["grad_norms_sharded"], rel=1e-4)
+        assert diff <= 1e-6, (name, diff)  # measured <= 3e-8
+        assert two[name]["grad_norms_sharded"] == pytest.approx(one[name]["grad_norms_sharded"], rel=1e-6)
     sgd = two["bnpo-sgd-clipped"]
     assert sgd["max_param_diff"] <= 0.1 * sgd["max_param_change"], sgd
