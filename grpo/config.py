@@ -35,6 +35,7 @@ CHOICES = {
     "advantage_scale": ("group", "batch", "none"),
     "chat_template": ("auto", "on", "off"),
     "lr_scheduler": ("cosine", "linear", "constant"),
+    "fsdp_grad_sync": ("micro_batch", "step"),
 }
 
 
@@ -53,6 +54,7 @@ class TrainConfig:
     save_total_limit: int = 2
     device: str = "auto"
     fsdp: bool = False                 # FSDP2 (fully_shard) instead of DDP; a single process is a 1-rank mesh
+    fsdp_grad_sync: str = "micro_batch"  # FSDP2 gradient accumulation: reduce-scatter every micro-batch or per step
     progress: bool = True
     # model
     model: str | None = None

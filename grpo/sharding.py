@@ -94,9 +94,9 @@ def gathered(root: nn.Module | None):
 
 
 def gradient_sync(model: nn.Module, sync: bool, env: DistEnv):
-    """The context of one micro-batch's backward: gradients are reduced across ranks only when ``sync`` (the last
-    micro-batch of an optimizer step). FSDP2: ``set_requires_gradient_sync`` (unsharded gradients accumulate
-    locally until then); DDP: ``no_sync``; a single process: nothing."""
+    """The context of one micro-batch's backward: gradients are reduced across ranks only when ``sync``.
+    FSDP2: ``set_requires_gradient_sync`` (without sync, each layer's *unsharded* gradient accumulates locally, in
+    the reduce dtype, until a synced backward); DDP: ``no_sync``; a single process: nothing."""
     if is_fsdp(model):
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()

@@ -219,7 +219,7 @@ class Trainer:
             for rows in self.minibatches()[:cfg.max_steps - self.step]:
                 stats = optimizer_step(self.model, self.policy, self.optimizer, self.scheduler, rollout, rows,
                                        advantages, old_logps, ref_logps, micro_batch_size=cfg.micro_batch_size,
-                                       max_grad_norm=cfg.max_grad_norm, env=env)
+                                       max_grad_norm=cfg.max_grad_norm, env=env, fsdp_grad_sync=cfg.fsdp_grad_sync)
                 self.step += 1
                 record = self._record(stats, rollout_stats, t0, start_time)
                 if self.evaluator is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):

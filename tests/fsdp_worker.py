@@ -31,9 +31,11 @@ from grpo.update import optimizer_step, rollout_logprobs
 CONFIGS = [
     {"name": "grpo-adamw", "loss_type": "grpo", "optimizer": "adamw", "broken": None},
     {"name": "dapo-adamw", "loss_type": "dapo", "optimizer": "adamw", "broken": None},
+    {"name": "dapo-adamw-step-sync", "loss_type": "dapo", "optimizer": "adamw", "broken": None, "sync": "step"},
     {"name": "bnpo-sgd-clipped", "loss_type": "bnpo", "optimizer": "sgd", "broken": None, "max_grad_norm": 1.0},
     {"name": "grpo-sgd-summed", "loss_type": "grpo", "optimizer": "sgd", "broken": "summed"},
-    {"name": "dapo-adamw-unreduced", "loss_type": "dapo", "optimizer": "adamw", "broken": "unreduced"},
+    {"name": "dapo-adamw-unreduced", "loss_type": "dapo", "optimizer": "adamw", "broken": "unreduced",
+     "sync": "step"},
 ]
 ROWS, PROMPT, COMPLETION, MICRO, STEPS, BETA = 8, 4, 6, 2, 3, 0.04
 
@@ -83,7 +85,8 @@ def make_optimizer(policy, kind: str):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_norm: float) -> list[float]:
+def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_norm: float,
+        sync: str = "micro_batch") -> list[float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with sharding.gathered(policy):
         old_logps = rollout_logprobs(policy, rollout, MICRO)
@@ -92,7 +95,8 @@ def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_
     norms = []
     for _ in range(STEPS):
         stats = optimizer_step(model, policy, optimizer, scheduler, rollout, rows, advantages, old_logps, ref_logps,
-                               micro_batch_size=MICRO, max_grad_norm=max_grad_norm, env=env)
+                               micro_batch_size=MICRO, max_grad_norm=max_grad_norm, env=env,
+                               fsdp_grad_sync=sync)
         norms.append(stats["grad_norm"])
     return norms
 
@@ -134,7 +138,8 @@ def main() -> None:
         share = ROWS // world
         rows = torch.arange(rank * share, (rank + 1) * share, device=device)
         clip = cfg.get("max_grad_norm", 0.0)
-        sharded_norms = run(policy, ref, policy, optimizer, rollout, advantages, rows, env, clip)
+        sharded_norms = run(policy, ref, policy, optimizer, rollout, advantages, rows, env, clip,
+                            cfg.get("sync", "micro_batch"))
         full = sharding.full_lm_state_dict(policy)
         if rank == 0:
             params[cfg["name"]] = full

@@ -3,7 +3,8 @@
 - Equivalence (tests/fsdp_worker.py under torchrun): a fixed synthetic rollout, three optimizer steps on 2 ranks
   (each rank half of the rows) give the parameters of one process on all rows, for three loss normalizations
   (grpo: per sequence, dapo: global token count, bnpo: per micro-batch token count) with beta != 0, AdamW and
-  clipped SGD; two deliberately broken gradient reductions must fail the same comparison.
+  clipped SGD, gradients reduce-scattered every micro-batch or once per step (--fsdp-grad-sync); two
+  deliberately broken gradient reductions must fail the same comparison.
 - A 1-rank FSDP run of grpo.train matches the plain run; its checkpoints are sharded (torch.distributed.checkpoint)
   plus a full ``model/``; resuming reproduces the uninterrupted run; mixing --fsdp and non-FSDP checkpoints is
   refused with a clear error.
@@ -58,8 +59,8 @@ def _model_checksum(model_dir) -> float:
 # ------------------------------------------------------------------------------------------------- equivalence
 def test_two_ranks_match_one_process_and_broken_reductions_do_not(tmp_path):
     results, _ = _worker(tmp_path, 2)
-    assert set(results) == {"grpo-adamw", "dapo-adamw", "bnpo-sgd-clipped", "grpo-sgd-summed",
-                            "dapo-adamw-unreduced"}
+    assert set(results) == {"grpo-adamw", "dapo-adamw", "dapo-adamw-step-sync", "bnpo-sgd-clipped",
+                            "grpo-sgd-summed", "dapo-adamw-unreduced"}
     for name, r in results.items():
         assert r["world_size"] == 2
         if r["expect_match"]:
@@ -76,6 +77,9 @@ def test_fsdp_flag_is_validated():
     assert config_from_argv(["--fsdp"]).fsdp is True and config_from_argv([]).fsdp is False
     with pytest.raises(UsageError, match="--fsdp is a switch"):
         TrainConfig(fsdp="yes")
+    assert config_from_argv(["--fsdp", "--fsdp-grad-sync", "step"]).fsdp_grad_sync == "step"
+    with pytest.raises(UsageError, match="--fsdp-grad-sync must be one of micro_batch, step"):
+        TrainConfig(fsdp_grad_sync="never")
 
 
 def test_single_process_fsdp_matches_plain_run_saves_sharded_and_resumes(tmp_path):
