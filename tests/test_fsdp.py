@@ -33,7 +33,7 @@ OPTS = dict(prompts_per_step=4, num_generations=4, max_steps=4, save_steps=2, lo
 FLAGS = SMALL + ["--max-steps", "4", "--save-steps", "2", "--beta", "0.04", "--mini-batch-size", "8",
                  "--micro-batch-size", "4", "--eval-every", "2", "--eval-size", "8", "--seed", "3"]
 PARAM_ATOL = 1e-5    # fp32: measured <= 8.4e-7 (2 ranks vs 1 process, 3 steps); parameters move by >= 3e-2
-NORM_RTOL = 1e-5     # fp32 gradient norms: measured <= 1.0e-6 relative
+NORM_RTOL = 1e-5     # fp32 gradient norms: measured <= 1.7e-6 relative
 BROKEN_MIN_DIFF = 1e-2  # a broken reduction moves parameters off by the size of an update (measured >= 3e-2)
 
 
