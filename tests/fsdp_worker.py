@@ -75,7 +75,8 @@ def build(tokenizer, cfg: dict, device: torch.device, autocast):
     if autocast is not None:
         ref_lm.to(autocast)
     compute = autocast or torch.float32
-    return GRPOPolicy(lm, loss, "torch", compute, autocast), GRPOPolicy(ref_lm, loss, "torch", compute, autocast)
+    # impl "auto": the chunked torch head on CPU, the Triton kernels on CUDA
+    return GRPOPolicy(lm, loss, "auto", compute, autocast), GRPOPolicy(ref_lm, loss, "auto", compute, autocast)
 
 
 def make_optimizer(policy, kind: str):
@@ -149,7 +150,7 @@ def main() -> None:
                         torch.arange(ROWS, device=device), single, clip)
             truth = policy1.lm.state_dict()
             diff = max(float((full[k].float() - truth[k].detach().cpu().float()).abs().max()) for k in truth)
-            moved = max(float((truth[k].detach().cpu().float() - v.float()).abs().max())
+            moved = max(float((truth[k].detach().cpu().float() - v.detach().cpu().float()).abs().max())
                         for k, v in build(tokenizer, cfg, device, autocast)[0].lm.state_dict().items())
             results[cfg["name"]] = {"max_param_diff": diff, "max_param_change": moved,
                                     "grad_norms_sharded": sharded_norms, "grad_norms_single": norms,
