@@ -66,7 +66,7 @@ def save_checkpoint(path: str, *, counters: dict, model, tokenizer, optimizer, s
     so that the checkpoint is still a regular ``--model`` directory; trainer_state.pt then has no optimizer."""
     os.makedirs(path, exist_ok=True)
     torch.save(_rng_state(sampler), os.path.join(path, f"rng_state_{env.rank}.pt"))
-    state_dict, trainer_state = None, {"optimizer": optimizer.state_dict()} if fsdp_root is None else {}
+    state_dict = None
     if fsdp_root is not None:
         from .sharding import full_lm_state_dict, save_sharded
 
@@ -75,7 +75,8 @@ def save_checkpoint(path: str, *, counters: dict, model, tokenizer, optimizer, s
     if env.is_main:
         model.save_pretrained(os.path.join(path, "model"), safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(os.path.join(path, "model"))
-        torch.save({**counters, **trainer_state, "scheduler": scheduler.state_dict(), "config": config,
+        optimizer_state = {"optimizer": optimizer.state_dict()} if fsdp_root is None else {}  # else: sharded/
+        torch.save({**counters, **optimizer_state, "scheduler": scheduler.state_dict(), "config": config,
                     "sharded": fsdp_root is not None}, os.path.join(path, "trainer_state.pt"))
     barrier(env)
     if env.is_main:
