@@ -83,8 +83,9 @@ def test_fsdp_flag_is_validated():
 
 
 def test_single_process_fsdp_matches_plain_run_saves_sharded_and_resumes(tmp_path):
-    """A 1-process --fsdp run (a 1-rank mesh) is the plain run (same losses, same parameters); its checkpoints
-    hold sharded/ (DCP) and a full model/; resuming from step 2 reproduces steps 3-4 exactly."""
+    """A 1-process --fsdp run (a 1-rank mesh) is the plain run (same losses, same parameters; also with
+    --gradient-checkpointing); its checkpoints hold sharded/ (DCP) and a full model/; resuming from step 2
+    reproduces steps 3-4 exactly."""
     plain = train.train(TrainConfig(output_dir=str(tmp_path / "plain"), **OPTS))
     fsdp = train.train(TrainConfig(output_dir=str(tmp_path / "fsdp"), fsdp=True, **OPTS))
     assert [r["step"] for r in fsdp["history"]] == [1, 2, 3, 4]
@@ -92,6 +93,11 @@ def test_single_process_fsdp_matches_plain_run_saves_sharded_and_resumes(tmp_pat
         for key in ("loss", "kl", "grad_norm", "reward_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
     assert fsdp["param_checksums"][0] == pytest.approx(plain["param_checksums"][0], rel=1e-9)
+    checkpointed = train.train(TrainConfig(output_dir=str(tmp_path / "gc"), fsdp=True, gradient_checkpointing=True,
+                                           **dict(OPTS, save_steps=0)))  # recomputation inside FSDP units
+    assert len(checkpointed["history"]) == 4
+    for a, b in zip(plain["history"], checkpointed["history"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7), (a, b)
     ck = tmp_path / "fsdp" / "checkpoint-2"
     assert sorted(os.listdir(ck / "sharded")) == [".metadata", "__0_0.distcp"]
     assert (ck / "COMPLETE").exists() and (ck / "model" / "config.json").exists()
