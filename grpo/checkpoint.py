@@ -58,15 +58,26 @@ def _rng_state(sampler) -> dict:
 
 
 def save_checkpoint(path: str, *, counters: dict, model, tokenizer, optimizer, scheduler, sampler, config: dict,
-                    env: DistEnv) -> None:
-    """Collective: every rank must call it (each writes its RNG state; rank 0 writes the rest)."""
+                    env: DistEnv, fsdp_root=None) -> None:
+    """Collective: every rank must call it (each writes its RNG state; rank 0 writes the rest).
+
+    ``fsdp_root`` (the FSDP2-sharded GRPOPolicy around ``model``): model and optimizer state are saved sharded
+    under ``sharded/`` (every rank writes its shards), and ``model/`` gets the full weights gathered to rank 0,
+    so that the checkpoint is still a regular ``--model`` directory; trainer_state.pt then has no optimizer."""
     os.makedirs(path, exist_ok=True)
     torch.save(_rng_state(sampler), os.path.join(path, f"rng_state_{env.rank}.pt"))
+    state_dict = None
+    if fsdp_root is not None:
+        from .sharding import full_lm_state_dict, save_sharded
+
+        save_sharded(path, fsdp_root, optimizer)
+        state_dict = full_lm_state_dict(fsdp_root)
     if env.is_main:
-        model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
+        model.save_pretrained(os.path.join(path, "model"), safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(os.path.join(path, "model"))
-        torch.save({**counters, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "config": config}, os.path.join(path, "trainer_state.pt"))
+        optimizer_state = {"optimizer": optimizer.state_dict()} if fsdp_root is None else {}  # else: sharded/
+        torch.save({**counters, **optimizer_state, "scheduler": scheduler.state_dict(), "config": config,
+                    "sharded": fsdp_root is not None}, os.path.join(path, "trainer_state.pt"))
     barrier(env)
     if env.is_main:
         with open(os.path.join(path, "COMPLETE"), "w") as f:
@@ -101,11 +112,21 @@ def load_model_weights(model, model_dir: str) -> None:
                          f"unexpected {unexpected[:5]}")
 
 
-def load_checkpoint(path: str, *, model, optimizer, scheduler, sampler, env: DistEnv) -> dict:
-    """Restore everything ``save_checkpoint`` wrote; returns its counters (``step``, ``rollout``)."""
-    load_model_weights(model, os.path.join(path, "model"))
+def load_checkpoint(path: str, *, model, optimizer, scheduler, sampler, env: DistEnv, fsdp_root=None) -> dict:
+    """Restore everything ``save_checkpoint`` wrote; returns its counters (``step``, ``rollout``). With
+    ``fsdp_root`` model and optimizer come from ``sharded/`` (resharded when the world size changed)."""
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    if fsdp_root is not None:
+        from .sharding import load_sharded
+
+        load_sharded(path, fsdp_root, optimizer)
+    elif state.get("sharded"):
+        raise UsageError(f"--resume {path!r}: this checkpoint was saved with --fsdp (sharded optimizer state); "
+                         "resume it with --fsdp, or start a new run from it with --model "
+                         f"{os.path.join(path, 'model')}")
+    else:
+        load_model_weights(model, os.path.join(path, "model"))
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng_path = os.path.join(path, f"rng_state_{env.rank}.pt")
     if os.path.isfile(rng_path):

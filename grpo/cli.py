@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(run, "save_steps", "checkpoint every N steps (0: only at the end)", type=int)
     _add(run, "save_total_limit", "keep the N newest checkpoints (0: all)", type=int)
     _add(run, "device", "auto: CUDA if available")
+    _add(run, "fsdp", "shard parameters, gradients and optimizer state over the ranks with FSDP2 (fully_shard per "
+         "decoder layer; checkpoints saved sharded); default: DDP under torchrun", action="store_true")
+    _add(run, "fsdp_grad_sync", "--fsdp gradient accumulation: micro_batch reduce-scatters every micro-batch "
+         "(gradients stay sharded); step only the last one (fewer collectives, but a full unsharded fp32 gradient "
+         "per rank in between)")
     run.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar (log lines instead)")
 
     model = p.add_argument_group("model")

@@ -35,6 +35,7 @@ CHOICES = {
     "advantage_scale": ("group", "batch", "none"),
     "chat_template": ("auto", "on", "off"),
     "lr_scheduler": ("cosine", "linear", "constant"),
+    "fsdp_grad_sync": ("micro_batch", "step"),
 }
 
 
@@ -52,6 +53,8 @@ class TrainConfig:
     save_steps: int = 100
     save_total_limit: int = 2
     device: str = "auto"
+    fsdp: bool = False                 # FSDP2 (fully_shard) instead of DDP; a single process is a 1-rank mesh
+    fsdp_grad_sync: str = "micro_batch"  # FSDP2 gradient accumulation: reduce-scatter every micro-batch or per step
     progress: bool = True
     # model
     model: str | None = None
@@ -152,6 +155,7 @@ class TrainConfig:
         _check(self.resume in (None, "latest") or os.path.isdir(self.resume),
                f"--resume {self.resume!r}: no such checkpoint directory")
         _check(not (self.resume is not None and self.overwrite), "--resume and --overwrite exclude each other")
+        _check(isinstance(self.fsdp, bool), f"--fsdp is a switch (True / False), got {self.fsdp!r}")
         _check(self.completion_chars is None or len(self.completion_chars) > 0,
                "--completion-chars must name at least one character")
         if self.completion_chars is None and self.dataset is None:

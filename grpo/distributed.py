@@ -43,11 +43,16 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def init_distributed(requested_device: str = "auto") -> DistEnv:
-    """Join the torchrun process group if there is one; return this process's rank, world size and device."""
+def init_distributed(requested_device: str = "auto", group_for_one: bool = False) -> DistEnv:
+    """Join the torchrun process group if there is one; return this process's rank, world size and device.
+    ``group_for_one``: a single process still gets a 1-rank process group (FSDP2 needs a device mesh), held in an
+    in-memory store: no port, no rendezvous."""
     device = pick_device(requested_device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
+        if group_for_one and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
         return DistEnv(device=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

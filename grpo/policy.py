@@ -4,7 +4,9 @@
 states that predict the completion tokens, and calls ``grpo_kernels.fused_linear_grpo_loss`` with the LM head's
 weight (and bias), so the B x T x V logits never exist. Because the whole loss happens inside ``forward``,
 wrapping this module in ``DistributedDataParallel`` sees every parameter (body *and* head) used in its forward:
-DDP's hooks, gradient all-reduce and ``no_sync`` work as for any model.
+DDP's hooks, gradient all-reduce and ``no_sync`` work as for any model. Under FSDP2 (``grpo/sharding.py``) this
+module is the root unit: its forward gathers the embeddings, final norm and head, so the fused loss gets the
+plain unsharded ``lm_head.weight``.
 
 The head goes through ``grpo_kernels.integrations.transformers.get_lm_head``, the package's one fused-head
 compatibility check: a model whose logits are ``logit_scale * (h @ W.T + b)`` is scored at temperature

@@ -27,7 +27,7 @@ def train(config: TrainConfig) -> dict:
     from .trainer import Trainer
 
     try:
-        env = init_distributed(config.device)
+        env = init_distributed(config.device, group_for_one=config.fsdp)
         result = Trainer(config, env).train()
         barrier(env)  # leave together: no rank tears down its connections while another still uses them
     finally:

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import grpo_kernels as gk
 
 from . import checkpoint as ckpt
+from . import sharding
 from .config import TrainConfig
 from .data import BUILTIN_TASKS, PRINTABLE_ASCII, TRAIN_ROW_WEIGHTING, PromptSampler, format_prompt, load_jsonl, split_eval
 from .distributed import DistEnv, all_reduce_sum, barrier, reduce_mean_dict
@@ -70,7 +71,11 @@ class Trainer:
                 ref_lm.gradient_checkpointing_disable()
             self.ref = GRPOPolicy(ref_lm, cfg.loss, cfg.impl, compute_dtype, autocast, banned)
         self.model = self.policy
-        if env.enabled:
+        if cfg.fsdp:  # FSDP2: the policy (the optimizer's parameters are its shards) and the reference alike
+            sharding.shard(self.policy, env, autocast)
+            if self.ref is not None:
+                sharding.shard(self.ref, env, autocast)
+        elif env.enabled:
             self.model = DDP(self.policy, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -94,10 +99,11 @@ class Trainer:
         # Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
         # backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead
         # of running the backbone a second time. Short completions only: the KV cache's saved tensors grow with
-        # the square of the length. Off under DDP (its hooks need the forward to go through the wrapper).
+        # the square of the length. Off under DDP and FSDP (their hooks need the forward to go through the
+        # wrapper / root).
         rollout_size = cfg.prompts_per_step * cfg.num_generations
         self.single_pass = (cfg.num_iterations == 1 and cfg.micro_batch_size == rollout_size
-                            and not env.enabled and not cfg.gradient_checkpointing
+                            and not env.enabled and not cfg.fsdp and not cfg.gradient_checkpointing
                             and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
         # Sampling streams differ per rank (each rank generates its own groups); restored on resume.
         torch.manual_seed(cfg.seed * 7919 + 104729 * (env.rank + 1))
@@ -105,7 +111,8 @@ class Trainer:
         if cfg.resume is not None:
             self.resumed_from = ckpt.resolve_resume_path(cfg.resume, cfg.output_dir)
             counters = ckpt.load_checkpoint(self.resumed_from, model=self.lm, optimizer=self.optimizer,
-                                            scheduler=self.scheduler, sampler=self.prompts, env=env)
+                                            scheduler=self.scheduler, sampler=self.prompts, env=env,
+                                            fsdp_root=self.policy if cfg.fsdp else None)
             self.step, self.rollout_index = counters["step"], counters["rollout"]
 
     # ------------------------------------------------------------------------------------------- setup
@@ -159,8 +166,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- rollout
     def make_rollout(self) -> tuple[Rollout, torch.Tensor]:
         idx = self.prompts.next(self.cfg.prompts_per_step)
-        rollout = self.sampler.rollout([self.texts[i] for i in idx], [self.rows[i] for i in idx],
-                                       keep_graph=self.single_pass)
+        with sharding.gathered(self.policy):  # FSDP2: the sampler calls the model outside the root's forward
+            rollout = self.sampler.rollout([self.texts[i] for i in idx], [self.rows[i] for i in idx],
+                                           keep_graph=self.single_pass)
         if self.cfg.mask_truncated_completions:
             rollout.completion_mask &= ~rollout.truncated.to(self.device)[:, None]
         advantages = gk.group_advantages(rollout.rewards, self.cfg.num_generations, scale=self.cfg.advantage_scale,
@@ -200,13 +208,18 @@ class Trainer:
         while self.step < cfg.max_steps:
             t0 = time.time()
             rollout, advantages = self.make_rollout()
-            old_logps = rollout_logprobs(self.policy, rollout, cfg.micro_batch_size) if off_policy else None
-            ref_logps = rollout_logprobs(self.ref, rollout, cfg.micro_batch_size) if self.ref is not None else None
+            old_logps = ref_logps = None
+            if off_policy:
+                with sharding.gathered(self.policy):
+                    old_logps = rollout_logprobs(self.policy, rollout, cfg.micro_batch_size)
+            if self.ref is not None:
+                with sharding.gathered(self.ref):
+                    ref_logps = rollout_logprobs(self.ref, rollout, cfg.micro_batch_size)
             rollout_stats = self._rollout_stats(rollout, time.time() - t0)
             for rows in self.minibatches()[:cfg.max_steps - self.step]:
                 stats = optimizer_step(self.model, self.policy, self.optimizer, self.scheduler, rollout, rows,
                                        advantages, old_logps, ref_logps, micro_batch_size=cfg.micro_batch_size,
-                                       max_grad_norm=cfg.max_grad_norm, env=env)
+                                       max_grad_norm=cfg.max_grad_norm, env=env, fsdp_grad_sync=cfg.fsdp_grad_sync)
                 self.step += 1
                 record = self._record(stats, rollout_stats, t0, start_time)
                 if self.evaluator is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
@@ -233,7 +246,9 @@ class Trainer:
     def _evaluate(self, log: MetricsLog | None, record: dict) -> dict:
         """Greedy held-out evaluation; its keys join ``record`` (written to ``log`` when given: the step-0 line)."""
         t0 = time.time()
-        result = reduce_mean_dict(self.evaluator.evaluate(), self.env)
+        with sharding.gathered(self.policy):
+            result = self.evaluator.evaluate()
+        result = reduce_mean_dict(result, self.env)
         result["eval/seconds"] = time.time() - t0
         record.update(result)
         if log is not None:
@@ -241,7 +256,10 @@ class Trainer:
         return dict(record)
 
     def param_checksums(self) -> list[float]:
-        """One float64 checksum of all parameters per rank (rank order): equal values = ranks in sync."""
+        """One float64 checksum of all parameters per rank (rank order): equal values = ranks in sync. Under FSDP
+        every rank reports the checksum of the full parameters (its shards all-reduced)."""
+        if self.cfg.fsdp:
+            return [sharding.full_param_checksum(self.policy, self.env)] * self.env.world_size
         with torch.no_grad():
             total = sum(float(p.double().sum()) + 1e-3 * float(p.double().abs().sum())
                         for p in self.policy.parameters())
@@ -281,7 +299,8 @@ class Trainer:
         path = ckpt.checkpoint_dir(cfg.output_dir, self.step)
         ckpt.save_checkpoint(path, counters={"step": self.step, "rollout": self.rollout_index}, model=self.lm,
                              tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
-                             sampler=self.prompts, config=cfg.to_dict(), env=self.env)
+                             sampler=self.prompts, config=cfg.to_dict(), env=self.env,
+                             fsdp_root=self.policy if cfg.fsdp else None)
         if self.env.is_main:
             ckpt.prune_checkpoints(cfg.output_dir, cfg.save_total_limit)
             plot_curves(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "curves.png"))

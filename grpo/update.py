@@ -5,8 +5,6 @@ under causal attention and saves most of the padding cost of short completions.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from grpo_kernels.loss_types import LOSS_TABLE
@@ -14,6 +12,7 @@ from grpo_kernels.loss_types import LOSS_TABLE
 from .distributed import DistEnv, all_reduce_sum
 from .policy import GRPOPolicy
 from .rollout import Rollout
+from .sharding import clip_grad_norm, gradient_sync, is_fsdp
 
 
 def trim(batch: dict) -> dict:
@@ -47,15 +46,19 @@ def rollout_logprobs(policy: GRPOPolicy, rollout: Rollout, micro_batch_size: int
 
 def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rollout, rows: torch.Tensor,
                    advantages: torch.Tensor, old_logps, ref_logps, *, micro_batch_size: int, max_grad_norm: float,
-                   env: DistEnv) -> dict:
+                   env: DistEnv, fsdp_grad_sync: str = "micro_batch") -> dict:
     """Gradient-accumulated loss over ``rows`` in micro-batches, clipping, one optimizer and scheduler step.
 
-    ``model`` is ``policy`` or its DDP wrapper. When the rollout kept its sampling forward's hidden states
-    (``rollout.hidden``, single-pass mode: the whole rollout is one micro-batch of one on-policy step), the loss
-    backpropagates through them instead of running the backbone again. Returns the token-weighted means of the loss metrics plus ``loss``
-    and ``grad_norm`` (floats: one host sync per micro-batch, for the metrics).
+    ``model`` is ``policy``, its DDP wrapper, or ``policy`` itself sharded with FSDP2 (grpo/sharding.py). When
+    the rollout kept its sampling forward's hidden states (``rollout.hidden``, single-pass mode: the whole rollout
+    is one micro-batch of one on-policy step), the loss backpropagates through them instead of running the
+    backbone again. Returns the token-weighted means of the loss metrics plus ``loss`` and ``grad_norm`` (floats:
+    one host sync per micro-batch, for the metrics). ``fsdp_grad_sync`` (FSDP2 only):
+    ``"micro_batch"`` reduce-scatters every micro-batch's gradients (they stay sharded), ``"step"`` only the last
+    one's (fewer collectives, but each rank holds the full unsharded fp32 gradient in between).
     """
     optimizer.zero_grad(set_to_none=True)
+    sharded = is_fsdp(model)
     micro_rows = rows.split(micro_batch_size)
     # Loss types normalized by num_items_in_batch divide by the token count of the whole optimizer step (all
     # ranks); the others normalize inside each micro-batch, so their micro-batch losses are averaged.
@@ -71,7 +74,7 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
     for i, mrows in enumerate(micro_rows):
         batch = trim(rollout.batch(mrows, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps))
         last = i == len(micro_rows) - 1
-        sync = model.no_sync() if env.enabled and not last else contextlib.nullcontext()
+        sync = gradient_sync(model, last or (sharded and fsdp_grad_sync == "micro_batch"), env)
         hidden = None
         if rollout.hidden is not None:
             if mrows.numel() != rollout.batch_size or not torch.equal(mrows, torch.arange(len(mrows), device=mrows.device)):
@@ -88,7 +91,11 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
             totals[k] = totals.get(k, 0.0) + v.detach().float() * weight
     rollout.hidden = None  # its graph is consumed
     params = [p for p in policy.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+    if sharded:  # gradients are DTensor shards: the norm of the full gradient
+        grad_norm = clip_grad_norm(params, max_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     optimizer.step()
     scheduler.step()
     names = list(totals)

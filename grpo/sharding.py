@@ -1,0 +1,169 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for ``grpo.train --fsdp``: sharding, gathered calls, gradient
+sync, clipping, checksums and sharded checkpoints.
+
+Layout: every decoder layer is its own FSDP unit, then the ``GRPOPolicy`` root, whose group holds what is left
+(embeddings, final norm, lm_head, and the head bias buffer). During the root's forward the root group is gathered,
+so the fused head receives ``lm_head.weight`` as a plain unsharded tensor; a layer gathers its own parameters in
+its forward and frees them after (again in backward). Parameters, gradients and AdamW state are 1/N per rank.
+
+Calls into the model that do not go through ``GRPOPolicy.forward`` (sampling, greedy evaluation, old / reference
+log-probs) run inside ``gathered(root)``: the root group is all-gathered for the block (the layer units still
+gather themselves) and everything is resharded at its end.
+
+Under autocast (bf16 on CUDA) the units use ``MixedPrecisionPolicy(param_dtype=autocast, reduce_dtype=fp32)``:
+layers are all-gathered in bf16 (half the traffic), gradients are reduce-scattered and kept in fp32 next to the
+fp32 master shards. The root does not cast its inputs: the batch carries fp32 advantages and log-probs.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .distributed import DistEnv
+from .errors import UsageError
+
+SHARDED_DIR = "sharded"  # checkpoint-N/sharded/: torch.distributed.checkpoint files of model + optimizer
+
+
+def _fsdp():
+    try:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    except ImportError as exc:  # pragma: no cover - torch < 2.6
+        raise UsageError(f"--fsdp needs torch.distributed.fsdp.fully_shard (FSDP2, torch >= 2.6): {exc}")
+    return FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    return isinstance(module, _fsdp()[0])
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: modules of the classes the model lists as ``_no_split_modules`` (transformers'
+    own unit of sharding and offloading), else ``base_model.layers``."""
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = list(getattr(lm.base_model, "layers", []) or [])
+    if not layers:
+        raise UsageError(f"--fsdp: cannot find the decoder layers of {type(lm).__name__} (no _no_split_modules, "
+                         "no base_model.layers)")
+    return layers
+
+
+def shard(policy: nn.Module, env: DistEnv, autocast_dtype: torch.dtype | None) -> nn.Module:
+    """``fully_shard`` each decoder layer of ``policy.lm``, then ``policy`` itself (the root), over all ranks.
+    In place; returns ``policy`` (now also an ``FSDPModule``). Build the optimizer after this call."""
+    _, MixedPrecisionPolicy, fully_shard = _fsdp()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise UsageError("--fsdp needs a process group (torchrun, or grpo.train's 1-rank group)")
+    mesh = init_device_mesh(env.device.type, (dist.get_world_size(),))
+    layer_mp = root_mp = MixedPrecisionPolicy()
+    if autocast_dtype is not None:
+        layer_mp = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+        root_mp = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32,
+                                       cast_forward_inputs=False)
+    for layer in decoder_layers(policy.lm):
+        fully_shard(layer, mesh=mesh, mp_policy=layer_mp)
+    fully_shard(policy, mesh=mesh, mp_policy=root_mp)
+    return policy
+
+
+@contextlib.contextmanager
+def gathered(root: nn.Module | None):
+    """Run model code outside ``root.forward`` (sampling, ``token_logprobs``) with the root group all-gathered.
+    The layer units gather themselves in their own forward hooks. On exit every group is resharded and the
+    record of these forward calls (used to prefetch in backward) is cleared. No-op for a module without FSDP.
+    Not for use between the micro-batches of one gradient accumulation."""
+    if root is None or not is_fsdp(root):
+        yield
+        return
+    # FSDP2 picks as root the first unit that runs a forward; make sure that is ``root`` (not a layer called
+    # by the sampler) before anything else runs. Its forward hooks do the same.
+    root._get_fsdp_state()._lazy_init()
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reset_iter_state()
+
+
+def gradient_sync(model: nn.Module, sync: bool, env: DistEnv):
+    """The context of one micro-batch's backward: gradients are reduced across ranks only when ``sync``.
+    FSDP2: ``set_requires_gradient_sync`` (without sync, each layer's *unsharded* gradient accumulates locally, in
+    the reduce dtype, until a synced backward); DDP: ``no_sync``; a single process: nothing."""
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if env.enabled and not sync:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` that also works on FSDP2 shards: the total norm of the *full* gradient (a DTensor's
+    partial norms are all-reduced), then every gradient scaled by the same factor. Returns that norm."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def full_param_checksum(module: nn.Module, env: DistEnv) -> float:
+    """The parameter checksum of ``Trainer.param_checksums`` over the *full* parameters: the sums over each rank's
+    local shards, all-reduced (the same value on every rank, comparable with an unsharded run)."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros((), dtype=torch.float64, device=env.device)
+    with torch.no_grad():
+        for p in module.parameters():
+            local = (p.to_local() if isinstance(p, DTensor) else p).double()
+            total += local.sum() + 1e-3 * local.abs().sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total)
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def save_sharded(path: str, root: nn.Module, optimizer) -> None:
+    """Collective: model + optimizer state of every rank under ``path/sharded`` (torch.distributed.checkpoint,
+    one file per rank plus metadata; reshardable onto another world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(root, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(path, SHARDED_DIR))
+
+
+def load_sharded(path: str, root: nn.Module, optimizer) -> None:
+    """Collective: restore what ``save_sharded`` wrote into the sharded ``root`` and its ``optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = os.path.join(path, SHARDED_DIR)
+    if not os.path.isdir(folder):
+        raise UsageError(f"--resume {path!r}: no {SHARDED_DIR}/ folder: this checkpoint was saved without --fsdp; "
+                         "resume it without --fsdp, or start a new --fsdp run from it with --model "
+                         f"{os.path.join(path, 'model')}")
+    model_state, optim_state = get_state_dict(root, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(root, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_lm_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the full (unsharded) state dict of ``root.lm`` gathered onto rank 0's CPU (empty elsewhere),
+    keyed like ``root.lm.state_dict()``: what ``save_pretrained`` writes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")}

@@ -1,0 +1,167 @@
+"""FSDP2 equivalence worker, launched by tests/test_fsdp.py (and tests/test_gpu_fsdp.py) under torchrun.
+
+Every rank builds the same tiny Llama and the same fixed synthetic rollout (no sampling). Each rank takes its
+contiguous share of the rows and runs ``grpo.update.optimizer_step`` a few times on the FSDP2-sharded policy
+(old log-probs from the policy and reference log-probs from the sharded frozen reference, both computed inside
+``sharding.gathered``). Rank 0 then repeats the same steps on one unsharded copy over *all* rows with the same
+micro-batch size (the same maths: see optimizer_step's normalization), and writes the largest parameter
+difference and both runs' gradient norms per configuration to ``--out`` (JSON), and the sharded runs' final
+parameters to ``--out``.params.pt (to compare runs on different world sizes).
+
+Negative controls (``expect_match`` False) break the gradient reduction on purpose: ``summed`` (gradients summed
+instead of averaged over ranks, with SGD so that the scale matters) and ``unreduced`` (gradients never reduced).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import grpo_kernels as gk
+from grpo import sharding
+from grpo.distributed import DistEnv
+from grpo.modeling import build_char_tokenizer, build_tiny_model, disable_dropout
+from grpo.policy import GRPOPolicy
+from grpo.rollout import Rollout
+from grpo.update import optimizer_step, rollout_logprobs
+
+CONFIGS = [
+    {"name": "grpo-adamw", "loss_type": "grpo", "optimizer": "adamw", "broken": None},
+    {"name": "dapo-adamw", "loss_type": "dapo", "optimizer": "adamw", "broken": None},
+    {"name": "dapo-adamw-step-sync", "loss_type": "dapo", "optimizer": "adamw", "broken": None, "sync": "step"},
+    {"name": "bnpo-sgd-clipped", "loss_type": "bnpo", "optimizer": "sgd", "broken": None, "max_grad_norm": 1.0},
+    {"name": "grpo-sgd-summed", "loss_type": "grpo", "optimizer": "sgd", "broken": "summed"},
+    {"name": "dapo-adamw-unreduced", "loss_type": "dapo", "optimizer": "adamw", "broken": "unreduced",
+     "sync": "step"},
+]
+ROWS, PROMPT, COMPLETION, MICRO, STEPS, BETA = 8, 4, 6, 2, 3, 0.04
+
+
+def synthetic_rollout(vocab: int, device: torch.device) -> tuple[Rollout, torch.Tensor]:
+    """8 rows: left-padded prompts (1-4 tokens), completions of 1-6 loss tokens, advantages of both signs."""
+    g = torch.Generator().manual_seed(1234)
+    prompt_ids = torch.randint(4, vocab, (ROWS, PROMPT), generator=g)
+    prompt_mask = torch.ones(ROWS, PROMPT, dtype=torch.long)
+    for r, pad in enumerate([0, 1, 3, 0, 2, 0, 1, 0]):
+        prompt_mask[r, :pad] = 0
+        prompt_ids[r, :pad] = 0
+    completion_ids = torch.randint(4, vocab, (ROWS, COMPLETION), generator=g)
+    lengths = torch.tensor([6, 1, 4, 6, 2, 5, 3, 6])
+    completion_mask = torch.arange(COMPLETION)[None, :] < lengths[:, None]
+    completion_ids[~completion_mask] = 0
+    rollout = Rollout(
+        input_ids=torch.cat([prompt_ids, completion_ids], 1).to(device),
+        attention_mask=torch.cat([prompt_mask, completion_mask.long()], 1).to(device), prompt_length=PROMPT,
+        completion_ids=completion_ids.to(device), completion_mask=completion_mask.to(device),
+        rewards=torch.zeros(ROWS, 1), reward_total=torch.zeros(ROWS), truncated=torch.zeros(ROWS, dtype=torch.bool),
+        prompts=[""] * ROWS, completions=[""] * ROWS)
+    advantages = torch.randn(ROWS, generator=g).to(device)
+    return rollout, advantages
+
+
+def build(tokenizer, cfg: dict, device: torch.device, autocast):
+    torch.manual_seed(0)
+    lm = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, initializer_range=0.2)
+    lm.config._attn_implementation = "sdpa"
+    disable_dropout(lm)
+    lm.to(device).train()
+    loss = gk.GRPOLossConfig(loss_type=cfg["loss_type"], beta=BETA, max_completion_length=COMPLETION)
+    ref_lm = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, initializer_range=0.2)
+    ref_lm.load_state_dict(lm.state_dict())  # the frozen copy of the initial policy
+    ref_lm.to(device).requires_grad_(False).eval()
+    if autocast is not None:
+        ref_lm.to(autocast)
+    compute = autocast or torch.float32
+    # impl "auto": the chunked torch head on CPU, the Triton kernels on CUDA
+    return GRPOPolicy(lm, loss, "auto", compute, autocast), GRPOPolicy(ref_lm, loss, "auto", compute, autocast)
+
+
+def make_optimizer(policy, kind: str):
+    params = [p for p in policy.parameters() if p.requires_grad]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_norm: float,
+        sync: str = "micro_batch") -> list[float]:
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with sharding.gathered(policy):
+        old_logps = rollout_logprobs(policy, rollout, MICRO)
+    with sharding.gathered(ref):
+        ref_logps = rollout_logprobs(ref, rollout, MICRO)
+    norms = []
+    for _ in range(STEPS):
+        stats = optimizer_step(model, policy, optimizer, scheduler, rollout, rows, advantages, old_logps, ref_logps,
+                               micro_batch_size=MICRO, max_grad_norm=max_grad_norm, env=env,
+                               fsdp_grad_sync=sync)
+        norms.append(stats["grad_norm"])
+    return norms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--autocast", default="none", choices=["none", "bfloat16"])
+    parser.add_argument("--configs", default=",".join(c["name"] for c in CONFIGS))
+    args = parser.parse_args()
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=device)
+    single = DistEnv(device=device)
+    autocast = torch.bfloat16 if args.autocast == "bfloat16" else None
+    torch.set_num_threads(1)
+    tokenizer = build_char_tokenizer("abcdefgh=")
+    results, params = {}, {}
+    for cfg in [c for c in CONFIGS if c["name"] in args.configs.split(",")]:
+        rollout, advantages = synthetic_rollout(len(tokenizer), device)
+        policy, ref = build(tokenizer, cfg, device, autocast)
+        sharding.shard(policy, env, autocast)
+        sharding.shard(ref, env, autocast)
+        if cfg["broken"] == "unreduced":
+            policy.set_requires_gradient_sync = lambda sync, recurse=True: \
+                type(policy).set_requires_gradient_sync(policy, False, recurse=recurse)
+        optimizer = make_optimizer(policy, cfg["optimizer"])
+        if cfg["broken"] == "summed":  # what a reduction that sums instead of averaging would hand the optimizer
+            def summed(opt, *_):
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.grad.mul_(world)
+            optimizer.register_step_pre_hook(summed)
+        share = ROWS // world
+        rows = torch.arange(rank * share, (rank + 1) * share, device=device)
+        clip = cfg.get("max_grad_norm", 0.0)
+        sharded_norms = run(policy, ref, policy, optimizer, rollout, advantages, rows, env, clip,
+                            cfg.get("sync", "micro_batch"))
+        full = sharding.full_lm_state_dict(policy)
+        if rank == 0:
+            params[cfg["name"]] = full
+            policy1, ref1 = build(tokenizer, cfg, device, autocast)
+            optimizer1 = make_optimizer(policy1, cfg["optimizer"])
+            norms = run(policy1, ref1, policy1, optimizer1, rollout, advantages,
+                        torch.arange(ROWS, device=device), single, clip)
+            truth = policy1.lm.state_dict()
+            diff = max(float((full[k].float() - truth[k].detach().cpu().float()).abs().max()) for k in truth)
+            moved = max(float((truth[k].detach().cpu().float() - v.detach().cpu().float()).abs().max())
+                        for k, v in build(tokenizer, cfg, device, autocast)[0].lm.state_dict().items())
+            results[cfg["name"]] = {"max_param_diff": diff, "max_param_change": moved,
+                                    "grad_norms_sharded": sharded_norms, "grad_norms_single": norms,
+                                    "expect_match": cfg["broken"] is None, "world_size": world}
+        dist.barrier()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        torch.save(params, args.out + ".params.pt")  # the sharded runs' final full parameters
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

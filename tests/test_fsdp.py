@@ -1,0 +1,174 @@
+"""``grpo.train --fsdp`` (FSDP2 ``fully_shard``) on CPU with gloo, launched from pytest with time limits.
+
+- Equivalence (tests/fsdp_worker.py under torchrun): a fixed synthetic rollout, three optimizer steps on 2 ranks
+  (each rank half of the rows) give the parameters of one process on all rows, for three loss normalizations
+  (grpo: per sequence, dapo: global token count, bnpo: per micro-batch token count) with beta != 0, AdamW and
+  clipped SGD, gradients reduce-scattered every micro-batch or once per step (--fsdp-grad-sync); two
+  deliberately broken gradient reductions must fail the same comparison.
+- A 1-rank FSDP run of grpo.train matches the plain run; its checkpoints are sharded (torch.distributed.checkpoint)
+  plus a full ``model/``; resuming reproduces the uninterrupted run; mixing --fsdp and non-FSDP checkpoints is
+  refused with a clear error.
+- (slow) torchrun with two ranks: save, resume, identical metrics; the 2-rank checkpoint resumed on 1 rank (DCP
+  reshards); bf16 mixed precision on 2 ranks against 1 rank.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from grpo import TrainConfig, train
+from grpo.cli import config_from_argv
+from grpo.errors import UsageError
+
+from .test_train_runs import SMALL, _metrics, _run
+
+OPTS = dict(prompts_per_step=4, num_generations=4, max_steps=4, save_steps=2, loss=TrainConfig().loss,
+            mini_batch_size=8, micro_batch_size=4, eval_every=2, eval_size=8, progress=False, seed=3)
+FLAGS = SMALL + ["--max-steps", "4", "--save-steps", "2", "--beta", "0.04", "--mini-batch-size", "8",
+                 "--micro-batch-size", "4", "--eval-every", "2", "--eval-size", "8", "--seed", "3"]
+PARAM_ATOL = 1e-5    # fp32: measured <= 8.4e-7 (2 ranks vs 1 process, 3 steps); parameters move by >= 3e-2
+NORM_RTOL = 1e-5     # fp32 gradient norms: measured <= 1.7e-6 relative
+BROKEN_MIN_DIFF = 1e-2  # a broken reduction moves parameters off by the size of an update (measured >= 3e-2)
+
+
+def _worker(tmp_path, nproc: int, *args: str, name: str = "eq") -> tuple[dict, dict]:
+    out = tmp_path / f"{name}.json"
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                 os.path.join("tests", "fsdp_worker.py"), "--out", str(out), *args], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text()), torch.load(str(out) + ".params.pt")
+
+
+def _model_checksum(model_dir) -> float:
+    """Trainer.param_checksums' formula over a save_pretrained directory's tensors."""
+    from safetensors.torch import load_file
+
+    total = 0.0
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        for t in load_file(f).values():
+            total += float(t.double().sum()) + 1e-3 * float(t.double().abs().sum())
+    return total
+
+
+# ------------------------------------------------------------------------------------------------- equivalence
+def test_two_ranks_match_one_process_and_broken_reductions_do_not(tmp_path):
+    results, _ = _worker(tmp_path, 2)
+    assert set(results) == {"grpo-adamw", "dapo-adamw", "dapo-adamw-step-sync", "bnpo-sgd-clipped",
+                            "grpo-sgd-summed", "dapo-adamw-unreduced"}
+    for name, r in results.items():
+        assert r["world_size"] == 2
+        if r["expect_match"]:
+            assert r["max_param_change"] >= 3 * BROKEN_MIN_DIFF, (name, r)  # the steps did move the parameters
+            assert r["max_param_diff"] <= PARAM_ATOL, (name, r)
+            assert r["grad_norms_sharded"] == pytest.approx(r["grad_norms_single"], rel=NORM_RTOL), (name, r)
+        else:
+            assert r["max_param_diff"] >= BROKEN_MIN_DIFF, (name, r)
+    assert results["bnpo-sgd-clipped"]["grad_norms_single"][0] > 1.0  # so clipping to 1.0 was active
+
+
+# ------------------------------------------------------------------------------------------------- 1-rank runs
+def test_fsdp_flag_is_validated():
+    assert config_from_argv(["--fsdp"]).fsdp is True and config_from_argv([]).fsdp is False
+    with pytest.raises(UsageError, match="--fsdp is a switch"):
+        TrainConfig(fsdp="yes")
+    assert config_from_argv(["--fsdp", "--fsdp-grad-sync", "step"]).fsdp_grad_sync == "step"
+    with pytest.raises(UsageError, match="--fsdp-grad-sync must be one of micro_batch, step"):
+        TrainConfig(fsdp_grad_sync="never")
+
+
+def test_single_process_fsdp_matches_plain_run_saves_sharded_and_resumes(tmp_path):
+    """A 1-process --fsdp run (a 1-rank mesh) is the plain run (same losses, same parameters; also with
+    --gradient-checkpointing); its checkpoints hold sharded/ (DCP) and a full model/; resuming from step 2
+    reproduces steps 3-4 exactly."""
+    plain = train.train(TrainConfig(output_dir=str(tmp_path / "plain"), **OPTS))
+    fsdp = train.train(TrainConfig(output_dir=str(tmp_path / "fsdp"), fsdp=True, **OPTS))
+    assert [r["step"] for r in fsdp["history"]] == [1, 2, 3, 4]
+    for a, b in zip(plain["history"], fsdp["history"]):
+        for key in ("loss", "kl", "grad_norm", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
+    assert fsdp["param_checksums"][0] == pytest.approx(plain["param_checksums"][0], rel=1e-9)
+    checkpointed = train.train(TrainConfig(output_dir=str(tmp_path / "gc"), fsdp=True, gradient_checkpointing=True,
+                                           **dict(OPTS, save_steps=0)))  # recomputation inside FSDP units
+    assert len(checkpointed["history"]) == 4
+    for a, b in zip(plain["history"], checkpointed["history"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7), (a, b)
+    ck = tmp_path / "fsdp" / "checkpoint-2"
+    assert sorted(os.listdir(ck / "sharded")) == [".metadata", "__0_0.distcp"]
+    assert (ck / "COMPLETE").exists() and (ck / "model" / "config.json").exists()
+    state = torch.load(ck / "trainer_state.pt", weights_only=False)
+    assert state["sharded"] is True and "optimizer" not in state and state["step"] == 2
+    final = tmp_path / "fsdp" / "checkpoint-4" / "model"
+    assert _model_checksum(final) == pytest.approx(fsdp["param_checksums"][0], rel=1e-12)
+
+    part = tmp_path / "part"
+    shutil.copytree(ck, part / "checkpoint-2")
+    resumed = train.train(TrainConfig(output_dir=str(part), fsdp=True, resume="latest", **OPTS))
+    assert [r["step"] for r in resumed["history"]] == [3, 4]
+    for a, b in zip(fsdp["history"][2:], resumed["history"]):
+        for key in ("loss", "kl", "grad_norm", "reward_mean", "rollout"):
+            assert a[key] == b[key], (key, a, b)
+    assert resumed["param_checksums"] == fsdp["param_checksums"]
+
+    with pytest.raises(UsageError, match="saved with --fsdp"):
+        train.train(TrainConfig(output_dir=str(part), resume=str(ck), **OPTS))
+    with pytest.raises(UsageError, match="saved without --fsdp"):
+        train.train(TrainConfig(output_dir=str(part), fsdp=True, resume=str(tmp_path / "plain" / "checkpoint-2"),
+                                **OPTS))
+
+
+# ------------------------------------------------------------------------------------------------- torchrun
+@pytest.mark.slow
+def test_torchrun_fsdp_resume_reproduces_uninterrupted_run(tmp_path):
+    """torchrun, 2 gloo ranks, --fsdp: checkpoint at step 2, resume: steps 3-4 identical to the uninterrupted
+    run; every rank wrote its shard; model/ holds the full parameters. Then the 2-rank checkpoint resumed by one
+    process (DCP reshards model and optimizer onto a 1-rank mesh)."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "grpo.train", "--fsdp"] + FLAGS
+    proc = _run(cmd + ["--output-dir", str(full)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    shutil.copytree(full / "checkpoint-2", part / "checkpoint-2")
+    proc = _run(cmd + ["--output-dir", str(part), "--resume"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    a, b = _metrics(full), _metrics(part)
+    assert [r["step"] for r in a] == [0, 1, 2, 3, 4] and [r["step"] for r in b] == [3, 4]
+    for ra, rb in zip(a[3:], b):
+        for key in ("loss", "kl", "grad_norm", "reward_mean", "rollout", "eval/accuracy"):
+            assert ra.get(key) == rb.get(key), (key, ra, rb)
+    summary, resumed = (json.loads((d / "run_summary.json").read_text()) for d in (full, part))
+    assert summary["world_size"] == 2 and summary["param_checksums"] == resumed["param_checksums"]
+    assert len(set(summary["param_checksums"])) == 1 and "WARNING" not in proc.stdout
+    assert sorted(os.listdir(full / "checkpoint-2" / "sharded")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert _model_checksum(full / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0],
+                                                                            rel=1e-12)
+    # onto one process: the restored parameters are checkpoint-2's, and training continues from there
+    one = tmp_path / "one"
+    shutil.copytree(full / "checkpoint-2", one / "checkpoint-2")
+    opts = dict(OPTS, loss=OPTS["loss"].replace(beta=0.04))
+    restored = train.train(TrainConfig(output_dir=str(one), fsdp=True, resume="latest", **dict(opts, max_steps=2)))
+    assert restored["history"] == [] and restored["param_checksums"][0] == pytest.approx(
+        _model_checksum(full / "checkpoint-2" / "model"), rel=1e-12)
+    more = train.train(TrainConfig(output_dir=str(one), fsdp=True, resume="latest", **dict(opts, max_steps=3)))
+    assert [r["step"] for r in more["history"]] == [3]
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_two_ranks_match_one_rank(tmp_path):
+    """MixedPrecisionPolicy(bf16 params, fp32 reduction) under CPU autocast: 2 ranks give the parameters of the
+    1-rank FSDP run (same numerics, different reduction); against per-op autocast on fp32 weights (the plain run)
+    they agree to bf16 rounding only (SGD: within 10% of the update)."""
+    configs = ["--configs", "grpo-adamw,dapo-adamw,bnpo-sgd-clipped", "--autocast", "bfloat16"]
+    two, params2 = _worker(tmp_path, 2, *configs, name="two")
+    one, params1 = _worker(tmp_path, 1, *configs, name="one")
+    for name in two:
+        diff = max(float((params2[name][k] - params1[name][k]).abs().max()) for k in params1[name])
+        assert diff <= 1e-6, (name, diff)  # measured <= 3e-8
+        assert two[name]["grad_norms_sharded"] == pytest.approx(one[name]["grad_norms_sharded"], rel=1e-6)
+    sgd = two["bnpo-sgd-clipped"]
+    assert sgd["max_param_diff"] <= 0.1 * sgd["max_param_change"], sgd

@@ -1,0 +1,51 @@
+"""``grpo.train --fsdp`` on a CUDA GPU: NCCL, bf16 mixed precision, the Triton fused head (skipped elsewhere; the
+CPU tests with gloo are tests/test_fsdp.py). One rank per GPU, at most two ranks.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from .test_fsdp import FLAGS, _worker
+from .test_train_runs import _metrics, _run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (NCCL + bf16 FSDP2); runs on a GPU machine, e.g. in benchmarks/gpu_check.sh")]
+
+
+def test_fsdp_bf16_steps_on_cuda_agree_with_unsharded_autocast(tmp_path):
+    """The equivalence worker on CUDA under bf16 autocast: FSDP's bf16 parameters (MixedPrecisionPolicy) against
+    per-op autocast on fp32 weights agree to bf16 rounding (SGD: within 10% of the update; first gradient norm
+    within 1%); the AdamW run moves the parameters and stays finite."""
+    nproc = min(2, torch.cuda.device_count())
+    results, params = _worker(tmp_path, nproc, "--device", "cuda", "--autocast", "bfloat16",
+                              "--configs", "grpo-adamw,bnpo-sgd-clipped")
+    sgd = results["bnpo-sgd-clipped"]
+    assert sgd["max_param_diff"] <= 0.1 * sgd["max_param_change"], sgd
+    assert sgd["grad_norms_sharded"][0] == pytest.approx(sgd["grad_norms_single"][0], rel=1e-2), sgd
+    adamw = results["grpo-adamw"]
+    assert adamw["max_param_change"] > 1e-2 and all(torch.isfinite(t).all() for t in params["grpo-adamw"].values())
+
+
+def test_grpo_train_fsdp_on_cuda_saves_and_resumes(tmp_path):
+    """grpo.train --fsdp on the GPU(s) (bf16 autocast, Triton head): runs, writes sharded/ + model/, resumes."""
+    nproc = min(2, torch.cuda.device_count())
+    run, part = tmp_path / "run", tmp_path / "part"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "grpo.train", "--fsdp", "--device", "cuda"] + FLAGS
+    proc = _run(cmd + ["--output-dir", str(run)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert summary["world_size"] == nproc and len(set(summary["param_checksums"])) == 1
+    assert (run / "checkpoint-2" / "sharded" / ".metadata").exists()
+    assert (run / "checkpoint-4" / "model" / "model.safetensors").exists()
+    assert all(r["loss"] == r["loss"] for r in _metrics(run)[1:])  # finite (not NaN)
+    shutil.copytree(run / "checkpoint-2", part / "checkpoint-2")
+    proc = _run(cmd + ["--output-dir", str(part), "--resume"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    assert [r["step"] for r in _metrics(part)] == [3, 4]
