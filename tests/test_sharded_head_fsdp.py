@@ -1,0 +1,211 @@
+"""An FSDP2-sharded lm_head (DTensor weight) through the fused head: the gradient semantics, on 2 gloo ranks (CPU).
+
+Data parallelism: each rank scores its own tokens, and the gradient every parameter should end with is the mean
+over ranks of each rank's full gradient (what DDP gives, and what FSDP2's own reduce-scatter gives the parameters
+it reduces). Each rank computes that truth itself with an unsharded copy of the model on every rank's data.
+
+Layouts (``LAYOUTS``), each run on 2 ranks in float64 (torch impl) and compared with the truth:
+- ``separate``: lm_head is its own ``fully_shard`` unit and the head is called outside its forward, so the weight
+  reaches ``fused_linear_grpo_loss`` / ``linear_token_logprobs`` as a Shard(0) DTensor: gathered by
+  ``sharded_head._GatherDataParallel``, gradient averaged back over the mesh.
+- ``naive``: the same with a bare ``weight.full_tensor()`` before the call: its backward keeps only this rank's own
+  gradient (the test asserts that this is wrong, i.e. that the check can fail).
+- ``root``: lm_head in the root group, the loss computed inside the root's forward: the weight is FSDP2's plain
+  unsharded parameter there, and FSDP2 reduces its gradient itself.
+- ``trl_root`` / ``trl_separate``: TRL's fused forward (``add_fused_lm_head``) with ``patch_trl()`` on a tiny
+  Llama; TRL calls ``full_tensor()`` itself before our function. ``trl_separate`` shows TRL's unreduced gradient
+  (the README documents it); ``trl_root`` is right.
+- ``hf_separate``: ``causal_lm_token_logprobs`` (``get_lm_head``) with the backbone and lm_head wrapped separately.
+The launch (all layouts, one process per rank) is bounded by ``LAUNCH_TIMEOUT`` of tests/test_vocab_parallel.py.
+"""
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import grpo_kernels as gk
+
+WORLD, V, H, B, T = 2, 23, 8, 3, 5  # V = 23: FSDP2 shards it unevenly (12 + 11 rows)
+LAYOUTS = ("separate", "naive", "root", "trl_root", "trl_separate", "hf_separate")
+
+
+class TinyLM(nn.Module):
+    """Embedding -> linear -> tanh backbone and an ``nn.Linear`` head with a bias."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Embedding(V, H), nn.Linear(H, H), nn.Tanh())
+        self.lm_head = nn.Linear(H, V)
+        self.double()
+        self.loss_inside = False
+
+    def forward(self, batch):
+        hidden = self.backbone(batch["ids"])
+        return head_loss(hidden, self.lm_head.weight, self.lm_head.bias, batch) if self.loss_inside else hidden
+
+
+def rank_batch(rank: int) -> dict:
+    g = torch.Generator().manual_seed(100 + rank)
+    return {"ids": torch.randint(0, V, (B, T), generator=g), "adv": torch.randn(B, generator=g),
+            "mask": torch.rand(B, T, generator=g) > 0.2}
+
+
+def head_loss(hidden, weight, bias, batch):
+    """Both public ops: a GRPO loss (memory-light recompute path, torch impl) plus a weighted log-prob sum."""
+    loss, _ = gk.fused_linear_grpo_loss(hidden, weight, batch["ids"], batch["adv"], mask=batch["mask"], bias=bias,
+                                        loss_type="bnpo", entropy_coef=0.05, temperature=0.9, impl="torch")
+    logp = gk.linear_token_logprobs(hidden, weight, batch["ids"], bias=bias, mask=batch["mask"], impl="torch")
+    return loss + 0.1 * (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum()
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, hidden_size=H * 2, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).double()
+
+
+def llama_loss(model, batch, layout):
+    ids = batch["ids"]
+    if layout.startswith("hf"):
+        from grpo_kernels.integrations.transformers import causal_lm_token_logprobs
+
+        logp = causal_lm_token_logprobs(model, ids, logits_to_keep=T - 1, temperature=0.9, impl="torch")
+    else:
+        labels = ids.masked_fill(~batch["mask"], -100)
+        logp = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+    return (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum()
+
+
+def _build(layout: str):
+    if layout.startswith(("trl", "hf")):
+        import trl.trainer.utils as trl_utils
+
+        model = _tiny_llama()
+        if layout.startswith("trl"):
+            trl_utils.add_fused_lm_head(model, temperature=0.9, outputs=("log_probs",))
+        return model, model.lm_head, llama_loss
+    return TinyLM(), None, None
+
+
+def _loss(model, batch, layout, loss_fn):
+    if loss_fn is not None:
+        return loss_fn(model, batch, layout)
+    if layout == "root":
+        model.loss_inside = True
+        return model(batch)
+    hidden = model(batch)
+    weight, bias = model.lm_head.weight, model.lm_head.bias
+    if layout == "naive" and hasattr(weight, "full_tensor"):  # the truth's unsharded copy has plain tensors
+        weight, bias = weight.full_tensor(), bias.full_tensor()
+    return head_loss(hidden, weight, bias, batch)
+
+
+def truth_grads(layout: str) -> dict:
+    """Mean over ranks of each rank's full gradient, from an unsharded copy of the model."""
+    total = None
+    for r in range(WORLD):
+        model, _, loss_fn = _build(layout)
+        model.zero_grad()
+        _loss(model, rank_batch(r), layout, loss_fn).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        total = grads if total is None else {n: total[n] + g for n, g in grads.items()}
+    return {n: g / WORLD for n, g in total.items()}
+
+
+def sharded_grads(layout: str, rank: int) -> dict:
+    """This rank's step under FSDP2 in ``layout``; every gradient gathered whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, _, loss_fn = _build(layout)
+    if layout.startswith("hf"):
+        fully_shard(model.model)
+    if layout not in ("root", "trl_root"):
+        fully_shard(model.lm_head)
+    fully_shard(model)
+    _loss(model, rank_batch(rank), layout, loss_fn).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_layout(layout: str, rank: int) -> dict:
+    from grpo_kernels.integrations.trl import patch_trl, unpatch_trl
+
+    if layout.startswith("trl"):
+        patch_trl(strict=True)
+    try:
+        return {"got": sharded_grads(layout, rank), "truth": truth_grads(layout)}
+    finally:
+        unpatch_trl()
+
+
+def worker(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from tests.test_vocab_parallel import LAUNCH_TIMEOUT
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=LAUNCH_TIMEOUT))
+    results = {}
+    for layout in LAYOUTS:
+        try:
+            results[layout] = run_layout(layout, rank)
+        except Exception as error:  # noqa: BLE001 - reported by the test, named by layout
+            results[layout] = {"error": f"{type(error).__name__}: {error}"}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------ pytest side
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory):
+    pytest.importorskip("torch.distributed.fsdp")
+    from tests.test_vocab_parallel import start_ranks
+
+    tmp = tmp_path_factory.mktemp("fsdp_head")
+    start_ranks(WORLD, tmp, lambda r: [__file__, str(r), str(tmp / "store"), str(tmp)])
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _head_errors(results, layout):
+    """Max |got - truth| per parameter on every rank, and whether any is above float64 rounding."""
+    errs = {}
+    for r, res in enumerate(results):
+        assert "error" not in res[layout], f"rank {r}, {layout}: {res[layout].get('error')}"
+        got, truth = res[layout]["got"], res[layout]["truth"]
+        assert set(got) == set(truth), f"{layout}: parameters with a gradient differ: {set(got) ^ set(truth)}"
+        for name in truth:
+            errs[name] = max(errs.get(name, 0.0), (got[name] - truth[name]).abs().max().item())
+    return errs
+
+
+@pytest.mark.parametrize("layout", ["separate", "root", "trl_root", "hf_separate"])
+def test_head_gradient_is_the_mean_over_ranks(fsdp_results, layout):
+    errs = _head_errors(fsdp_results, layout)
+    assert any("lm_head" in n for n in errs)
+    bad = {n: e for n, e in errs.items() if e > 1e-10}
+    assert not bad, f"{layout}: gradients differ from the mean over ranks: {bad}"
+
+
+@pytest.mark.parametrize("layout", ["naive", "trl_separate"])
+def test_bare_full_tensor_leaves_the_head_unreduced(fsdp_results, layout):
+    """A bare ``full_tensor()`` (ours before, TRL's fused forward with a separately wrapped head) gives each rank's
+    head shard its own data's gradient only; the backbone's gradients, reduced by FSDP2, are still right."""
+    errs = _head_errors(fsdp_results, layout)
+    head = {n: e for n, e in errs.items() if "lm_head" in n}
+    assert head and all(e > 1e-3 for e in head.values()), f"{layout}: expected unreduced head gradients: {head}"
+    assert all(e <= 1e-10 for n, e in errs.items() if "lm_head" not in n), errs
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
