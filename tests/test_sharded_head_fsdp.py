@@ -147,6 +147,40 @@ def run_layout(layout: str, rank: int) -> dict:
         unpatch_trl()
 
 
+def error_messages() -> dict:
+    """The ValueError of each DTensor head the fused head refuses (None when it did not raise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    hidden, weight, bias = torch.randn(4, H), torch.randn(V, H), torch.randn(V)
+    ids = torch.randint(0, V, (4,))
+    row_sharded = distribute_tensor(weight, mesh, [Shard(1)])  # sharded over H: row-wise tensor parallelism
+    calls = {
+        "shard_hidden_dim": lambda: gk.linear_token_logprobs(hidden, row_sharded, ids),
+        "partial": lambda: gk.linear_token_logprobs(hidden, DTensor.from_local(weight, mesh, [Partial()]), ids),
+        "mixed_bias": lambda: gk.linear_token_logprobs(hidden, distribute_tensor(weight, mesh, [Shard(0)]), ids,
+                                                       bias=bias),
+        "plain_weight_dtensor_bias": lambda: gk.fused_linear_grpo_loss(
+            hidden.view(2, 2, H), weight, ids.view(2, 2), torch.ones(2),
+            bias=distribute_tensor(bias, mesh, [Shard(0)])),
+        "bias_partial": lambda: gk.fused_linear_grpo_loss(
+            hidden.view(2, 2, H), distribute_tensor(weight, mesh, [Shard(0)]), ids.view(2, 2), torch.ones(2),
+            bias=DTensor.from_local(bias, mesh, [Partial()])),
+        "vocab_parallel_dtensor": lambda: gk.linear_token_logprobs(
+            hidden, distribute_tensor(weight, mesh, [Shard(0)]), ids, process_group=mesh.get_group()),
+    }
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages
+
+
 def worker(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -161,6 +195,10 @@ def worker(rank: int, store: str, out: str) -> None:
             results[layout] = run_layout(layout, rank)
         except Exception as error:  # noqa: BLE001 - reported by the test, named by layout
             results[layout] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        results["errors"] = error_messages()
+    except Exception as error:  # noqa: BLE001
+        results["errors"] = {"setup": f"{type(error).__name__}: {error}"}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -205,6 +243,30 @@ def test_bare_full_tensor_leaves_the_head_unreduced(fsdp_results, layout):
     head = {n: e for n, e in errs.items() if "lm_head" in n}
     assert head and all(e > 1e-3 for e in head.values()), f"{layout}: expected unreduced head gradients: {head}"
     assert all(e <= 1e-10 for n, e in errs.items() if "lm_head" not in n), errs
+
+
+ERRORS = {  # refused DTensor head -> what its message must say
+    "shard_hidden_dim": [r"weight is a DTensor with placements \(Shard\(dim=1\),\)", "process_group=",
+                         r"weight\.to_local\(\)"],
+    "partial": [r"weight is a DTensor with placements \(Partial\(sum\),\)", "process_group="],
+    "mixed_bias": ["weight and bias must both be DTensors or both plain tensors"],
+    "plain_weight_dtensor_bias": ["weight and bias must both be DTensors", "got weight Tensor and bias DTensor"],
+    "bias_partial": [r"bias is a DTensor with placements \(Partial\(sum\),\)", r"bias\.to_local\(\)"],
+    "vocab_parallel_dtensor": ["weight must be this rank's vocabulary shard as a plain tensor with process_group=",
+                               r"weight\.to_local\(\)"],
+}
+
+
+def test_unsupported_dtensor_heads_are_refused(fsdp_results):
+    import re
+
+    for rank, res in enumerate(fsdp_results):
+        assert set(res["errors"]) == set(ERRORS), res["errors"]
+        for name, patterns in ERRORS.items():
+            message = res["errors"][name]
+            assert message is not None, f"rank {rank}: {name} did not raise"
+            for pattern in patterns:
+                assert re.search(pattern, message), f"rank {rank}, {name}: {pattern!r} not in {message!r}"
 
 
 if __name__ == "__main__":
