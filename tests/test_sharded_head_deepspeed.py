@@ -45,6 +45,28 @@ def scored(out):
     return (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum() + 0.2 * ent.sum()
 
 
+def _error(call):
+    try:
+        call()
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _outside_forward(engine, ids):
+    """The backbone, then our head with ``gather_head``, outside the model's forward (as ``causal_lm_token_logprobs``
+    would run): evidence for refusing ZeRO-3 there. Run last, the engine may not survive it."""
+    import deepspeed
+
+    import grpo_kernels as gk
+
+    weight = engine.module.lm_head.weight
+    hidden = engine.module.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    logp = gk.linear_token_logprobs(hidden, weight, ids[:, 1:], temperature=0.9, impl="torch",
+                                    gather_head=lambda: deepspeed.zero.GatheredParameters([weight]))
+    engine.backward(logp.sum())
+
+
 def worker(rank: int, port: str, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port, DS_ACCELERATOR="cpu")
@@ -55,6 +77,7 @@ def worker(rank: int, port: str, out_dir: str) -> None:
     from deepspeed.utils import safe_get_full_grad
     from transformers.integrations import HfDeepSpeedConfig
 
+    from grpo_kernels.integrations.transformers import get_lm_head
     from grpo_kernels.integrations.trl import patch_trl, unpatch_trl
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # no JIT-compiled shm op: gloo carries the collectives
@@ -82,6 +105,8 @@ def worker(rank: int, port: str, out_dir: str) -> None:
         results[step] = {"log_probs": out.log_probs.detach(), "entropy": out.entropy.detach(),
                          "grads": {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}}
         engine.optimizer.zero_grad()
+    results["get_lm_head"] = _error(lambda: get_lm_head(engine.module))
+    results["outside_forward"] = _error(lambda: _outside_forward(engine, ids))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -135,6 +160,12 @@ def test_zero3_real_deepspeed(tmp_path):
                                            msg=lambda m, n=name, s=step: f"rank {rank}, {s}, d {n}: {m}")
         for name in truth:  # ours and TRL's kernel under the same engine
             torch.testing.assert_close(res["patched"]["grads"][name], res["trl"]["grads"][name], **tol)
+        # Outside the model's forward the helpers refuse ZeRO-3, and for a reason: with the head gathered in the
+        # forward and the backward, ZeRO-3 (0.19.8) still cannot take the head's full gradient (its partitioned
+        # .grad does not match), since its hooks are armed only for parameters used inside the model's forward.
+        assert res["get_lm_head"] and "DeepSpeed ZeRO-3" in res["get_lm_head"], res["get_lm_head"]
+        assert res["get_lm_head"].startswith("ValueError") and "patch_trl()" in res["get_lm_head"]
+        assert res["outside_forward"] and res["outside_forward"].startswith("RuntimeError"), res["outside_forward"]
 
 
 if __name__ == "__main__":
