@@ -12,7 +12,7 @@ import enum
 import pytest
 import torch
 
-from grpo_kernels import fused_linear_grpo_loss, linear_token_logprobs
+from grpo_kernels import FusedLinearGRPOLoss, fused_linear_grpo_loss, linear_token_logprobs
 from grpo_kernels.config import GRPOLossConfig
 from tests.tolerances import ATOL
 
@@ -63,13 +63,16 @@ def _call(op, hidden, weight, bias, ids, mask, adv, impl, **kw):
                                           impl=impl, mask=mask, **kw)
         return (logp.double() * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum() + 0.3 * ent.double().sum()
     cfg = GRPOLossConfig(loss_type="dapo", temperature=0.7, entropy_coef=0.05, grad_in_forward=op == "loss_in_forward")
+    if op == "module":  # the nn.Module takes the keyword through to the function
+        return FusedLinearGRPOLoss(cfg, impl=impl)(hidden, weight, ids, advantages=adv, mask=mask, bias=bias, **kw)[0]
     loss, _ = fused_linear_grpo_loss(hidden, weight, ids, adv, mask=mask, bias=bias, config=cfg, impl=impl, **kw)
     return loss
 
 
 # (op, impl, dtype): the recompute backward (both impls) and the Triton gradient-in-forward path
 CASES = [("logprobs", "torch", torch.float64), ("loss", "torch", torch.float64), ("logprobs", "triton", torch.float32),
-         ("loss", "triton", torch.float32), ("loss_in_forward", "triton", torch.float32)]
+         ("loss", "triton", torch.float32), ("loss_in_forward", "triton", torch.float32),
+         ("module", "torch", torch.float64)]
 
 
 @pytest.mark.parametrize("op,impl,dtype", CASES)
