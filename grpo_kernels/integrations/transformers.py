@@ -20,9 +20,11 @@ Refused with a ValueError (there is no fallback here, since a fallback would hav
 - an ``lm_head`` that is not an ``nn.Linear`` (custom heads), a scale that is not a finite number > 0, and a
   DeepSpeed ZeRO-3 partitioned ``lm_head`` (``zero3_blocker``): gathering it would be easy (``gather_head=``), but
   ``causal_lm_token_logprobs`` and ``grpo``'s policy call the backbone and the head outside the model's own
-  forward, where ZeRO-3's parameter fetching and gradient reduction are not armed (the contract of TRL's
-  ``maybe_gather_lm_head_ctx``). Under ZeRO-3 use TRL with ``patch_trl()``, whose fused head runs inside the
-  model's forward and gathers the head through ``gather_head``.
+  forward, where ZeRO-3 cannot take the head's gradient (the contract of TRL's ``maybe_gather_lm_head_ctx``;
+  measured with DeepSpeed 0.19.8 in tests/test_sharded_head_deepspeed.py: gathered in the forward and the
+  backward, the head's full gradient still fails to accumulate into its emptied partition). Under ZeRO-3 use TRL
+  with ``patch_trl()``, whose fused head runs inside the model's forward and gathers the head through
+  ``gather_head``.
 
 An FSDP2-sharded ``lm_head`` (a DTensor weight) is gathered by ``get_lm_head`` with the gradient averaged back
 over the mesh, like every other FSDP2 parameter (``grpo_kernels/sharded_head.py``).
@@ -103,9 +105,9 @@ def zero3_blocker(weight) -> tuple[str, str] | None:
     the callers that run the head outside the model's forward (``get_lm_head``, hence ``causal_lm_token_logprobs``
     and ``grpo``'s policy); TRL's fused head runs inside it and gathers the head itself."""
     if _zero3_enabled() or hasattr(weight, "ds_id"):
-        return ("DeepSpeed ZeRO-3", "the lm_head is partitioned, and ZeRO-3 gathers parameters and reduces their "
-                "gradients only for calls made inside the model's forward, while this helper runs the backbone and "
-                "the head outside it; use TRL with grpo_kernels.patch_trl() (its fused head gathers the partition "
+        return ("DeepSpeed ZeRO-3", "the lm_head is partitioned, and ZeRO-3 takes a gathered parameter's gradient "
+                "only when it was used inside the model's forward, while this helper runs the backbone and the head "
+                "outside it; use TRL with grpo_kernels.patch_trl() (its fused head gathers the partition "
                 "inside the forward), fused_linear_grpo_loss(..., gather_head=...) inside your own model forward, "
                 "or ZeRO stage <= 2")
     return None
