@@ -12,6 +12,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _checks
 from .inputs import HeadInputs
+from .sharded_head import check_gather_head, gathered, gathered_dtensor_head, local_shard_only
 
 TORCH_TILE_ROWS = 128
 TORCH_TILE_VOCAB = 4096
@@ -119,16 +120,21 @@ def _launchers(impl, grad=True):
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
-    """(hidden (N, H), weight, bias, ids) -> (logp, entropy, lse); saves inputs plus two fp32 values per token."""
+    """(hidden (N, H), weight, bias, ids) -> (logp, entropy, lse); saves inputs plus two fp32 values per token.
+
+    gather_head (None or a zero-argument callable returning a context manager): entered again around the
+    backward's use of weight / bias, which a ZeRO-3 partitioned head needs (``sharded_head.py``); the caller
+    runs the forward inside it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature, impl, deterministic, chunk_bytes):
+    def forward(ctx, hidden, weight, bias, ids, temperature, impl, deterministic, chunk_bytes, gather_head):
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         forward_fn, _ = _launchers(impl, grad)
         with torch.autocast(hidden.device.type, enabled=False):  # the tiles keep their fp32 accumulation
             logp, lse, entropy = forward_fn(hidden, weight, bias, ids, temperature)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
         ctx.temperature, ctx.impl, ctx.deterministic, ctx.chunk_bytes = temperature, impl, deterministic, chunk_bytes
+        ctx.gather_head = gather_head
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         return logp, entropy, lse
@@ -139,24 +145,27 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None, None
+            return (None,) * 9
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
         grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous()
         _, backward_fn = _launchers(ctx.impl)
-        with torch.autocast(hidden.device.type, enabled=False):
+        # Why gather again: a ZeRO-3 partition was emptied when the forward's gather context exited.
+        with gathered(ctx.gather_head), torch.autocast(hidden.device.type, enabled=False):
             d_hidden, d_weight, d_bias = backward_fn(
                 hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature,
                 need_h, need_w, need_b and bias is not None, ctx.deterministic, ctx.chunk_bytes)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
-def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask=None, chunk_bytes=None):
+def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask=None, chunk_bytes=None,
+                        gather_head=None):
     """(logp, entropy, lse) shaped like the caller's ids, from validated inputs.
 
     row_mask (like ids, optional): only rows where it is non-zero are computed (the others get 0 and no
     gradient). The valid rows are gathered into a compact (N_valid, H) batch first, so padding costs neither
     the N x V x H matmuls nor their backward; the loss passes its mask here. chunk_bytes: the deterministic
-    Triton backward's d-logits chunk (None: 1% of the N x V fp32 logits)."""
+    Triton backward's d-logits chunk (None: 1% of the N x V fp32 logits). gather_head: see
+    ``_LinearTokenLogprobs`` (the caller already holds it open around this call)."""
     hidden, ids, shape = inputs.hidden, inputs.ids, inputs.shape
     rows = None
     if row_mask is not None:
@@ -166,7 +175,7 @@ def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask
         else:
             hidden, ids = hidden.index_select(0, rows), ids.index_select(0, rows)
     logp, entropy, lse = _LinearTokenLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, inputs.temperature,
-                                                    inputs.impl, bool(deterministic), chunk_bytes)
+                                                    inputs.impl, bool(deterministic), chunk_bytes, gather_head)
     if rows is not None:
         # scatter back into zeros; index_copy is differentiable w.r.t. the compact values
         logp, entropy, lse = (torch.zeros(shape.numel(), dtype=t.dtype, device=t.device).index_copy(0, rows, t)
@@ -177,7 +186,7 @@ def head_token_logprobs(inputs: HeadInputs, deterministic: bool = True, row_mask
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
                           temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
                           deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
-                          vocab_start: int | None = None):
+                          vocab_start: int | None = None, gather_head=None):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     hidden: (B, T, H) or (N, H); weight: (V, H) in hidden's dtype; bias: (V,) or None; ids: (B, T) or (N,)
@@ -192,17 +201,31 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     the lower ranks' shard sizes); hidden, ids and mask are the same on every rank and ids lie in the full
     vocabulary. Every rank gets the full-vocabulary logp / entropy, its own dW / dbias and the all-reduced
     d hidden (``grpo_kernels/vocab_parallel.py``).
+
+    A head sharded for data parallelism is gathered for the call (``grpo_kernels/sharded_head.py``): a DTensor
+    ``weight`` / ``bias`` (FSDP2: Shard(0) on one mesh dimension, Replicate on any other) is all-gathered and its
+    gradient reduce-scattered back averaged over the mesh; for DeepSpeed ZeRO-3 pass ``gather_head``, a
+    zero-argument callable returning a context manager under which weight and bias hold their full values, e.g.
+    ``lambda: deepspeed.zero.GatheredParameters([w, b])``: it is entered around the forward and again in the
+    backward (ZeRO-3 empties the partition in between).
     """
+    check_gather_head(gather_head)
     if process_group is not None:
+        if gather_head is not None:
+            raise ValueError("gather_head cannot be combined with process_group: a vocab-parallel head keeps its "
+                             "shard local, pass the shard itself as weight")
+        local_shard_only(weight, bias)
         from .vocab_parallel import vocab_parallel_token_logprobs
         return vocab_parallel_token_logprobs(hidden, weight, ids, bias, temperature, return_entropy, impl,
                                              deterministic, mask, process_group, vocab_start)
     if vocab_start is not None:
         raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel head)")
-    inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl)
-    if mask is not None:
-        _checks.tensor("mask", mask)
-        if tuple(mask.shape) != tuple(ids.shape):
-            raise ValueError(f"mask must have the shape of ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
-    logp, entropy, _ = head_token_logprobs(inputs, deterministic, row_mask=mask)
+    weight, bias = gathered_dtensor_head(weight, bias)
+    with gathered(gather_head):
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl)
+        if mask is not None:
+            _checks.tensor("mask", mask)
+            if tuple(mask.shape) != tuple(ids.shape):
+                raise ValueError(f"mask must have the shape of ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
+        logp, entropy, _ = head_token_logprobs(inputs, deterministic, row_mask=mask, gather_head=gather_head)
     return (logp, entropy) if return_entropy else logp

@@ -19,6 +19,7 @@ from .logprobs_from_hidden import head_token_logprobs, linear_token_logprobs
 from .loss_types import per_token_gradient_known
 from .logprobs_from_logits import logits_token_logprobs
 from .reference import loss_from_logps
+from .sharded_head import check_gather_head, gathered, gathered_dtensor_head, local_shard_only
 
 
 def _loss_stage(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig, impl: str):
@@ -59,7 +60,7 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
 def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
                            is_ratio=None, num_items_in_batch=None, config: GRPOLossConfig | None = None,
                            impl: str = "auto", sampling_logps=None, process_group=None,
-                           vocab_start: int | None = None, **config_overrides):
+                           vocab_start: int | None = None, gather_head=None, **config_overrides):
     """GRPO loss from final hidden states and the lm_head, never writing the B x T x V logits.
 
     hidden (B, T, H) or (B*T, H); weight (V, H); bias (V,) or None; ids (B, T); other arguments as
@@ -72,8 +73,17 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     ``vocab_start``, everything else is replicated, as for ``linear_token_logprobs``; every rank gets the same
     loss, its own dW / dbias and the all-reduced d hidden. Both impls take the recompute path there (the gradient
     in the forward needs the global logsumexp first).
+
+    A head sharded for data parallelism (a DTensor from FSDP2, or a DeepSpeed ZeRO-3 partition with
+    ``gather_head``) is gathered for the call, as for ``linear_token_logprobs``; ``gather_head`` is entered around
+    the forward and, on the memory-light path, again around the backward's recompute.
     """
+    check_gather_head(gather_head)
     if process_group is not None:
+        if gather_head is not None:
+            raise ValueError("gather_head cannot be combined with process_group: a vocab-parallel head keeps its "
+                             "shard local, pass the shard itself as weight")
+        local_shard_only(weight, bias)
         from .vocab_parallel import vocab_parallel_grpo_loss
         return vocab_parallel_grpo_loss(hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
                                         num_items_in_batch, config, impl, sampling_logps, config_overrides,
@@ -81,15 +91,18 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     if vocab_start is not None:
         raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel head)")
     cfg = resolve_config(config, config_overrides)
-    inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,))
-    B, T = ids.shape
-    batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
-                                sampling_logps, num_items_in_batch)
-    in_forward = gradient_in_forward(inputs, batch, cfg)
-    if in_forward is not None:
-        return in_forward
-    logps, entropy, _ = head_token_logprobs(inputs, cfg.deterministic, row_mask=mask,
-                                            chunk_bytes=light_path_chunk_bytes(cfg))
+    weight, bias = gathered_dtensor_head(weight, bias)
+    with gathered(gather_head):
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,))
+        B, T = ids.shape
+        batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
+                                    sampling_logps, num_items_in_batch)
+        # the gradient-in-forward paths read weight / bias only here: their backward hands out stored gradients
+        in_forward = gradient_in_forward(inputs, batch, cfg)
+        if in_forward is not None:
+            return in_forward
+        logps, entropy, _ = head_token_logprobs(inputs, cfg.deterministic, row_mask=mask,
+                                                chunk_bytes=light_path_chunk_bytes(cfg), gather_head=gather_head)
     return _loss_stage(logps, entropy, batch, cfg, inputs.impl)
 
 
@@ -118,7 +131,8 @@ class FusedLinearGRPOLoss(nn.Module):
     ref_per_token_logps, old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio,
     num_items_in_batch), positionally in Liger's order too. With ``ref_input``/``ref_weight`` and no
     ``ref_logps`` the reference log-probs are computed with the fused no-grad path. ``process_group`` /
-    ``vocab_start`` (keywords) make it a vocab-parallel head (``fused_linear_grpo_loss``). Returns (loss, metrics).
+    ``vocab_start`` (keywords) make it a vocab-parallel head, ``gather_head`` gathers a ZeRO-3 partitioned one
+    (``fused_linear_grpo_loss``). Returns (loss, metrics).
     """
 
     _POSITIONAL = ("hidden", "weight", "ids", "mask", "advantages", "bias", "ref_logps", "old_logps",
@@ -139,7 +153,8 @@ class FusedLinearGRPOLoss(nn.Module):
             if key in named:
                 raise ValueError(f"argument {key!r} given twice")
             named[key] = value
-        unknown = set(named) - set(self._POSITIONAL) - {"sampling_logps", "process_group", "vocab_start"}
+        unknown = set(named) - set(self._POSITIONAL) - {"sampling_logps", "process_group", "vocab_start",
+                                                        "gather_head"}
         if unknown:
             raise ValueError(f"unknown argument(s) {sorted(unknown)} for FusedLinearGRPOLoss.forward")
         for required in ("hidden", "weight", "ids", "advantages"):
@@ -152,5 +167,6 @@ class FusedLinearGRPOLoss(nn.Module):
                     ref_input, named["weight"] if ref_weight is None else ref_weight, named["ids"],
                     bias=named.get("bias") if ref_weight is None else ref_bias, temperature=self.config.temperature,
                     impl=self.impl, process_group=named.get("process_group"),
-                    vocab_start=named.get("vocab_start")).view(named["ids"].shape)
+                    vocab_start=named.get("vocab_start"),
+                    gather_head=named.get("gather_head") if ref_weight is None else None).view(named["ids"].shape)
         return fused_linear_grpo_loss(config=self.config, impl=self.impl, **named)

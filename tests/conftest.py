@@ -9,6 +9,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # DeepSpeed (test extra, for the ZeRO-3 test) logs a WARNING on stdout when it auto-detects no GPU, which it does
+    # whenever transformers' save_pretrained imports it; naming the accelerator keeps subprocess outputs clean.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 try:  # property-based tests (tests/test_properties.py): deterministic and bounded so that CI stays fast

@@ -231,8 +231,9 @@ def test_head_matches_trl_function(logit_scale):
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
-def test_head_falls_back_to_trl(monkeypatch):
-    """Soft-cap and ZeRO-3 warn once and run TRL's kernel; extra outputs and empty batches fall back silently."""
+def test_head_falls_back_to_trl():
+    """Soft-cap warns once and runs TRL's kernel; extra outputs and empty batches fall back silently. ZeRO-3 no
+    longer falls back (tests/test_sharded_head_zero3.py)."""
     patch_trl()
     inputs = _head_inputs()
     cases = [
@@ -251,17 +252,6 @@ def test_head_falls_back_to_trl(monkeypatch):
     empty = (inputs[0][:0].detach().requires_grad_(), inputs[1], inputs[2], inputs[3][:0])
     assert TRLLogProbFunction.apply(*empty, 1.0, 32768, None, 1.0, ("log_probs",))[0].shape == (0,)
 
-    # ZeRO-3 (deepspeed is not installed: fake the flag, and stay forward-only since TRL's backward would gather)
-    import transformers.integrations.deepspeed as hf_ds
-    monkeypatch.setattr(hf_ds, "is_deepspeed_zero3_enabled", lambda: True)
-    args = (*inputs, 0.8, 32768, None, 1.0, ("log_probs", "entropy"))
-    with torch.no_grad(), pytest.warns(UserWarning, match="DeepSpeed ZeRO-3"):
-        out = TRLLogProbFunction.apply(*args)
-    with torch.no_grad():
-        assert torch.equal(out[0], ChunkedLogProbFunction.apply(*args)[0])
-    patch_trl(strict=True)
-    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 is not supported"):
-        TRLLogProbFunction.apply(*args)
 
 
 def test_strict_refuses_softcap_model_at_setup():

@@ -18,7 +18,16 @@ Refused with a ValueError (there is no fallback here, since a fallback would hav
 - a PEFT (LoRA, ...) adapter on ``lm_head``: merge it (``model.merge_adapter()``) or leave ``lm_head`` out of
   ``target_modules``; adapters elsewhere in the model are fine, they run inside the backbone;
 - an ``lm_head`` that is not an ``nn.Linear`` (custom heads), a scale that is not a finite number > 0, and a
-  DeepSpeed ZeRO-3 partitioned ``lm_head`` (its weight is empty outside the module's own forward).
+  DeepSpeed ZeRO-3 partitioned ``lm_head`` (``zero3_blocker``): gathering it would be easy (``gather_head=``), but
+  ``causal_lm_token_logprobs`` and ``grpo``'s policy call the backbone and the head outside the model's own
+  forward, where ZeRO-3 cannot take the head's gradient (the contract of TRL's ``maybe_gather_lm_head_ctx``;
+  measured with DeepSpeed 0.19.8 in tests/test_sharded_head_deepspeed.py: gathered in the forward and the
+  backward, the head's full gradient still fails to accumulate into its emptied partition). Under ZeRO-3 use TRL
+  with ``patch_trl()``, whose fused head runs inside the model's forward and gathers the head through
+  ``gather_head``.
+
+An FSDP2-sharded ``lm_head`` (a DTensor weight) is gathered by ``get_lm_head`` with the gradient averaged back
+over the mesh, like every other FSDP2 parameter (``grpo_kernels/sharded_head.py``).
 """
 from __future__ import annotations
 
@@ -26,13 +35,17 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "fused_head_blocker", "cast_to"]
+from ..sharded_head import gathered_dtensor_head
+
+__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "fused_head_blocker",
+           "zero3_blocker", "cast_to"]
 
 
 class LMHead:
     """The output projection of a causal LM as the fused path sees it.
 
-    weight (V, H), bias (V,) or None (plain tensors, gathered from a DTensor when sharded by FSDP2), and
+    weight (V, H), bias (V,) or None (plain tensors, gathered from DTensors when sharded by FSDP2, with the
+    gradient averaged back over the mesh), and
     ``logit_scale`` (float > 0), the factor the model multiplies its logits by before any softmax.
     """
 
@@ -71,12 +84,11 @@ def _zero3_enabled() -> bool:
     return bool(is_deepspeed_zero3_enabled())
 
 
-def fused_head_blocker(softcap=None, logit_scale=1.0, weight=None) -> tuple[str, str] | None:
+def fused_head_blocker(softcap=None, logit_scale=1.0) -> tuple[str, str] | None:
     """``(option, reason)`` when a head cannot go through the fused path, else None: the one compatibility check of
     the standalone helper (``get_lm_head``), the TRL patch and ``grpo.train``.
 
-    softcap: the config's ``final_logit_softcapping``; logit_scale: ``logit_scale_of(config)``; weight: the head's
-    weight when known (a DeepSpeed ZeRO-3 partition is empty outside the module's forward).
+    softcap: the config's ``final_logit_softcapping``; logit_scale: ``logit_scale_of(config)``.
     """
     if softcap is not None:
         return (f"final_logit_softcapping={softcap}",
@@ -85,9 +97,19 @@ def fused_head_blocker(softcap=None, logit_scale=1.0, weight=None) -> tuple[str,
             not math.isfinite(logit_scale) or logit_scale <= 0:
         return (f"logit_scale={logit_scale!r}", "only a finite logit scale > 0 (logit_scale / output_multiplier / "
                 "lm_head_multiplier / logits_scaling) folds into the temperature")
-    if _zero3_enabled() or (weight is not None and (hasattr(weight, "ds_id") or weight.numel() == 0)):
-        return ("DeepSpeed ZeRO-3", "the lm_head weight is partitioned (empty outside the module's forward); gather "
-                "it or use ZeRO stage <= 2")
+    return None
+
+
+def zero3_blocker(weight) -> tuple[str, str] | None:
+    """``(option, reason)`` when ``weight`` is (or, with ZeRO-3 enabled, may be) a DeepSpeed ZeRO-3 partition, for
+    the callers that run the head outside the model's forward (``get_lm_head``, hence ``causal_lm_token_logprobs``
+    and ``grpo``'s policy); TRL's fused head runs inside it and gathers the head itself."""
+    if _zero3_enabled() or hasattr(weight, "ds_id"):
+        return ("DeepSpeed ZeRO-3", "the lm_head is partitioned, and ZeRO-3 takes a gathered parameter's gradient "
+                "only when it was used inside the model's forward, while this helper runs the backbone and the head "
+                "outside it; use TRL with grpo_kernels.patch_trl() (its fused head gathers the partition "
+                "inside the forward), fused_linear_grpo_loss(..., gather_head=...) inside your own model forward, "
+                "or ZeRO stage <= 2")
     return None
 
 
@@ -123,16 +145,14 @@ def get_lm_head(model) -> LMHead:
             f"lm_head must be a torch.nn.Linear for the fused linear head, got {type(head).__name__}"
         )
     scale = logit_scale_of(config)
-    blocker = fused_head_blocker(getattr(config, "final_logit_softcapping", None), scale, head.weight)
+    blocker = fused_head_blocker(getattr(config, "final_logit_softcapping", None), scale) or \
+        zero3_blocker(head.weight)
     if blocker is not None:
         option, reason = blocker
         raise ValueError(f"{option} ({type(model).__name__}) is not supported by the fused linear head: {reason}")
-    weight, bias = head.weight, head.bias
-    if hasattr(weight, "full_tensor"):
-        # FSDP2 shards parameters as DTensors; the kernel needs one plain tensor. full_tensor() is differentiable,
-        # so the gradient is sharded back by autograd, as in TRL's fused head.
-        weight = weight.full_tensor()
-        bias = bias.full_tensor() if bias is not None else None
+    # FSDP2 shards parameters as DTensors; the kernel needs plain tensors. Unlike a bare full_tensor() (whose
+    # backward keeps only this rank's own gradient), the gather averages the gradient over the mesh, as FSDP2 does.
+    weight, bias = gathered_dtensor_head(head.weight, head.bias)
     return LMHead(weight, bias, float(scale))
 
 

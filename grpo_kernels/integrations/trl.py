@@ -28,7 +28,6 @@ model, num_iterations, gradient accumulation, entropy bonus) works unchanged.
 
 Calls the fused path cannot express are served by TRL's own ``ChunkedLogProbFunction``, unchanged:
 - ``final_logit_softcapping`` (Gemma 2/3; nonlinear) and a logit scale that is not a finite number > 0: warned once;
-- DeepSpeed ZeRO-3: TRL regathers the partitioned ``lm_head`` inside its backward, our autograd does not: warned once;
 - requested outputs other than ``log_probs`` / ``entropy`` (SFT's ``is_top1``, DPO's ``mean_logits``...): silent,
   since those trainers are not what this patch targets;
 - an empty batch of scored positions (TRL's compact path): silent, TRL's function keeps the graph connected;
@@ -38,6 +37,17 @@ autocast both cast hidden and head to bf16, but TRL also rounds every logits til
 the logits in fp32, so the two differ at bf16 precision, grpo_kernels being the closer to the exact value.
 ``patch_trl(strict=True)`` turns the warned fallbacks into ValueErrors, raised at trainer setup where TRL calls
 ``add_fused_lm_head`` on the GRPO policy and reference models.
+
+Sharded heads stay on our kernels:
+- DeepSpeed ZeRO-3: TRL's forward gathers the partitioned ``lm_head`` around the call (``maybe_gather_lm_head_ctx``)
+  and ZeRO-3 empties it again before the backward; ``TRLLogProbFunction`` passes the same context to
+  ``linear_token_logprobs(..., gather_head=...)``, which re-enters it around the backward's recompute (as TRL's own
+  kernel does). The call runs inside the model's forward, so ZeRO-3 reduces the head's gradient as usual.
+- FSDP2: TRL turns a DTensor head into a plain tensor with ``weight.full_tensor()`` before the call, so our function
+  sees a plain tensor. When ``lm_head`` is in the root ``fully_shard`` group (the usual layout) the head is already
+  unsharded during the root's forward and FSDP2 averages its gradient. When ``lm_head`` is wrapped in its own
+  ``fully_shard`` unit, ``full_tensor()``'s backward keeps only this rank's own gradient (no reduction across ranks),
+  which is TRL's behaviour with or without this patch (see README, "Sharded lm_head without tensor parallelism").
 """
 from __future__ import annotations
 
@@ -45,7 +55,7 @@ import warnings
 
 import torch
 
-from .transformers import cast_to, fused_head_blocker, logit_scale_of
+from .transformers import _zero3_enabled, cast_to, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction"]
 
@@ -123,13 +133,25 @@ class TRLLogProbFunction:
         # TRL multiplies in hidden's dtype outside autocast (fp32 under cast_lm_head_to_fp32, where TRL has already
         # upcast hidden and disabled autocast), casting the head to it; under autocast linear_token_logprobs runs
         # the head in the autocast dtype, as TRL's cuBLAS tiles do.
+        head_params = (weight, bias)
         hidden, weight, bias = cast_to(hidden.dtype, hidden, weight, bias)
         # logits * logit_scale / temperature == logits / (temperature / logit_scale) for any scale > 0.
         out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias,
                                        temperature=float(temperature) / float(logit_scale),
-                                       return_entropy=want_entropy)
+                                       return_entropy=want_entropy, gather_head=_zero3_gather(*head_params))
         logp, entropy = out if want_entropy else (out, None)
         return logp, entropy, None, None, None
+
+
+def _zero3_gather(weight, bias):
+    """Under ZeRO-3, TRL's own gather of the head parameters as a ``gather_head`` callable (entered again in the
+    backward, where ZeRO-3 has emptied the partition); None otherwise. TRL's context is a no-op for parameters that
+    are already gathered (the forward's call, a tied embedding)."""
+    if not _zero3_enabled():
+        return None
+    import trl.trainer.utils as trl_utils  # looked up at call time, like TRL's own kernel does
+
+    return lambda: trl_utils.maybe_gather_lm_head_ctx(weight, bias)
 
 
 def _checked_add_fused_lm_head(model, *args, **kwargs):
@@ -164,7 +186,7 @@ def patch_trl(strict: bool = False) -> None:
 
     Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
     do not). Idempotent; ``unpatch_trl()`` restores TRL exactly.
-    strict: raise a ValueError naming the option (soft-capped logits, ZeRO-3, a logit scale that is not > 0)
+    strict: raise a ValueError naming the option (soft-capped logits, a logit scale that is not > 0)
         instead of warning and running TRL's own kernel for those calls.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.
     """

@@ -1,0 +1,121 @@
+"""An lm_head sharded for data parallelism (DeepSpeed ZeRO-3, FSDP2 DTensor) gathered around the fused head.
+
+Neither layout shards the vocabulary for tensor parallelism: every rank runs the whole head on its own tokens, so
+the head is gathered whole for the call (one full V x H head per rank, transiently) and its gradient is reduced
+across ranks like every other parameter's. Tensor-parallel vocabulary shards take ``process_group=`` instead
+(``vocab_parallel.py``), which never gathers the head.
+
+- ZeRO-3 (``gather_head``): DeepSpeed partitions each parameter and empties ``param.data`` outside its owning
+  module's forward. A caller that reads ``lm_head.weight`` directly (as TRL's fused forward does) gathers it
+  with ``deepspeed.zero.GatheredParameters``, which re-partitions on exit, so by the time autograd runs the
+  backward the saved weight is empty again. ``gather_head`` is a zero-argument callable returning a context
+  manager under which weight and bias hold their full values; the head enters it around its forward and again
+  around every backward use of weight / bias. ZeRO-3's own hooks then reduce-scatter the gradient.
+- FSDP2 (``gathered_dtensor_head``): a weight that arrives as a sharded DTensor is all-gathered for the call by
+  ``_GatherDataParallel``, whose backward reduce-scatters the full gradient back to the local shard, averaged
+  over the mesh. FSDP2 averages every gradient it reduces; ``DTensor.full_tensor()``'s default backward would
+  only slice this rank's own gradient (each rank would keep the gradient of its own tokens). Measured in
+  tests/test_sharded_head_fsdp.py against DDP's mean over ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+def check_gather_head(gather_head):
+    """``gather_head`` validated: None or a zero-argument callable (called later, once per use)."""
+    if gather_head is not None and not callable(gather_head):
+        raise ValueError("gather_head must be None or a zero-argument callable returning a context manager under "
+                         f"which weight and bias hold their full values, got {type(gather_head).__name__}")
+    return gather_head
+
+
+@contextlib.contextmanager
+def gathered(gather_head):
+    """Enter ``gather_head()`` (a no-op when None), checking that it gave a context manager."""
+    if gather_head is None:
+        yield
+        return
+    ctx = gather_head()
+    if not (hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__")):
+        raise ValueError("gather_head() must return a context manager (e.g. deepspeed.zero.GatheredParameters), "
+                         f"got {type(ctx).__name__}")
+    with ctx:
+        yield
+
+
+def _dtensor_types():
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # pragma: no cover - torch without torch.distributed
+        return None
+    return DTensor, Replicate, Shard
+
+
+def is_dtensor(t) -> bool:
+    types = _dtensor_types()
+    return types is not None and isinstance(t, types[0])
+
+
+def _check_data_parallel(name: str, t) -> None:
+    """A DTensor the fused head can gather: FSDP2's Shard(0) on one mesh dimension, Replicate on the others (HSDP).
+
+    Anything else (Shard on the hidden dimension, several sharded mesh dimensions as with FSDP + tensor
+    parallelism, Partial) is a layout whose gradient reduction we cannot infer."""
+    _, Replicate, Shard = _dtensor_types()
+    placements = tuple(t.placements)
+    shards = [p for p in placements if type(p) is Shard and p.dim == 0]
+    if len(shards) > 1 or not all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in placements):
+        raise ValueError(
+            f"{name} is a DTensor with placements {placements} on a mesh of shape {tuple(t.device_mesh.shape)}: the "
+            "fused head gathers only a data-parallel (FSDP2 / HSDP) head, Shard(0) on one mesh dimension and "
+            "Replicate on the others. For a tensor-parallel vocabulary shard pass its local tensor "
+            f"({name}.to_local()) with process_group= (the vocab-parallel head), or gather it yourself.")
+
+
+class _GatherDataParallel(torch.autograd.Function):
+    """DTensor shard -> the full tensor; backward: the full gradient summed over the mesh and divided by its size,
+    back in the shard's placements (a reduce-scatter, plus an all-reduce over HSDP's replicate dimension)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride())
+        return t.full_tensor()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor, Partial
+
+        mesh, placements, shape, stride = ctx.spec
+        # Why Partial and a division: each rank holds d loss_rank / dW for its own tokens; the parameter's gradient
+        # in data parallelism is their mean (what DDP and FSDP2's own reduce-scatter give every other parameter).
+        partial = DTensor.from_local(grad / mesh.size(), mesh, [Partial()] * mesh.ndim, run_check=False,
+                                     shape=shape, stride=stride)
+        return partial.redistribute(mesh, placements)
+
+
+def gathered_dtensor_head(weight, bias):
+    """(weight, bias) as plain full tensors when weight is a data-parallel DTensor (FSDP2), else unchanged.
+
+    The gradient flows back to the DTensor shards averaged over the mesh (``_GatherDataParallel``)."""
+    if not is_dtensor(weight) and not is_dtensor(bias):
+        return weight, bias
+    if bias is not None and is_dtensor(weight) != is_dtensor(bias):
+        raise ValueError("weight and bias must both be DTensors or both plain tensors, got weight "
+                         f"{type(weight).__name__} and bias {type(bias).__name__}")
+    _check_data_parallel("weight", weight)
+    if bias is not None:
+        _check_data_parallel("bias", bias)
+    return _GatherDataParallel.apply(weight), None if bias is None else _GatherDataParallel.apply(bias)
+
+
+def local_shard_only(weight, bias) -> None:
+    """The vocab-parallel head (``process_group=``) takes this rank's shard as a plain tensor, never a DTensor."""
+    for name, t in (("weight", weight), ("bias", bias)):
+        if is_dtensor(t):
+            raise ValueError(f"{name} must be this rank's vocabulary shard as a plain tensor with process_group=, got "
+                             f"a DTensor with placements {tuple(t.placements)}: pass {name}.to_local()")
