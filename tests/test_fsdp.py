@@ -72,6 +72,21 @@ def test_two_ranks_match_one_process_and_broken_reductions_do_not(tmp_path):
     assert results["bnpo-sgd-clipped"]["grad_norms_single"][0] > 1.0  # so clipping to 1.0 was active
 
 
+def test_decoding_runs_in_lockstep_when_one_rank_finishes_first(tmp_path):
+    """2 ranks sample with the sharded model; one rank's rows all end at the first step, the other's never. The
+    finished rank keeps joining the layers' all-gathers (pad tokens) until the other is done, instead of leaving it
+    blocked (a 20 s gloo timeout); each rank's completions and random stream equal the unsharded model's."""
+    out = tmp_path / "decode"
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 os.path.join("tests", "fsdp_decode_worker.py"), "--out", str(out), "--timeout-s", "20"], timeout=150)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"decode.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["sampled"]["steps"] for r in ranks] == [1, 8] and [r["greedy"]["steps"] for r in ranks] == [8, 1]
+    for r in ranks:
+        for case in ("sampled", "greedy"):
+            assert r[case]["same_tokens"] and r[case]["same_rng_after"], r
+
+
 # ------------------------------------------------------------------------------------------------- 1-rank runs
 def test_fsdp_flag_is_validated():
     assert config_from_argv(["--fsdp"]).fsdp is True and config_from_argv([]).fsdp is False
