@@ -38,20 +38,36 @@ def _fsdp():
 
 
 def is_fsdp(module: nn.Module) -> bool:
-    return isinstance(module, _fsdp()[0])
+    """Whether ``module`` is an FSDP2 unit; False on a torch without FSDP2 (< 2.6), where nothing can be one."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
     """The transformer blocks: modules of the classes the model lists as ``_no_split_modules`` (transformers'
-    own unit of sharding and offloading), else ``base_model.layers``."""
+    own unit of sharding and offloading), else ``base_model.layers``. Of listed modules nested in one another only
+    the outermost is a unit (``fully_shard`` of a child after its parent fails: the parent's group already holds
+    the child's parameters)."""
     names = set(getattr(lm, "_no_split_modules", None) or [])
-    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    layers = _outermost([m for m in lm.modules() if type(m).__name__ in names])
     if not layers:
         layers = list(getattr(lm.base_model, "layers", []) or [])
     if not layers:
         raise UsageError(f"--fsdp: cannot find the decoder layers of {type(lm).__name__} (no _no_split_modules, "
                          "no base_model.layers)")
     return layers
+
+
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` (in ``named_modules`` order: parents before children) less those inside another of them."""
+    inner: set[int] = set()
+    for m in modules:
+        if id(m) not in inner:
+            inner.update(id(c) for c in m.modules() if c is not m)
+    return [m for m in modules if id(m) not in inner]
 
 
 def shard(policy: nn.Module, env: DistEnv, autocast_dtype: torch.dtype | None) -> nn.Module:
@@ -90,7 +106,34 @@ def gathered(root: nn.Module | None):
     try:
         yield
     finally:
+        _reset_forward_state(root)
+
+
+def _reset_forward_state(root: nn.Module, use_reset_iter_state: bool | None = None) -> None:
+    """Reshard every group of ``root`` and forget the forward calls recorded since the last backward (FSDP2 keeps
+    them to order its backward prefetches; calls that no backward follows would otherwise pile up until the
+    next training backward, forever for the frozen reference). torch >= 2.12 has ``reset_iter_state`` for this;
+    torch 2.6-2.11 only have the per-module ``reshard``, and the record lives in private state that differs
+    across versions (one ``_fsdp_param_group`` per state, later a list ``_fsdp_param_groups``), so it is cleared
+    where found. ``use_reset_iter_state`` (default: when torch has it) picks the path (tests run both)."""
+    if use_reset_iter_state is None:
+        use_reset_iter_state = hasattr(root, "reset_iter_state")
+    if use_reset_iter_state:
         root.reset_iter_state()
+        return
+    state = root._get_fsdp_state()
+    for sub in getattr(getattr(state, "_state_ctx", None), "all_states", None) or [state]:
+        groups = getattr(sub, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g for g in [getattr(sub, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            group.reshard()
+            indices = getattr(group, "_post_forward_indices", None)
+            if indices is not None:
+                indices.clear()
+    order = getattr(getattr(state, "_comm_ctx", None), "post_forward_order", None)
+    if order is not None:
+        order.clear()
 
 
 def gradient_sync(model: nn.Module, sync: bool, env: DistEnv):

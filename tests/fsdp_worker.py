@@ -31,6 +31,8 @@ from grpo.update import optimizer_step, rollout_logprobs
 CONFIGS = [
     {"name": "grpo-adamw", "loss_type": "grpo", "optimizer": "adamw", "broken": None},
     {"name": "dapo-adamw", "loss_type": "dapo", "optimizer": "adamw", "broken": None},
+    {"name": "grpo-adamw-reshard-reset", "loss_type": "grpo", "optimizer": "adamw", "broken": None,
+     "reset": "reshard"},  # gathered() ends as on torch < 2.12 (no reset_iter_state)
     {"name": "dapo-adamw-step-sync", "loss_type": "dapo", "optimizer": "adamw", "broken": None, "sync": "step"},
     {"name": "bnpo-sgd-clipped", "loss_type": "bnpo", "optimizer": "sgd", "broken": None, "max_grad_norm": 1.0},
     {"name": "grpo-sgd-summed", "loss_type": "grpo", "optimizer": "sgd", "broken": "summed"},
@@ -86,13 +88,31 @@ def make_optimizer(policy, kind: str):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+def resharded(root) -> bool:
+    """After ``gathered``: every parameter of ``root`` is a DTensor again holding 1/N of the rows (the
+    lm_head included), and no forward call is left on FSDP2's record of them."""
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    params = dict(root.named_parameters())
+    ok = isinstance(root.lm.lm_head.weight, DTensor) and len(params) > 0
+    for p in params.values():
+        ok &= isinstance(p, DTensor) and p.to_local().shape[0] <= -(-p.shape[0] // world) \
+            and (world == 1 or p.to_local().numel() < p.numel())
+    state = root._get_fsdp_state()
+    ok &= len(state._comm_ctx.post_forward_order) == 0
+    return bool(ok)
+
+
 def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_norm: float,
-        sync: str = "micro_batch") -> list[float]:
+        sync: str = "micro_batch", checks: dict | None = None) -> list[float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with sharding.gathered(policy):
         old_logps = rollout_logprobs(policy, rollout, MICRO)
     with sharding.gathered(ref):
         ref_logps = rollout_logprobs(ref, rollout, MICRO)
+    if checks is not None:
+        checks["resharded_after_gathered"] = resharded(policy) and resharded(ref)
     norms = []
     for _ in range(STEPS):
         stats = optimizer_step(model, policy, optimizer, scheduler, rollout, rows, advantages, old_logps, ref_logps,
@@ -130,6 +150,9 @@ def main() -> None:
             policy.set_requires_gradient_sync = lambda sync, recurse=True: \
                 type(policy).set_requires_gradient_sync(policy, False, recurse=recurse)
         optimizer = make_optimizer(policy, cfg["optimizer"])
+        reset = sharding._reset_forward_state
+        if cfg.get("reset") == "reshard":
+            sharding._reset_forward_state = lambda root: reset(root, use_reset_iter_state=False)
         if cfg["broken"] == "summed":  # what a reduction that sums instead of averaging would hand the optimizer
             def summed(opt, *_):
                 for group in opt.param_groups:
@@ -139,8 +162,10 @@ def main() -> None:
         share = ROWS // world
         rows = torch.arange(rank * share, (rank + 1) * share, device=device)
         clip = cfg.get("max_grad_norm", 0.0)
+        checks = {}
         sharded_norms = run(policy, ref, policy, optimizer, rollout, advantages, rows, env, clip,
-                            cfg.get("sync", "micro_batch"))
+                            cfg.get("sync", "micro_batch"), checks)
+        sharding._reset_forward_state = reset
         full = sharding.full_lm_state_dict(policy)
         if rank == 0:
             params[cfg["name"]] = full
@@ -154,7 +179,7 @@ def main() -> None:
                         for k, v in build(tokenizer, cfg, device, autocast)[0].lm.state_dict().items())
             results[cfg["name"]] = {"max_param_diff": diff, "max_param_change": moved,
                                     "grad_norms_sharded": sharded_norms, "grad_norms_single": norms,
-                                    "expect_match": cfg["broken"] is None, "world_size": world}
+                                    "expect_match": cfg["broken"] is None, "world_size": world, **checks}
         dist.barrier()
     if rank == 0:
         with open(args.out, "w") as f:
