@@ -59,10 +59,10 @@ def _model_checksum(model_dir) -> float:
 # ------------------------------------------------------------------------------------------------- equivalence
 def test_two_ranks_match_one_process_and_broken_reductions_do_not(tmp_path):
     results, _ = _worker(tmp_path, 2)
-    assert set(results) == {"grpo-adamw", "dapo-adamw", "dapo-adamw-step-sync", "bnpo-sgd-clipped",
+    assert set(results) == {"grpo-adamw", "grpo-adamw-reshard-reset", "dapo-adamw", "dapo-adamw-step-sync", "bnpo-sgd-clipped",
                             "grpo-sgd-summed", "dapo-adamw-unreduced"}
     for name, r in results.items():
-        assert r["world_size"] == 2
+        assert r["world_size"] == 2 and r["resharded_after_gathered"], (name, r)
         if r["expect_match"]:
             assert r["max_param_change"] >= 3 * BROKEN_MIN_DIFF, (name, r)  # the steps did move the parameters
             assert r["max_param_diff"] <= PARAM_ATOL, (name, r)
@@ -95,6 +95,94 @@ def test_fsdp_flag_is_validated():
     assert config_from_argv(["--fsdp", "--fsdp-grad-sync", "step"]).fsdp_grad_sync == "step"
     with pytest.raises(UsageError, match="--fsdp-grad-sync must be one of micro_batch, step"):
         TrainConfig(fsdp_grad_sync="never")
+
+
+def test_fsdp_grad_sync_without_fsdp_is_refused(tmp_path, capsys):
+    with pytest.raises(UsageError, match="--fsdp-grad-sync step only applies to --fsdp runs: add --fsdp"):
+        TrainConfig(fsdp_grad_sync="step")
+    assert train.main(SMALL + ["--output-dir", str(tmp_path / "run"), "--fsdp-grad-sync", "step"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo.train: error: --fsdp-grad-sync step only applies to --fsdp runs") and \
+        err.count("\n") == 1, err
+
+
+def test_is_fsdp_is_false_without_fsdp2(monkeypatch):
+    """torch < 2.6 has no torch.distributed.fsdp.FSDPModule: plain (DDP / single-process) runs still work, only
+    --fsdp is refused."""
+    import types
+
+    from grpo import sharding
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", types.ModuleType("torch.distributed.fsdp"))
+    assert sharding.is_fsdp(torch.nn.Linear(2, 2)) is False
+    with sharding.gathered(torch.nn.Linear(2, 2)):
+        pass
+    with pytest.raises(UsageError, match="--fsdp needs torch.distributed.fsdp.fully_shard"):
+        sharding._fsdp()
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_nested_no_split_modules_shard_outermost_only(one_rank_group):
+    """A listed block class nested inside another: only the outer block becomes an FSDP unit (fully_shard of the
+    inner one after the outer fails in the first forward); the sharded model trains like the plain one."""
+    from torch import nn
+
+    from grpo import sharding
+    from grpo.distributed import DistEnv
+
+    class Block(nn.Module):
+        def __init__(self, depth: int):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.inner = Block(depth - 1) if depth > 0 else None
+
+        def forward(self, x):
+            x = torch.tanh(self.linear(x))
+            return self.inner(x) if self.inner is not None else x
+
+    class LM(nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(2), Block(1)])
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = LM()
+
+        def forward(self, x):
+            return self.lm(x)
+
+    torch.manual_seed(0)
+    root = Root()
+    plain = Root()
+    plain.load_state_dict(root.state_dict())
+    assert sharding.decoder_layers(root.lm) == list(root.lm.blocks)
+    sharding.shard(root, DistEnv(device=torch.device("cpu")), None)
+    assert [m for m in root.modules() if sharding.is_fsdp(m)] == [root, root.lm.blocks[0], root.lm.blocks[1]]
+    x = torch.randn(5, 4)
+    for model in (root, plain):
+        model(x).square().sum().backward()
+    grads = {n: p.grad.full_tensor() for n, p in root.named_parameters()}
+    for n, p in plain.named_parameters():
+        assert torch.allclose(grads[n], p.grad, atol=1e-6), n
 
 
 def test_single_process_fsdp_matches_plain_run_saves_sharded_and_resumes(tmp_path):
