@@ -72,7 +72,8 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
 
 def shard(policy: nn.Module, env: DistEnv, autocast_dtype: torch.dtype | None) -> nn.Module:
     """``fully_shard`` each decoder layer of ``policy.lm``, then ``policy`` itself (the root), over all ranks.
-    In place; returns ``policy`` (now also an ``FSDPModule``). Build the optimizer after this call."""
+    In place; returns ``policy`` (now also an ``FSDPModule``) with its shards and buffers on ``env.device``: pass
+    it on the CPU so that no full copy ever lands on the device. Build the optimizer after this call."""
     _, MixedPrecisionPolicy, fully_shard = _fsdp()
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -87,7 +88,18 @@ def shard(policy: nn.Module, env: DistEnv, autocast_dtype: torch.dtype | None) -
     for layer in decoder_layers(policy.lm):
         fully_shard(layer, mesh=mesh, mp_policy=layer_mp)
     fully_shard(policy, mesh=mesh, mp_policy=root_mp)
+    _buffers_to(policy, env.device)
     return policy
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> None:
+    """``fully_shard`` moves the parameters and buffers of the modules it manages to the mesh's device (a model
+    built on the CPU reaches the GPU one unit at a time, as shards); this moves any buffer it did not manage (none
+    in the layout above: the root manages everything outside the layers; a safeguard for custom models)."""
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
 
 
 @contextlib.contextmanager

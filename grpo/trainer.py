@@ -71,7 +71,8 @@ class Trainer:
                 ref_lm.gradient_checkpointing_disable()
             self.ref = GRPOPolicy(ref_lm, cfg.loss, cfg.impl, compute_dtype, autocast, banned)
         self.model = self.policy
-        if cfg.fsdp:  # FSDP2: the policy (the optimizer's parameters are its shards) and the reference alike
+        if cfg.fsdp:  # FSDP2: the policy (the optimizer's parameters are its shards) and the reference alike;
+            # both come here on the CPU and each unit goes to the device as its shards (never a full copy there)
             sharding.shard(self.policy, env, autocast)
             if self.ref is not None:
                 sharding.shard(self.ref, env, autocast)
@@ -148,7 +149,8 @@ class Trainer:
             attn = choose_attn_implementation(cfg.attn_implementation, self.device)
             lm, tokenizer = load_pretrained(cfg.model, dtype, attn, cfg.trust_remote_code)
         disable_dropout(lm)
-        lm.to(self.device)
+        if not cfg.fsdp:  # --fsdp: the model (and the reference copy) stay on the CPU until sharding.shard
+            lm.to(self.device)
         if cfg.liger_layers:
             apply_liger_layers(lm, self.device)
         if cfg.gradient_checkpointing:

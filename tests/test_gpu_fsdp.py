@@ -49,3 +49,31 @@ def test_grpo_train_fsdp_on_cuda_saves_and_resumes(tmp_path):
     proc = _run(cmd + ["--output-dir", str(part), "--resume"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert [r["step"] for r in _metrics(part)] == [3, 4]
+
+
+def test_fsdp_setup_never_holds_a_full_copy_on_the_gpu(tmp_path):
+    """--fsdp builds the policy and the reference on the CPU; fully_shard moves one unit at a time to the GPU as
+    shards. One process (a 1-rank mesh: the shards are the whole model): after setup the GPU holds the fp32 policy
+    P and the bf16 reference P/2; the peak stays below 1.75 P (before: the fp32 policy and its fp32 deep copy on
+    the GPU, >= 2 P, before any sharding). 8 layers of hidden size 512, so one unit's transient full copy is small."""
+    from grpo import TrainConfig
+    from grpo.distributed import cleanup_distributed, init_distributed
+    from grpo.trainer import Trainer
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), fsdp=True, device="cuda", hidden_size=512, num_layers=8,
+                      num_heads=8, prompts_per_step=2, num_generations=2, max_steps=1, progress=False,
+                      loss=TrainConfig().loss.replace(beta=0.04))
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    env = init_distributed("cuda", group_for_one=True)
+    try:
+        trainer = Trainer(cfg, env)
+        peak = torch.cuda.max_memory_allocated() - base
+        full = sum(p.numel() * 4 for p in trainer.policy.parameters())  # fp32 bytes (1 rank: shards = whole)
+        on_gpu = all(t.device.type == "cuda" for m in (trainer.policy, trainer.ref)
+                     for t in list(m.parameters()) + list(m.buffers()))
+    finally:
+        cleanup_distributed()
+    assert on_gpu  # the suppress bias and the rotary buffers too
+    assert full > 90e6 and peak < 1.75 * full, (peak, full)
