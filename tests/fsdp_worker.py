@@ -9,7 +9,8 @@ difference and both runs' gradient norms per configuration to ``--out`` (JSON), 
 parameters to ``--out``.params.pt (to compare runs on different world sizes).
 
 Negative controls (``expect_match`` False) break the gradient reduction on purpose: ``summed`` (gradients summed
-instead of averaged over ranks, with SGD so that the scale matters) and ``unreduced`` (gradients never reduced).
+instead of averaged over ranks, with SGD so that the scale matters) and ``unreduced`` (gradients never reduced:
+each rank steps its shard with its slice of its own rows' gradient). Both still move the parameters.
 """
 from __future__ import annotations
 
@@ -81,6 +82,33 @@ def build(tokenizer, cfg: dict, device: torch.device, autocast):
     return GRPOPolicy(lm, loss, "auto", compute, autocast), GRPOPolicy(ref_lm, loss, "auto", compute, autocast)
 
 
+def use_local_gradients(root) -> None:
+    """The ``unreduced`` control: with gradient sync off, FSDP2 leaves each parameter's full gradient of this
+    rank's rows on the unsharded parameter (``.grad``, or ``unsharded_accumulated_grad`` under a reduce dtype) and
+    writes no sharded ``.grad``. Hand the optimizer this rank's slice of that *local* gradient as the shard's
+    gradient (what a reduce-scatter without the reduction would give), and clear FSDP2's copy for the next step."""
+    from torch.distributed.tensor import DTensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = root._get_fsdp_state()
+    for sub in state._state_ctx.all_states:
+        groups = getattr(sub, "_fsdp_param_groups", None)
+        if groups is None:  # torch <= 2.11: one group per state
+            groups = [g for g in [sub._fsdp_param_group] if g is not None]
+        for group in groups:
+            for fp in group.fsdp_params:
+                local = fp.unsharded_accumulated_grad
+                if local is None:
+                    local = fp._unsharded_param.grad
+                fp.unsharded_accumulated_grad = None
+                fp._unsharded_param.grad = None
+                param = fp.sharded_param
+                chunks = torch.chunk(local.to(param.dtype), world, dim=0)
+                mine = chunks[rank] if rank < len(chunks) else local.new_zeros((0,) + local.shape[1:])
+                param.grad = DTensor.from_local(mine.contiguous(), param.device_mesh, param.placements,
+                                                shape=param.shape, stride=param.stride())
+
+
 def make_optimizer(policy, kind: str):
     params = [p for p in policy.parameters() if p.requires_grad]
     if kind == "sgd":
@@ -150,6 +178,8 @@ def main() -> None:
             policy.set_requires_gradient_sync = lambda sync, recurse=True: \
                 type(policy).set_requires_gradient_sync(policy, False, recurse=recurse)
         optimizer = make_optimizer(policy, cfg["optimizer"])
+        if cfg["broken"] == "unreduced":  # each rank steps on its shard of its *own* (unreduced) gradient
+            optimizer.register_step_pre_hook(lambda opt, *_: use_local_gradients(policy))
         reset = sharding._reset_forward_state
         if cfg.get("reset") == "reshard":
             sharding._reset_forward_state = lambda root: reset(root, use_reset_iter_state=False)
@@ -177,7 +207,11 @@ def main() -> None:
             diff = max(float((full[k].float() - truth[k].detach().cpu().float()).abs().max()) for k in truth)
             moved = max(float((truth[k].detach().cpu().float() - v.detach().cpu().float()).abs().max())
                         for k, v in build(tokenizer, cfg, device, autocast)[0].lm.state_dict().items())
+            start = build(tokenizer, cfg, device, autocast)[0].lm.state_dict()
+            moved_sharded = max(float((full[k].float() - v.detach().cpu().float()).abs().max())
+                                for k, v in start.items())
             results[cfg["name"]] = {"max_param_diff": diff, "max_param_change": moved,
+                                    "max_param_change_sharded": moved_sharded,
                                     "grad_norms_sharded": sharded_norms, "grad_norms_single": norms,
                                     "expect_match": cfg["broken"] is None, "world_size": world, **checks}
         dist.barrier()
