@@ -173,19 +173,20 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
-def full_param_checksum(module: nn.Module, env: DistEnv) -> float:
-    """The parameter checksum of ``Trainer.param_checksums`` over the *full* parameters: the sums over each rank's
-    local shards, all-reduced (the same value on every rank, comparable with an unsharded run)."""
+def shard_checksums(module: nn.Module, env: DistEnv) -> list[float]:
+    """Collective: the parameter checksum of ``Trainer.param_checksums`` over each rank's *local shards*, rank
+    order. They differ across ranks (each holds other rows); their sum is the checksum of the full parameters (the
+    same value on every rank, comparable with an unsharded run and with the saved ``model/``)."""
     from torch.distributed.tensor import DTensor
 
-    total = torch.zeros((), dtype=torch.float64, device=env.device)
+    totals = torch.zeros(env.world_size, dtype=torch.float64, device=env.device)
     with torch.no_grad():
         for p in module.parameters():
             local = (p.to_local() if isinstance(p, DTensor) else p).double()
-            total += local.sum() + 1e-3 * local.abs().sum()
+            totals[env.rank] += local.sum() + 1e-3 * local.abs().sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return float(total)
+        dist.all_reduce(totals)
+    return totals.tolist()
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints

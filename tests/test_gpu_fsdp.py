@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from .test_fsdp import FLAGS, _worker
+from .test_fsdp import FLAGS, _model_checksum, _worker
 from .test_train_runs import _metrics, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -41,7 +41,9 @@ def test_grpo_train_fsdp_on_cuda_saves_and_resumes(tmp_path):
     proc = _run(cmd + ["--output-dir", str(run)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     summary = json.loads((run / "run_summary.json").read_text())
-    assert summary["world_size"] == nproc and len(set(summary["param_checksums"])) == 1
+    assert summary["world_size"] == nproc and len(summary["shard_checksums"]) == nproc
+    assert sum(summary["shard_checksums"]) == pytest.approx(summary["param_checksums"][0], rel=1e-9)
+    assert _model_checksum(run / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)
     assert (run / "checkpoint-2" / "sharded" / ".metadata").exists()
     assert (run / "checkpoint-4" / "model" / "model.safetensors").exists()
     assert all(r["loss"] == r["loss"] for r in _metrics(run)[1:])  # finite (not NaN)
