@@ -222,4 +222,12 @@ def full_lm_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")}
+    out = {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")}
+    # Tied parameters (lm_head.weight is embed_tokens.weight) come back as separate gathered copies; make them one
+    # tensor again so that save_pretrained writes it once, as it does for an unsharded tied model.
+    first: dict[int, str] = {}
+    for name, p in root.lm.named_parameters(remove_duplicate=False):
+        if id(p) in first and name in out and first[id(p)] in out:
+            out[name] = out[first[id(p)]]
+        first.setdefault(id(p), name)
+    return out

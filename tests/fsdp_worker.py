@@ -43,6 +43,11 @@ CONFIGS = [
 ROWS, PROMPT, COMPLETION, MICRO, STEPS, BETA = 8, 4, 6, 2, 3, 0.04
 
 
+def completion_length_reward(prompts, completions, **_) -> list[float]:
+    """A reward that varies within every group (for grpo.train runs in tests/test_fsdp.py: nonzero advantages)."""
+    return [float(len(c)) for c in completions]
+
+
 def synthetic_rollout(vocab: int, device: torch.device) -> tuple[Rollout, torch.Tensor]:
     """8 rows: left-padded prompts (1-4 tokens), completions of 1-6 loss tokens, advantages of both signs."""
     g = torch.Generator().manual_seed(1234)

@@ -289,3 +289,32 @@ def test_bf16_mixed_precision_two_ranks_match_one_rank(tmp_path):
         assert two[name]["grad_norms_sharded"] == pytest.approx(one[name]["grad_norms_sharded"], rel=1e-6)
     sgd = two["bnpo-sgd-clipped"]
     assert sgd["max_param_diff"] <= 0.1 * sgd["max_param_change"], sgd
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp_tied_embeddings_train_and_save_tied(tmp_path):
+    """A tied-embedding checkpoint (Qwen2, lm_head.weight is embed_tokens.weight) under --fsdp on 2 ranks: the
+    shared parameter is one FSDP parameter of the root group; the saved model/ holds it once (as an unsharded save
+    does) and reloads tied, trained, and with the run's full checksum."""
+    from grpo.modeling import load_pretrained
+
+    from .test_train import _save_tiny_chat_checkpoint
+
+    model_dir, data, out = tmp_path / "qwen", tmp_path / "math.jsonl", tmp_path / "run"
+    _save_tiny_chat_checkpoint(str(model_dir))
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + 3?", "answer": str(a + 3)}) + "\n"
+                            for a in range(8)))
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 "-m", "grpo.train", "--fsdp", "--model", str(model_dir), "--dataset", str(data),
+                 "--reward", "tests.fsdp_worker:completion_length_reward", "--lr", "1e-2", "--warmup-steps", "0",
+                 "--max-steps", "2", "--max-new-tokens", "8", "--beta", "0.04", "--output-dir", str(out)] + SMALL,
+                timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    before, _ = load_pretrained(str(model_dir), torch.float32, "sdpa")
+    after, _ = load_pretrained(str(out / "checkpoint-2" / "model"), torch.float32, "sdpa")
+    assert after.config.tie_word_embeddings and after.lm_head.weight is after.model.embed_tokens.weight
+    assert float((after.lm_head.weight - before.lm_head.weight).abs().max()) > 1e-4  # the shared weight trained
+    assert sum(float(p.double().sum()) + 1e-3 * float(p.double().abs().sum()) for p in after.parameters()) == \
+        pytest.approx(summary["param_checksums"][0], rel=1e-9)
+    assert _model_checksum(out / "checkpoint-2" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)
