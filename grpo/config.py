@@ -156,6 +156,9 @@ class TrainConfig:
                f"--resume {self.resume!r}: no such checkpoint directory")
         _check(not (self.resume is not None and self.overwrite), "--resume and --overwrite exclude each other")
         _check(isinstance(self.fsdp, bool), f"--fsdp is a switch (True / False), got {self.fsdp!r}")
+        _check(self.fsdp or self.fsdp_grad_sync == "micro_batch",
+               f"--fsdp-grad-sync {self.fsdp_grad_sync} only applies to --fsdp runs: add --fsdp (or drop "
+               "--fsdp-grad-sync; DDP reduces gradients once per optimizer step)")
         _check(self.completion_chars is None or len(self.completion_chars) > 0,
                "--completion-chars must name at least one character")
         if self.completion_chars is None and self.dataset is None:

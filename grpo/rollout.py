@@ -139,7 +139,9 @@ def sample_completions(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     Rows of one prompt are consecutive, pad after EOS. One forward of the backbone over the (unrepeated) prompts
     fills the KV cache, which is then repeated ``repeats`` times; each further forward feeds one token per row.
     Logits come from the head as the loss sees it (``get_lm_head``: ``scale * (h @ W.T + b)``). Stops early once
-    every row has emitted an EOS. ``keep_graph``: run the backbone with autograd on and return the final hidden
+    every row has emitted an EOS; under FSDP2 on several ranks (``synced_decoding``) a rank whose rows are done keeps
+    running the backbone on pad tokens until every rank is done (its outputs unchanged), since each forward is a
+    collective. ``keep_graph``: run the backbone with autograd on and return the final hidden
     states that predicted each completion token, so that the loss can backpropagate through this very forward
     instead of recomputing it (``hidden[:, t]`` predicts ``ids[:, t]``).
     """
@@ -168,22 +170,56 @@ def sample_completions(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
         tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         kept = [hidden] if keep_graph else None
-        step = 0
+        synced = synced_decoding(model)
+        step, own_steps = 0, None  # own_steps: the step at which this rank's rows were all done
         while True:
-            token = next_tokens(logits_of(hidden), banned, temperature, top_k, top_p, greedy).masked_fill(done, pad_id)
-            tokens[:, step] = token
-            done |= torch.isin(token, eos)
+            if own_steps is None:
+                token = next_tokens(logits_of(hidden), banned, temperature, top_k, top_p, greedy)
+                token = token.masked_fill(done, pad_id)
+                tokens[:, step] = token
+                done |= torch.isin(token, eos)
             step += 1
-            if step == max_new_tokens or bool(done.all()):
+            if own_steps is None and (step == max_new_tokens or bool(done.all())):
+                own_steps = step
+            if step == max_new_tokens or not _any_rank_decoding(own_steps is None, synced, device):
                 break
+            # A finished rank keeps feeding pad (draws no random numbers, keeps nothing) while another rank decodes:
+            # under FSDP every forward all-gathers each layer, a collective all ranks must join.
+            if own_steps is not None:
+                token = torch.full_like(token, pad_id)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             position = position + 1
-            out = backbone(input_ids=token[:, None], attention_mask=mask, position_ids=position, use_cache=True,
-                           **{cache_arg: cache})
+            with torch.set_grad_enabled(keep_graph and own_steps is None):
+                out = backbone(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                               use_cache=True, **{cache_arg: cache})
             hidden = out.last_hidden_state[:, -1]
-            if keep_graph:
+            if keep_graph and own_steps is None:
                 kept.append(hidden)
-    return tokens[:, :step], torch.stack(kept, dim=1) if keep_graph else None
+    return tokens[:, :own_steps], torch.stack(kept, dim=1) if keep_graph else None
+
+
+def synced_decoding(model) -> bool:
+    """Whether the decoding loop must run in lockstep across ranks: ``model`` holds FSDP2 units (each forward
+    all-gathers their parameters, a collective) and there is more than one rank."""
+    import torch.distributed as dist
+
+    from .sharding import is_fsdp
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(is_fsdp(m) for m in model.modules())
+
+
+def _any_rank_decoding(decoding: bool, synced: bool, device: torch.device) -> bool:
+    """``decoding`` of this rank, or-ed over all ranks when ``synced`` (one tiny all-reduce per decoding step,
+    like transformers' ``synced_gpus``)."""
+    if not synced:
+        return decoding
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(decoding)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _cache_argument(model) -> str:

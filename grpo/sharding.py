@@ -38,14 +38,21 @@ def _fsdp():
 
 
 def is_fsdp(module: nn.Module) -> bool:
-    return isinstance(module, _fsdp()[0])
+    """Whether ``module`` is an FSDP2 unit; False on a torch without FSDP2 (< 2.6), where nothing can be one."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
     """The transformer blocks: modules of the classes the model lists as ``_no_split_modules`` (transformers'
-    own unit of sharding and offloading), else ``base_model.layers``."""
+    own unit of sharding and offloading), else ``base_model.layers``. Of listed modules nested in one another only
+    the outermost is a unit (``fully_shard`` of a child after its parent fails: the parent's group already holds
+    the child's parameters)."""
     names = set(getattr(lm, "_no_split_modules", None) or [])
-    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    layers = _outermost([m for m in lm.modules() if type(m).__name__ in names])
     if not layers:
         layers = list(getattr(lm.base_model, "layers", []) or [])
     if not layers:
@@ -54,9 +61,19 @@ def decoder_layers(lm: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` (in ``named_modules`` order: parents before children) less those inside another of them."""
+    inner: set[int] = set()
+    for m in modules:
+        if id(m) not in inner:
+            inner.update(id(c) for c in m.modules() if c is not m)
+    return [m for m in modules if id(m) not in inner]
+
+
 def shard(policy: nn.Module, env: DistEnv, autocast_dtype: torch.dtype | None) -> nn.Module:
     """``fully_shard`` each decoder layer of ``policy.lm``, then ``policy`` itself (the root), over all ranks.
-    In place; returns ``policy`` (now also an ``FSDPModule``). Build the optimizer after this call."""
+    In place; returns ``policy`` (now also an ``FSDPModule``) with its shards and buffers on ``env.device``: pass
+    it on the CPU so that no full copy ever lands on the device. Build the optimizer after this call."""
     _, MixedPrecisionPolicy, fully_shard = _fsdp()
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -71,7 +88,18 @@ def shard(policy: nn.Module, env: DistEnv, autocast_dtype: torch.dtype | None) -
     for layer in decoder_layers(policy.lm):
         fully_shard(layer, mesh=mesh, mp_policy=layer_mp)
     fully_shard(policy, mesh=mesh, mp_policy=root_mp)
+    _buffers_to(policy, env.device)
     return policy
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> None:
+    """``fully_shard`` moves the parameters and buffers of the modules it manages to the mesh's device (a model
+    built on the CPU reaches the GPU one unit at a time, as shards); this moves any buffer it did not manage (none
+    in the layout above: the root manages everything outside the layers; a safeguard for custom models)."""
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
 
 
 @contextlib.contextmanager
@@ -90,7 +118,34 @@ def gathered(root: nn.Module | None):
     try:
         yield
     finally:
+        _reset_forward_state(root)
+
+
+def _reset_forward_state(root: nn.Module, use_reset_iter_state: bool | None = None) -> None:
+    """Reshard every group of ``root`` and forget the forward calls recorded since the last backward (FSDP2 keeps
+    them to order its backward prefetches; calls that no backward follows would otherwise pile up until the
+    next training backward, forever for the frozen reference). torch >= 2.12 has ``reset_iter_state`` for this;
+    torch 2.6-2.11 only have the per-module ``reshard``, and the record lives in private state that differs
+    across versions (one ``_fsdp_param_group`` per state, later a list ``_fsdp_param_groups``), so it is cleared
+    where found. ``use_reset_iter_state`` (default: when torch has it) picks the path (tests run both)."""
+    if use_reset_iter_state is None:
+        use_reset_iter_state = hasattr(root, "reset_iter_state")
+    if use_reset_iter_state:
         root.reset_iter_state()
+        return
+    state = root._get_fsdp_state()
+    for sub in getattr(getattr(state, "_state_ctx", None), "all_states", None) or [state]:
+        groups = getattr(sub, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g for g in [getattr(sub, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            group.reshard()
+            indices = getattr(group, "_post_forward_indices", None)
+            if indices is not None:
+                indices.clear()
+    order = getattr(getattr(state, "_comm_ctx", None), "post_forward_order", None)
+    if order is not None:
+        order.clear()
 
 
 def gradient_sync(model: nn.Module, sync: bool, env: DistEnv):
@@ -118,19 +173,20 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
-def full_param_checksum(module: nn.Module, env: DistEnv) -> float:
-    """The parameter checksum of ``Trainer.param_checksums`` over the *full* parameters: the sums over each rank's
-    local shards, all-reduced (the same value on every rank, comparable with an unsharded run)."""
+def shard_checksums(module: nn.Module, env: DistEnv) -> list[float]:
+    """Collective: the parameter checksum of ``Trainer.param_checksums`` over each rank's *local shards*, rank
+    order. They differ across ranks (each holds other rows); their sum is the checksum of the full parameters (the
+    same value on every rank, comparable with an unsharded run and with the saved ``model/``)."""
     from torch.distributed.tensor import DTensor
 
-    total = torch.zeros((), dtype=torch.float64, device=env.device)
+    totals = torch.zeros(env.world_size, dtype=torch.float64, device=env.device)
     with torch.no_grad():
         for p in module.parameters():
             local = (p.to_local() if isinstance(p, DTensor) else p).double()
-            total += local.sum() + 1e-3 * local.abs().sum()
+            totals[env.rank] += local.sum() + 1e-3 * local.abs().sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return float(total)
+        dist.all_reduce(totals)
+    return totals.tolist()
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
@@ -166,4 +222,12 @@ def full_lm_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")}
+    out = {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")}
+    # Tied parameters (lm_head.weight is embed_tokens.weight) come back as separate gathered copies; make them one
+    # tensor again so that save_pretrained writes it once, as it does for an unsharded tied model.
+    first: dict[int, str] = {}
+    for name, p in root.lm.named_parameters(remove_duplicate=False):
+        if id(p) in first and name in out and first[id(p)] in out:
+            out[name] = out[first[id(p)]]
+        first.setdefault(id(p), name)
+    return out

@@ -71,7 +71,8 @@ class Trainer:
                 ref_lm.gradient_checkpointing_disable()
             self.ref = GRPOPolicy(ref_lm, cfg.loss, cfg.impl, compute_dtype, autocast, banned)
         self.model = self.policy
-        if cfg.fsdp:  # FSDP2: the policy (the optimizer's parameters are its shards) and the reference alike
+        if cfg.fsdp:  # FSDP2: the policy (the optimizer's parameters are its shards) and the reference alike;
+            # both come here on the CPU and each unit goes to the device as its shards (never a full copy there)
             sharding.shard(self.policy, env, autocast)
             if self.ref is not None:
                 sharding.shard(self.ref, env, autocast)
@@ -148,7 +149,8 @@ class Trainer:
             attn = choose_attn_implementation(cfg.attn_implementation, self.device)
             lm, tokenizer = load_pretrained(cfg.model, dtype, attn, cfg.trust_remote_code)
         disable_dropout(lm)
-        lm.to(self.device)
+        if not cfg.fsdp:  # --fsdp: the model (and the reference copy) stay on the CPU until sharding.shard
+            lm.to(self.device)
         if cfg.liger_layers:
             apply_liger_layers(lm, self.device)
         if cfg.gradient_checkpointing:
@@ -237,7 +239,8 @@ class Trainer:
         if self.step > last_saved or (self.step > start_step and self.resumed_from is None):
             self.save(None)
         checksums = self.param_checksums()
-        summary = self._summary(history, evals, time.time() - start_time, checksums)
+        shards = self.shard_checksums() if cfg.fsdp else None
+        summary = self._summary(history, evals, time.time() - start_time, checksums, shards)
         if env.is_main:
             log.close()
             plot_curves(log.path, os.path.join(cfg.output_dir, "curves.png"))
@@ -257,9 +260,11 @@ class Trainer:
 
     def param_checksums(self) -> list[float]:
         """One float64 checksum of all parameters per rank (rank order): equal values = ranks in sync. Under FSDP
-        every rank reports the checksum of the full parameters (its shards all-reduced)."""
+        the ranks hold different shards, so there is nothing to compare between them: each entry is the checksum
+        of the full parameters (the sum of ``shard_checksums``), comparable with a DDP or single-process run and
+        with the saved ``model/``."""
         if self.cfg.fsdp:
-            return [sharding.full_param_checksum(self.policy, self.env)] * self.env.world_size
+            return [sum(self.shard_checksums())] * self.env.world_size
         with torch.no_grad():
             total = sum(float(p.double().sum()) + 1e-3 * float(p.double().abs().sum())
                         for p in self.policy.parameters())
@@ -267,6 +272,10 @@ class Trainer:
         t[self.env.rank] = total
         all_reduce_sum(t, self.env)
         return t.tolist()
+
+    def shard_checksums(self) -> list[float]:
+        """Under FSDP: the checksum of each rank's local shards (rank order; see sharding.shard_checksums)."""
+        return sharding.shard_checksums(self.policy, self.env)
 
     def _rollout_stats(self, rollout: Rollout, gen_time: float) -> dict:
         r = rollout.reward_total
@@ -307,10 +316,11 @@ class Trainer:
             if progress is not None:
                 progress.write(f"step {self.step}: saved {path}")
 
-    def _summary(self, history: list[dict], evals: list[dict], seconds: float, checksums: list[float]) -> dict:
+    def _summary(self, history: list[dict], evals: list[dict], seconds: float, checksums: list[float],
+                 shard_checksums: list[float] | None = None) -> dict:
         """run_summary.json and the closing lines on stdout (main rank)."""
         cfg, say = self.cfg, self.env.is_main
-        if len(set(checksums)) > 1 and say:
+        if len(set(checksums)) > 1 and say:  # DDP: replicas that drifted apart (under FSDP the entries are equal)
             print(f"[grpo.train] WARNING: ranks' parameters differ: {checksums}", flush=True)
         if not history:
             if say:
@@ -323,6 +333,8 @@ class Trainer:
         summary = {"steps": self.step, "steps_this_run": len(history), "seconds": seconds,
                    "world_size": self.env.world_size, "reward_first_steps": first, "reward_last_steps": last,
                    "reward_window": k, "final_kl": history[-1]["kl"], "param_checksums": checksums}
+        if shard_checksums is not None:  # FSDP: per rank, over its own shards (they differ; see shard_checksums)
+            summary["shard_checksums"] = shard_checksums
         if evals:
             summary.update({f"first_{key[5:]}": evals[0][key] for key in ("eval/accuracy", "eval/reward")})
             summary.update({f"final_{key[5:]}": evals[-1][key] for key in ("eval/accuracy", "eval/reward")})

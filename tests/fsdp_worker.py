@@ -9,7 +9,8 @@ difference and both runs' gradient norms per configuration to ``--out`` (JSON), 
 parameters to ``--out``.params.pt (to compare runs on different world sizes).
 
 Negative controls (``expect_match`` False) break the gradient reduction on purpose: ``summed`` (gradients summed
-instead of averaged over ranks, with SGD so that the scale matters) and ``unreduced`` (gradients never reduced).
+instead of averaged over ranks, with SGD so that the scale matters) and ``unreduced`` (gradients never reduced:
+each rank steps its shard with its slice of its own rows' gradient). Both still move the parameters.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from grpo.update import optimizer_step, rollout_logprobs
 CONFIGS = [
     {"name": "grpo-adamw", "loss_type": "grpo", "optimizer": "adamw", "broken": None},
     {"name": "dapo-adamw", "loss_type": "dapo", "optimizer": "adamw", "broken": None},
+    {"name": "grpo-adamw-reshard-reset", "loss_type": "grpo", "optimizer": "adamw", "broken": None,
+     "reset": "reshard"},  # gathered() ends as on torch < 2.12 (no reset_iter_state)
     {"name": "dapo-adamw-step-sync", "loss_type": "dapo", "optimizer": "adamw", "broken": None, "sync": "step"},
     {"name": "bnpo-sgd-clipped", "loss_type": "bnpo", "optimizer": "sgd", "broken": None, "max_grad_norm": 1.0},
     {"name": "grpo-sgd-summed", "loss_type": "grpo", "optimizer": "sgd", "broken": "summed"},
@@ -38,6 +41,11 @@ CONFIGS = [
      "sync": "step"},
 ]
 ROWS, PROMPT, COMPLETION, MICRO, STEPS, BETA = 8, 4, 6, 2, 3, 0.04
+
+
+def completion_length_reward(prompts, completions, **_) -> list[float]:
+    """A reward that varies within every group (for grpo.train runs in tests/test_fsdp.py: nonzero advantages)."""
+    return [float(len(c)) for c in completions]
 
 
 def synthetic_rollout(vocab: int, device: torch.device) -> tuple[Rollout, torch.Tensor]:
@@ -79,6 +87,33 @@ def build(tokenizer, cfg: dict, device: torch.device, autocast):
     return GRPOPolicy(lm, loss, "auto", compute, autocast), GRPOPolicy(ref_lm, loss, "auto", compute, autocast)
 
 
+def use_local_gradients(root) -> None:
+    """The ``unreduced`` control: with gradient sync off, FSDP2 leaves each parameter's full gradient of this
+    rank's rows on the unsharded parameter (``.grad``, or ``unsharded_accumulated_grad`` under a reduce dtype) and
+    writes no sharded ``.grad``. Hand the optimizer this rank's slice of that *local* gradient as the shard's
+    gradient (what a reduce-scatter without the reduction would give), and clear FSDP2's copy for the next step."""
+    from torch.distributed.tensor import DTensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = root._get_fsdp_state()
+    for sub in state._state_ctx.all_states:
+        groups = getattr(sub, "_fsdp_param_groups", None)
+        if groups is None:  # torch <= 2.11: one group per state
+            groups = [g for g in [sub._fsdp_param_group] if g is not None]
+        for group in groups:
+            for fp in group.fsdp_params:
+                local = fp.unsharded_accumulated_grad
+                if local is None:
+                    local = fp._unsharded_param.grad
+                fp.unsharded_accumulated_grad = None
+                fp._unsharded_param.grad = None
+                param = fp.sharded_param
+                chunks = torch.chunk(local.to(param.dtype), world, dim=0)
+                mine = chunks[rank] if rank < len(chunks) else local.new_zeros((0,) + local.shape[1:])
+                param.grad = DTensor.from_local(mine.contiguous(), param.device_mesh, param.placements,
+                                                shape=param.shape, stride=param.stride())
+
+
 def make_optimizer(policy, kind: str):
     params = [p for p in policy.parameters() if p.requires_grad]
     if kind == "sgd":
@@ -86,13 +121,31 @@ def make_optimizer(policy, kind: str):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+def resharded(root) -> bool:
+    """After ``gathered``: every parameter of ``root`` is a DTensor again holding 1/N of the rows (the
+    lm_head included), and no forward call is left on FSDP2's record of them."""
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    params = dict(root.named_parameters())
+    ok = isinstance(root.lm.lm_head.weight, DTensor) and len(params) > 0
+    for p in params.values():
+        ok &= isinstance(p, DTensor) and p.to_local().shape[0] <= -(-p.shape[0] // world) \
+            and (world == 1 or p.to_local().numel() < p.numel())
+    state = root._get_fsdp_state()
+    ok &= len(state._comm_ctx.post_forward_order) == 0
+    return bool(ok)
+
+
 def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_norm: float,
-        sync: str = "micro_batch") -> list[float]:
+        sync: str = "micro_batch", checks: dict | None = None) -> list[float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with sharding.gathered(policy):
         old_logps = rollout_logprobs(policy, rollout, MICRO)
     with sharding.gathered(ref):
         ref_logps = rollout_logprobs(ref, rollout, MICRO)
+    if checks is not None:
+        checks["resharded_after_gathered"] = resharded(policy) and resharded(ref)
     norms = []
     for _ in range(STEPS):
         stats = optimizer_step(model, policy, optimizer, scheduler, rollout, rows, advantages, old_logps, ref_logps,
@@ -130,6 +183,11 @@ def main() -> None:
             policy.set_requires_gradient_sync = lambda sync, recurse=True: \
                 type(policy).set_requires_gradient_sync(policy, False, recurse=recurse)
         optimizer = make_optimizer(policy, cfg["optimizer"])
+        if cfg["broken"] == "unreduced":  # each rank steps on its shard of its *own* (unreduced) gradient
+            optimizer.register_step_pre_hook(lambda opt, *_: use_local_gradients(policy))
+        reset = sharding._reset_forward_state
+        if cfg.get("reset") == "reshard":
+            sharding._reset_forward_state = lambda root: reset(root, use_reset_iter_state=False)
         if cfg["broken"] == "summed":  # what a reduction that sums instead of averaging would hand the optimizer
             def summed(opt, *_):
                 for group in opt.param_groups:
@@ -139,8 +197,10 @@ def main() -> None:
         share = ROWS // world
         rows = torch.arange(rank * share, (rank + 1) * share, device=device)
         clip = cfg.get("max_grad_norm", 0.0)
+        checks = {}
         sharded_norms = run(policy, ref, policy, optimizer, rollout, advantages, rows, env, clip,
-                            cfg.get("sync", "micro_batch"))
+                            cfg.get("sync", "micro_batch"), checks)
+        sharding._reset_forward_state = reset
         full = sharding.full_lm_state_dict(policy)
         if rank == 0:
             params[cfg["name"]] = full
@@ -152,9 +212,13 @@ def main() -> None:
             diff = max(float((full[k].float() - truth[k].detach().cpu().float()).abs().max()) for k in truth)
             moved = max(float((truth[k].detach().cpu().float() - v.detach().cpu().float()).abs().max())
                         for k, v in build(tokenizer, cfg, device, autocast)[0].lm.state_dict().items())
+            start = build(tokenizer, cfg, device, autocast)[0].lm.state_dict()
+            moved_sharded = max(float((full[k].float() - v.detach().cpu().float()).abs().max())
+                                for k, v in start.items())
             results[cfg["name"]] = {"max_param_diff": diff, "max_param_change": moved,
+                                    "max_param_change_sharded": moved_sharded,
                                     "grad_norms_sharded": sharded_norms, "grad_norms_single": norms,
-                                    "expect_match": cfg["broken"] is None, "world_size": world}
+                                    "expect_match": cfg["broken"] is None, "world_size": world, **checks}
         dist.barrier()
     if rank == 0:
         with open(args.out, "w") as f:

@@ -59,17 +59,33 @@ def _model_checksum(model_dir) -> float:
 # ------------------------------------------------------------------------------------------------- equivalence
 def test_two_ranks_match_one_process_and_broken_reductions_do_not(tmp_path):
     results, _ = _worker(tmp_path, 2)
-    assert set(results) == {"grpo-adamw", "dapo-adamw", "dapo-adamw-step-sync", "bnpo-sgd-clipped",
+    assert set(results) == {"grpo-adamw", "grpo-adamw-reshard-reset", "dapo-adamw", "dapo-adamw-step-sync", "bnpo-sgd-clipped",
                             "grpo-sgd-summed", "dapo-adamw-unreduced"}
     for name, r in results.items():
-        assert r["world_size"] == 2
+        assert r["world_size"] == 2 and r["resharded_after_gathered"], (name, r)
         if r["expect_match"]:
             assert r["max_param_change"] >= 3 * BROKEN_MIN_DIFF, (name, r)  # the steps did move the parameters
             assert r["max_param_diff"] <= PARAM_ATOL, (name, r)
             assert r["grad_norms_sharded"] == pytest.approx(r["grad_norms_single"], rel=NORM_RTOL), (name, r)
-        else:
+        else:  # the broken runs did step (an update, not a skipped one), just with the wrong gradient
             assert r["max_param_diff"] >= BROKEN_MIN_DIFF, (name, r)
+            assert r["max_param_change_sharded"] >= BROKEN_MIN_DIFF, (name, r)  # measured >= 3e-2
     assert results["bnpo-sgd-clipped"]["grad_norms_single"][0] > 1.0  # so clipping to 1.0 was active
+
+
+def test_decoding_runs_in_lockstep_when_one_rank_finishes_first(tmp_path):
+    """2 ranks sample with the sharded model; one rank's rows all end at the first step, the other's never. The
+    finished rank keeps joining the layers' all-gathers (pad tokens) until the other is done, instead of leaving it
+    blocked (a 20 s gloo timeout); each rank's completions and random stream equal the unsharded model's."""
+    out = tmp_path / "decode"
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 os.path.join("tests", "fsdp_decode_worker.py"), "--out", str(out), "--timeout-s", "20"], timeout=150)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"decode.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["sampled"]["steps"] for r in ranks] == [1, 8] and [r["greedy"]["steps"] for r in ranks] == [8, 1]
+    for r in ranks:
+        for case in ("sampled", "greedy"):
+            assert r[case]["same_tokens"] and r[case]["same_rng_after"], r
 
 
 # ------------------------------------------------------------------------------------------------- 1-rank runs
@@ -80,6 +96,94 @@ def test_fsdp_flag_is_validated():
     assert config_from_argv(["--fsdp", "--fsdp-grad-sync", "step"]).fsdp_grad_sync == "step"
     with pytest.raises(UsageError, match="--fsdp-grad-sync must be one of micro_batch, step"):
         TrainConfig(fsdp_grad_sync="never")
+
+
+def test_fsdp_grad_sync_without_fsdp_is_refused(tmp_path, capsys):
+    with pytest.raises(UsageError, match="--fsdp-grad-sync step only applies to --fsdp runs: add --fsdp"):
+        TrainConfig(fsdp_grad_sync="step")
+    assert train.main(SMALL + ["--output-dir", str(tmp_path / "run"), "--fsdp-grad-sync", "step"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo.train: error: --fsdp-grad-sync step only applies to --fsdp runs") and \
+        err.count("\n") == 1, err
+
+
+def test_is_fsdp_is_false_without_fsdp2(monkeypatch):
+    """torch < 2.6 has no torch.distributed.fsdp.FSDPModule: plain (DDP / single-process) runs still work, only
+    --fsdp is refused."""
+    import types
+
+    from grpo import sharding
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", types.ModuleType("torch.distributed.fsdp"))
+    assert sharding.is_fsdp(torch.nn.Linear(2, 2)) is False
+    with sharding.gathered(torch.nn.Linear(2, 2)):
+        pass
+    with pytest.raises(UsageError, match="--fsdp needs torch.distributed.fsdp.fully_shard"):
+        sharding._fsdp()
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_nested_no_split_modules_shard_outermost_only(one_rank_group):
+    """A listed block class nested inside another: only the outer block becomes an FSDP unit (fully_shard of the
+    inner one after the outer fails in the first forward); the sharded model trains like the plain one."""
+    from torch import nn
+
+    from grpo import sharding
+    from grpo.distributed import DistEnv
+
+    class Block(nn.Module):
+        def __init__(self, depth: int):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.inner = Block(depth - 1) if depth > 0 else None
+
+        def forward(self, x):
+            x = torch.tanh(self.linear(x))
+            return self.inner(x) if self.inner is not None else x
+
+    class LM(nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(2), Block(1)])
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = LM()
+
+        def forward(self, x):
+            return self.lm(x)
+
+    torch.manual_seed(0)
+    root = Root()
+    plain = Root()
+    plain.load_state_dict(root.state_dict())
+    assert sharding.decoder_layers(root.lm) == list(root.lm.blocks)
+    sharding.shard(root, DistEnv(device=torch.device("cpu")), None)
+    assert [m for m in root.modules() if sharding.is_fsdp(m)] == [root, root.lm.blocks[0], root.lm.blocks[1]]
+    x = torch.randn(5, 4)
+    for model in (root, plain):
+        model(x).square().sum().backward()
+    grads = {n: p.grad.full_tensor() for n, p in root.named_parameters()}
+    for n, p in plain.named_parameters():
+        assert torch.allclose(grads[n], p.grad, atol=1e-6), n
 
 
 def test_single_process_fsdp_matches_plain_run_saves_sharded_and_resumes(tmp_path):
@@ -143,7 +247,20 @@ def test_torchrun_fsdp_resume_reproduces_uninterrupted_run(tmp_path):
             assert ra.get(key) == rb.get(key), (key, ra, rb)
     summary, resumed = (json.loads((d / "run_summary.json").read_text()) for d in (full, part))
     assert summary["world_size"] == 2 and summary["param_checksums"] == resumed["param_checksums"]
-    assert len(set(summary["param_checksums"])) == 1 and "WARNING" not in proc.stdout
+    # each rank holds other rows (its shard checksum differs), together the full parameters
+    shards = summary["shard_checksums"]
+    assert len(shards) == 2 and shards[0] != shards[1]
+    assert sum(shards) == pytest.approx(summary["param_checksums"][0], rel=1e-12)
+    # the same run under DDP (same per-rank sampling streams, replicated parameters) ends with the same parameters
+    ddp = tmp_path / "ddp"
+    proc_ddp = _run(cmd[:cmd.index("--fsdp")] + cmd[cmd.index("--fsdp") + 1:] + ["--output-dir", str(ddp)],
+                    timeout=300)
+    assert proc_ddp.returncode == 0, proc_ddp.stdout[-2000:] + proc_ddp.stderr[-6000:]
+    ddp_summary = json.loads((ddp / "run_summary.json").read_text())
+    assert ddp_summary["param_checksums"][0] == ddp_summary["param_checksums"][1]
+    assert summary["param_checksums"][0] == pytest.approx(ddp_summary["param_checksums"][0], rel=1e-6)  # 7e-10
+    for ra, rd in zip(a[1:], _metrics(ddp)[1:]):
+        assert rd["loss"] == pytest.approx(ra["loss"], rel=1e-4, abs=1e-6), (ra, rd)
     assert sorted(os.listdir(full / "checkpoint-2" / "sharded")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert _model_checksum(full / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0],
                                                                             rel=1e-12)
@@ -172,3 +289,33 @@ def test_bf16_mixed_precision_two_ranks_match_one_rank(tmp_path):
         assert two[name]["grad_norms_sharded"] == pytest.approx(one[name]["grad_norms_sharded"], rel=1e-6)
     sgd = two["bnpo-sgd-clipped"]
     assert sgd["max_param_diff"] <= 0.1 * sgd["max_param_change"], sgd
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp_tied_embeddings_train_and_save_tied(tmp_path):
+    """A tied-embedding checkpoint (Qwen2, lm_head.weight is embed_tokens.weight) under --fsdp on 2 ranks: the
+    shared parameter is one FSDP parameter of the root group; the saved model/ holds it once (as an unsharded save
+    does) and reloads tied, trained, and with the run's full checksum."""
+    from grpo.modeling import load_pretrained
+
+    from .test_train import _save_tiny_chat_checkpoint
+
+    model_dir, data, out = tmp_path / "qwen", tmp_path / "math.jsonl", tmp_path / "run"
+    _save_tiny_chat_checkpoint(str(model_dir))
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + 3?", "answer": str(a + 3)}) + "\n"
+                            for a in range(8)))
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 "-m", "grpo.train", "--fsdp", "--model", str(model_dir), "--dataset", str(data),
+                 "--reward", "tests.fsdp_worker:completion_length_reward", "--lr", "1e-2", "--warmup-steps", "0",
+                 "--max-steps", "2", "--max-new-tokens", "8", "--beta", "0.04", "--output-dir", str(out)] + SMALL,
+                timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    before, _ = load_pretrained(str(model_dir), torch.float32, "sdpa")
+    after, _ = load_pretrained(str(out / "checkpoint-2" / "model"), torch.float32, "sdpa")
+    assert after.config.tie_word_embeddings and after.lm_head.weight is after.model.embed_tokens.weight
+    with torch.no_grad():
+        assert float((after.lm_head.weight - before.lm_head.weight).abs().max()) > 1e-4  # the shared weight trained
+        assert sum(float(p.double().sum()) + 1e-3 * float(p.double().abs().sum()) for p in after.parameters()) == \
+            pytest.approx(summary["param_checksums"][0], rel=1e-9)
+    assert _model_checksum(out / "checkpoint-2" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)

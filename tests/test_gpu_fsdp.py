@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from .test_fsdp import FLAGS, _worker
+from .test_fsdp import FLAGS, _model_checksum, _worker
 from .test_train_runs import _metrics, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -41,7 +41,9 @@ def test_grpo_train_fsdp_on_cuda_saves_and_resumes(tmp_path):
     proc = _run(cmd + ["--output-dir", str(run)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     summary = json.loads((run / "run_summary.json").read_text())
-    assert summary["world_size"] == nproc and len(set(summary["param_checksums"])) == 1
+    assert summary["world_size"] == nproc and len(summary["shard_checksums"]) == nproc
+    assert sum(summary["shard_checksums"]) == pytest.approx(summary["param_checksums"][0], rel=1e-9)
+    assert _model_checksum(run / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)
     assert (run / "checkpoint-2" / "sharded" / ".metadata").exists()
     assert (run / "checkpoint-4" / "model" / "model.safetensors").exists()
     assert all(r["loss"] == r["loss"] for r in _metrics(run)[1:])  # finite (not NaN)
@@ -49,3 +51,31 @@ def test_grpo_train_fsdp_on_cuda_saves_and_resumes(tmp_path):
     proc = _run(cmd + ["--output-dir", str(part), "--resume"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert [r["step"] for r in _metrics(part)] == [3, 4]
+
+
+def test_fsdp_setup_never_holds_a_full_copy_on_the_gpu(tmp_path):
+    """--fsdp builds the policy and the reference on the CPU; fully_shard moves one unit at a time to the GPU as
+    shards. One process (a 1-rank mesh: the shards are the whole model): after setup the GPU holds the fp32 policy
+    P and the bf16 reference P/2; the peak stays below 1.75 P (before: the fp32 policy and its fp32 deep copy on
+    the GPU, >= 2 P, before any sharding). 8 layers of hidden size 512, so one unit's transient full copy is small."""
+    from grpo import TrainConfig
+    from grpo.distributed import cleanup_distributed, init_distributed
+    from grpo.trainer import Trainer
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), fsdp=True, device="cuda", hidden_size=512, num_layers=8,
+                      num_heads=8, prompts_per_step=2, num_generations=2, max_steps=1, progress=False,
+                      loss=TrainConfig().loss.replace(beta=0.04))
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    env = init_distributed("cuda", group_for_one=True)
+    try:
+        trainer = Trainer(cfg, env)
+        peak = torch.cuda.max_memory_allocated() - base
+        full = sum(p.numel() * 4 for p in trainer.policy.parameters())  # fp32 bytes (1 rank: shards = whole)
+        on_gpu = all(t.device.type == "cuda" for m in (trainer.policy, trainer.ref)
+                     for t in list(m.parameters()) + list(m.buffers()))
+    finally:
+        cleanup_distributed()
+    assert on_gpu  # the suppress bias and the rotary buffers too
+    assert full > 90e6 and peak < 1.75 * full, (peak, full)
