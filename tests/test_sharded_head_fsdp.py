@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import grpo_kernels as gk
+from tests.tiny_models import tiny_llama
 
 try:
     from tests.tolerances import ATOL
@@ -74,16 +75,6 @@ def head_loss(hidden, weight, bias, batch, impl="torch"):
     return loss + 0.1 * (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum()
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=V, hidden_size=H * 2, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config).double()
-
-
 def llama_loss(model, batch, layout):
     ids = batch["ids"]
     if layout.startswith("hf"):
@@ -100,7 +91,7 @@ def _build(layout: str):
     if layout.startswith(("trl", "hf")):
         import trl.trainer.utils as trl_utils
 
-        model = _tiny_llama()
+        model = tiny_llama(vocab_size=V, hidden_size=H * 2, dtype=torch.float64)
         if layout.startswith("trl"):
             trl_utils.add_fused_lm_head(model, temperature=0.9, outputs=("log_probs",))
         return model, model.lm_head, llama_loss
