@@ -154,6 +154,28 @@ def run_layout(layout: str, rank: int) -> dict:
         unpatch_trl()
 
 
+def validation_only(rank: int) -> dict:
+    """``get_lm_head(gather=False)`` on rank 0 only (a collective there would hang rank 0, the launch then fails),
+    then ``get_lm_head()`` on every rank: what each returns for a DTensor head."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from grpo_kernels.integrations.transformers import get_lm_head
+    from grpo_kernels.sharded_head import is_dtensor
+
+    model = tiny_llama(vocab_size=V, hidden_size=H * 2, dtype=torch.float64)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    seen = {}
+    if rank == 0:
+        head = get_lm_head(model, gather=False)
+        seen["validate"] = (is_dtensor(head.weight), tuple(head.weight.shape), head.weight.grad_fn is None)
+    dist.barrier()
+    head = get_lm_head(model)
+    seen["gather"] = (is_dtensor(head.weight), tuple(head.weight.shape), head.weight.grad_fn is None)
+    return seen
+
+
 def error_messages() -> dict:
     """The ValueError of each DTensor head the fused head refuses (None when it did not raise)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -202,6 +224,10 @@ def worker(rank: int, store: str, out: str) -> None:
             results[layout] = run_layout(layout, rank)
         except Exception as error:  # noqa: BLE001 - reported by the test, named by layout
             results[layout] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        results["validation"] = validation_only(rank)
+    except Exception as error:  # noqa: BLE001
+        results["validation"] = {"error": f"{type(error).__name__}: {error}"}
     try:
         results["errors"] = error_messages()
     except Exception as error:  # noqa: BLE001
@@ -280,3 +306,12 @@ def test_unsupported_dtensor_heads_are_refused(fsdp_results):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+
+
+def test_get_lm_head_validation_does_not_gather(fsdp_results):
+    """gather=False: the DTensor parameter itself, no graph, no collective (called on rank 0 alone); the default
+    gathers a plain full tensor with a graph (its backward reduce-scatters)."""
+    full = (V, H * 2)
+    assert fsdp_results[0]["validation"]["validate"] == (True, full, True), fsdp_results[0]["validation"]
+    for r, res in enumerate(fsdp_results):
+        assert res["validation"].get("gather") == (False, full, False), (r, res["validation"])
