@@ -14,7 +14,7 @@ across ranks like every other parameter's. Tensor-parallel vocabulary shards tak
   inside the model's forward (measured in tests/test_sharded_head_deepspeed.py).
 - FSDP2 (``gathered_dtensor_head``): a weight that arrives as a sharded DTensor is all-gathered for the call by
   ``_GatherDataParallel``, whose backward reduce-scatters the full gradient back to the local shard, averaged
-  over the mesh. FSDP2 averages every gradient it reduces; ``DTensor.full_tensor()``'s default backward would
+  over the mesh and reduced in fp32 (a bf16 head's gradient is cast back to bf16 after the sum). FSDP2 averages every gradient it reduces; ``DTensor.full_tensor()``'s default backward would
   only slice this rank's own gradient (each rank would keep the gradient of its own tokens). Measured in
   tests/test_sharded_head_fsdp.py against DDP's mean over ranks.
 """
@@ -124,11 +124,12 @@ def _check_data_parallel(name: str, t) -> None:
 
 class _GatherDataParallel(torch.autograd.Function):
     """DTensor shard -> the full tensor; backward: the full gradient summed over the mesh and divided by its size,
-    back in the shard's placements (a reduce-scatter, plus an all-reduce over HSDP's replicate dimension)."""
+    back in the shard's placements (a reduce-scatter, plus an all-reduce over HSDP's replicate dimension), reduced
+    in fp32 at least and returned in the shard's dtype."""
 
     @staticmethod
     def forward(ctx, t):
-        ctx.spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride())
+        ctx.spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride(), t.dtype)
         return t.full_tensor()
 
     @staticmethod
@@ -136,12 +137,15 @@ class _GatherDataParallel(torch.autograd.Function):
     def backward(ctx, grad):
         from torch.distributed.tensor import DTensor, Partial
 
-        mesh, placements, shape, stride = ctx.spec
+        mesh, placements, shape, stride, dtype = ctx.spec
         # Why Partial and a division: each rank holds d loss_rank / dW for its own tokens; the parameter's gradient
         # in data parallelism is their mean (what DDP and FSDP2's own reduce-scatter give every other parameter).
-        partial = DTensor.from_local(grad / mesh.size(), mesh, [Partial()] * mesh.ndim, run_check=False,
-                                     shape=shape, stride=stride)
-        return partial.redistribute(mesh, placements)
+        # Why fp32: a bf16 / fp16 sum over ranks rounds at every step; FSDP2 reduces in fp32 under the usual
+        # reduce_dtype=float32, so the head's gradient is summed like every other one, then cast back.
+        reduce_dtype = torch.promote_types(grad.dtype, torch.float32)
+        partial = DTensor.from_local(grad.to(reduce_dtype) / mesh.size(), mesh, [Partial()] * mesh.ndim,
+                                     run_check=False, shape=shape, stride=stride)
+        return partial.redistribute(mesh, placements).to(dtype)
 
 
 def gathered_dtensor_head(weight, bias):

@@ -154,6 +154,39 @@ def run_layout(layout: str, rank: int) -> dict:
         unpatch_trl()
 
 
+def bf16_inputs(rank: int):
+    """A bf16 head (the same on every rank) and this rank's hidden rows, ids and weights of the scored log-probs."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(V, H, generator=g).bfloat16()
+    g = torch.Generator().manual_seed(30 + rank)
+    hidden = torch.randn(6, H, generator=g).bfloat16()
+    return weight, hidden, torch.randint(0, V, (6,), generator=g), torch.randn(6, generator=g)
+
+
+def bf16_head(rank: int) -> dict:
+    """A bf16 DTensor head: its gradient and the dtypes of the collectives its backward runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("_c10d_functional", "c10d"):
+                self.seen.append((func.__name__, str(args[0].dtype)))
+            return func(*args, **(kwargs or {}))
+
+    weight, hidden, ids, coef = bf16_inputs(rank)
+    shard = distribute_tensor(weight, init_device_mesh("cpu", (WORLD,)), [Shard(0)]).requires_grad_()
+    logp = gk.linear_token_logprobs(hidden, shard, ids, impl="torch")
+    with Collectives() as collectives:
+        (logp * coef).sum().backward()
+    return {"grad": shard.grad.full_tensor(), "collectives": collectives.seen}
+
+
 def validation_only(rank: int) -> dict:
     """``get_lm_head(gather=False)`` on rank 0 only (a collective there would hang rank 0, the launch then fails),
     then ``get_lm_head()`` on every rank: what each returns for a DTensor head."""
@@ -224,6 +257,10 @@ def worker(rank: int, store: str, out: str) -> None:
             results[layout] = run_layout(layout, rank)
         except Exception as error:  # noqa: BLE001 - reported by the test, named by layout
             results[layout] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        results["bf16"] = bf16_head(rank)
+    except Exception as error:  # noqa: BLE001
+        results["bf16"] = {"error": f"{type(error).__name__}: {error}"}
     try:
         results["validation"] = validation_only(rank)
     except Exception as error:  # noqa: BLE001
@@ -315,3 +352,21 @@ def test_get_lm_head_validation_does_not_gather(fsdp_results):
     assert fsdp_results[0]["validation"]["validate"] == (True, full, True), fsdp_results[0]["validation"]
     for r, res in enumerate(fsdp_results):
         assert res["validation"].get("gather") == (False, full, False), (r, res["validation"])
+
+
+def test_bf16_head_gradient_is_reduced_in_fp32(fsdp_results):
+    """A bf16 DTensor head: the reduce-scatter runs on fp32 (as FSDP2's reduce_dtype=float32 does for every other
+    gradient) and the gradient comes back in bf16, equal to the fp32 mean of the ranks' bf16 gradients."""
+    grads = []
+    for r in range(WORLD):
+        weight, hidden, ids, coef = bf16_inputs(r)
+        weight.requires_grad_()
+        (gk.linear_token_logprobs(hidden, weight, ids, impl="torch") * coef).sum().backward()
+        grads.append(weight.grad.float())
+    truth = (sum(grads) / WORLD).bfloat16()
+    for r, res in enumerate(fsdp_results):
+        assert "error" not in res["bf16"], (r, res["bf16"])
+        assert res["bf16"]["grad"].dtype == torch.bfloat16
+        torch.testing.assert_close(res["bf16"]["grad"], truth, rtol=0, atol=0)
+        reduces = [dtype for name, dtype in res["bf16"]["collectives"] if "reduce" in name]
+        assert reduces and set(reduces) == {"torch.float32"}, res["bf16"]["collectives"]
