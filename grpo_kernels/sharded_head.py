@@ -14,9 +14,10 @@ across ranks like every other parameter's. Tensor-parallel vocabulary shards tak
   inside the model's forward (measured in tests/test_sharded_head_deepspeed.py).
 - FSDP2 (``gathered_dtensor_head``): a weight that arrives as a sharded DTensor is all-gathered for the call by
   ``_GatherDataParallel``, whose backward reduce-scatters the full gradient back to the local shard, averaged
-  over the mesh and reduced in fp32 (a bf16 head's gradient is cast back to bf16 after the sum). FSDP2 averages every gradient it reduces; ``DTensor.full_tensor()``'s default backward would
-  only slice this rank's own gradient (each rank would keep the gradient of its own tokens). Measured in
-  tests/test_sharded_head_fsdp.py against DDP's mean over ranks.
+  over the mesh and reduced in fp32 (a bf16 head's gradient is cast back to bf16 after the sum). FSDP2 averages
+  every gradient it reduces; ``DTensor.full_tensor()``'s default backward would only slice this rank's own
+  gradient (each rank would keep the gradient of its own tokens). Measured in tests/test_sharded_head_fsdp.py
+  against DDP's mean over ranks.
 """
 from __future__ import annotations
 
