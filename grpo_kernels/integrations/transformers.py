@@ -110,8 +110,8 @@ def zero3_blocker(weight) -> tuple[str, str] | None:
         return ("DeepSpeed ZeRO-3", "the lm_head is partitioned, and ZeRO-3 takes a gathered parameter's gradient "
                 "only when it was used inside the model's forward, while this helper runs the backbone and the head "
                 "outside it; use TRL with grpo_kernels.patch_trl() (its fused head gathers the partition "
-                "inside the forward), fused_linear_grpo_loss(..., gather_head=...) inside your own model forward, "
-                "or ZeRO stage <= 2")
+                "inside the forward), fused_linear_grpo_loss(..., gather_head=grpo_kernels.zero3_gather_head(w, b)) "
+                "inside your own model forward, or ZeRO stage <= 2")
     return None
 
 
