@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _checks
 from .inputs import HeadInputs
-from .sharded_head import check_gather_head, gathered, gathered_dtensor_head, local_shard_only
+from .sharded_head import check_head_options, gathered, gathered_dtensor_head
 
 TORCH_TILE_ROWS = 128
 TORCH_TILE_VOCAB = 4096
@@ -204,22 +204,18 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
 
     A head sharded for data parallelism is gathered for the call (``grpo_kernels/sharded_head.py``): a DTensor
     ``weight`` / ``bias`` (FSDP2: Shard(0) on one mesh dimension, Replicate on any other) is all-gathered and its
-    gradient reduce-scattered back averaged over the mesh; for DeepSpeed ZeRO-3 pass ``gather_head``, a
-    zero-argument callable returning a context manager under which weight and bias hold their full values, e.g.
-    ``lambda: deepspeed.zero.GatheredParameters([w, b])``: it is entered around the forward and again in the
-    backward (ZeRO-3 empties the partition in between).
+    gradient reduce-scattered back averaged over the mesh; for DeepSpeed ZeRO-3 pass
+    ``gather_head=grpo_kernels.zero3_gather_head(weight, bias)`` (any zero-argument callable returning a context
+    manager under which weight and bias hold their full values): it is entered around the forward and again in the
+    backward (ZeRO-3 empties the partition in between). With gradients, call it inside the model's forward, where
+    ZeRO-3 reduces the head's gradient; a bare ``deepspeed.zero.GatheredParameters`` fails there (README,
+    "Sharded lm_head without tensor parallelism").
     """
-    check_gather_head(gather_head)
+    check_head_options(weight, bias, process_group, vocab_start, gather_head)
     if process_group is not None:
-        if gather_head is not None:
-            raise ValueError("gather_head cannot be combined with process_group: a vocab-parallel head keeps its "
-                             "shard local, pass the shard itself as weight")
-        local_shard_only(weight, bias)
         from .vocab_parallel import vocab_parallel_token_logprobs
         return vocab_parallel_token_logprobs(hidden, weight, ids, bias, temperature, return_entropy, impl,
                                              deterministic, mask, process_group, vocab_start)
-    if vocab_start is not None:
-        raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel head)")
     weight, bias = gathered_dtensor_head(weight, bias)
     with gathered(gather_head):
         inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl)

@@ -19,7 +19,7 @@ from .logprobs_from_hidden import head_token_logprobs, linear_token_logprobs
 from .loss_types import per_token_gradient_known
 from .logprobs_from_logits import logits_token_logprobs
 from .reference import loss_from_logps
-from .sharded_head import check_gather_head, gathered, gathered_dtensor_head, local_shard_only
+from .sharded_head import check_head_options, gathered, gathered_dtensor_head
 
 
 def _loss_stage(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig, impl: str):
@@ -75,21 +75,16 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     in the forward needs the global logsumexp first).
 
     A head sharded for data parallelism (a DTensor from FSDP2, or a DeepSpeed ZeRO-3 partition with
-    ``gather_head``) is gathered for the call, as for ``linear_token_logprobs``; ``gather_head`` is entered around
-    the forward and, on the memory-light path, again around the backward's recompute.
+    ``gather_head=grpo_kernels.zero3_gather_head(weight, bias)``, inside the model's forward) is gathered for the
+    call, as for ``linear_token_logprobs``; ``gather_head`` is entered around the forward and, on the memory-light
+    path, again around the backward's recompute.
     """
-    check_gather_head(gather_head)
+    check_head_options(weight, bias, process_group, vocab_start, gather_head)
     if process_group is not None:
-        if gather_head is not None:
-            raise ValueError("gather_head cannot be combined with process_group: a vocab-parallel head keeps its "
-                             "shard local, pass the shard itself as weight")
-        local_shard_only(weight, bias)
         from .vocab_parallel import vocab_parallel_grpo_loss
         return vocab_parallel_grpo_loss(hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
                                         num_items_in_batch, config, impl, sampling_logps, config_overrides,
                                         process_group, vocab_start)
-    if vocab_start is not None:
-        raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel head)")
     cfg = resolve_config(config, config_overrides)
     weight, bias = gathered_dtensor_head(weight, bias)
     with gathered(gather_head):

@@ -6,20 +6,23 @@ across ranks like every other parameter's. Tensor-parallel vocabulary shards tak
 (``vocab_parallel.py``), which never gathers the head.
 
 - ZeRO-3 (``gather_head``): DeepSpeed partitions each parameter and empties ``param.data`` outside its owning
-  module's forward. A caller that reads ``lm_head.weight`` directly (as TRL's fused forward does) gathers it
-  with ``deepspeed.zero.GatheredParameters``, which re-partitions on exit, so by the time autograd runs the
-  backward the saved weight is empty again. ``gather_head`` is a zero-argument callable returning a context
-  manager under which weight and bias hold their full values; the head enters it around its forward and again
-  around every backward use of weight / bias. ZeRO-3's own hooks then reduce-scatter the gradient.
+  module's forward. A caller that reads ``lm_head.weight`` directly (as TRL's fused forward does) may find it
+  empty, and a gather there re-partitions on exit, so by the time autograd runs the backward the saved weight
+  can be empty again. ``gather_head`` is a zero-argument callable returning a context manager under which weight
+  and bias hold their full values (``zero3_gather_head``); the head enters it around its forward and again around
+  every backward use of weight / bias. ZeRO-3's own hooks then reduce-scatter the gradient, when the call ran
+  inside the model's forward (measured in tests/test_sharded_head_deepspeed.py).
 - FSDP2 (``gathered_dtensor_head``): a weight that arrives as a sharded DTensor is all-gathered for the call by
   ``_GatherDataParallel``, whose backward reduce-scatters the full gradient back to the local shard, averaged
-  over the mesh. FSDP2 averages every gradient it reduces; ``DTensor.full_tensor()``'s default backward would
-  only slice this rank's own gradient (each rank would keep the gradient of its own tokens). Measured in
-  tests/test_sharded_head_fsdp.py against DDP's mean over ranks.
+  over the mesh and reduced in fp32 (a bf16 head's gradient is cast back to bf16 after the sum). FSDP2 averages
+  every gradient it reduces; ``DTensor.full_tensor()``'s default backward would only slice this rank's own
+  gradient (each rank would keep the gradient of its own tokens). Measured in tests/test_sharded_head_fsdp.py
+  against DDP's mean over ranks.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -31,6 +34,50 @@ def check_gather_head(gather_head):
         raise ValueError("gather_head must be None or a zero-argument callable returning a context manager under "
                          f"which weight and bias hold their full values, got {type(gather_head).__name__}")
     return gather_head
+
+
+def zero3_gather_head(*params):
+    """A ``gather_head`` for DeepSpeed ZeRO-3: a zero-argument callable whose context holds ``params`` (the head's
+    weight and bias; None entries are ignored) whole, e.g.
+    ``gather_head=zero3_gather_head(self.lm_head.weight, self.lm_head.bias)`` inside the model's forward.
+
+    Each entry gathers only the parameters that are ZeRO-3 partitions not already available, with
+    ``deepspeed.zero.GatheredParameters`` (read-only), and re-partitions only those on exit. Parameters that are
+    already gathered (by the caller's own ``GatheredParameters``, by ZeRO-3's hooks around a module's forward or
+    backward, by a tied embedding's module) are left alone: gathering them again would raise DeepSpeed's "Nested
+    GatheredParameters contexts cannot overlap parameters", and re-partitioning them on exit would empty a head
+    that ZeRO-3 still uses. For plain tensors (no ZeRO-3, DDP, a single process) it is a no-op context, so the same
+    model code runs with and without DeepSpeed; DeepSpeed is imported only when a parameter is a ZeRO-3 partition.
+    The same contract as TRL's ``maybe_gather_lm_head_ctx``.
+    """
+    return functools.partial(_zero3_gather, tuple(params))
+
+
+def _zero3_gather(params):
+    partitions = {id(p): p for p in params if p is not None and hasattr(p, "ds_id")}  # by identity: tied heads
+    if not partitions:
+        return contextlib.nullcontext()
+    try:
+        import deepspeed
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    except ImportError as error:
+        raise ImportError("zero3_gather_head: the head's parameters are DeepSpeed ZeRO-3 partitions (they carry "
+                          "ds_id) but deepspeed cannot be imported") from error
+    to_gather = [p for p in partitions.values() if p.ds_status != ZeroParamStatus.AVAILABLE]
+    return deepspeed.zero.GatheredParameters(to_gather) if to_gather else contextlib.nullcontext()
+
+
+def check_head_options(weight, bias, process_group, vocab_start, gather_head) -> None:
+    """The opening checks shared by ``linear_token_logprobs`` and ``fused_linear_grpo_loss``: ``gather_head``'s
+    type, and the options only one of the two sharded layouts takes (vocab-parallel or data-parallel)."""
+    check_gather_head(gather_head)
+    if process_group is not None:
+        if gather_head is not None:
+            raise ValueError("gather_head cannot be combined with process_group: a vocab-parallel head keeps its "
+                             "shard local, pass the shard itself as weight")
+        local_shard_only(weight, bias)
+    elif vocab_start is not None:
+        raise ValueError("vocab_start is only meaningful with process_group (a vocab-parallel head)")
 
 
 @contextlib.contextmanager
@@ -78,11 +125,12 @@ def _check_data_parallel(name: str, t) -> None:
 
 class _GatherDataParallel(torch.autograd.Function):
     """DTensor shard -> the full tensor; backward: the full gradient summed over the mesh and divided by its size,
-    back in the shard's placements (a reduce-scatter, plus an all-reduce over HSDP's replicate dimension)."""
+    back in the shard's placements (a reduce-scatter, plus an all-reduce over HSDP's replicate dimension), reduced
+    in fp32 at least and returned in the shard's dtype."""
 
     @staticmethod
     def forward(ctx, t):
-        ctx.spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride())
+        ctx.spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride(), t.dtype)
         return t.full_tensor()
 
     @staticmethod
@@ -90,12 +138,15 @@ class _GatherDataParallel(torch.autograd.Function):
     def backward(ctx, grad):
         from torch.distributed.tensor import DTensor, Partial
 
-        mesh, placements, shape, stride = ctx.spec
+        mesh, placements, shape, stride, dtype = ctx.spec
         # Why Partial and a division: each rank holds d loss_rank / dW for its own tokens; the parameter's gradient
         # in data parallelism is their mean (what DDP and FSDP2's own reduce-scatter give every other parameter).
-        partial = DTensor.from_local(grad / mesh.size(), mesh, [Partial()] * mesh.ndim, run_check=False,
-                                     shape=shape, stride=stride)
-        return partial.redistribute(mesh, placements)
+        # Why fp32: a bf16 / fp16 sum over ranks rounds at every step; FSDP2 reduces in fp32 under the usual
+        # reduce_dtype=float32, so the head's gradient is summed like every other one, then cast back.
+        reduce_dtype = torch.promote_types(grad.dtype, torch.float32)
+        partial = DTensor.from_local(grad.to(reduce_dtype) / mesh.size(), mesh, [Partial()] * mesh.ndim,
+                                     run_check=False, shape=shape, stride=stride)
+        return partial.redistribute(mesh, placements).to(dtype)
 
 
 def gathered_dtensor_head(weight, bias):

@@ -1,5 +1,7 @@
 """Real DeepSpeed ZeRO-3 on CPU (2 gloo ranks): TRL's fused forward with ``patch_trl()`` keeps our kernel and gives
-the numbers of TRL's own kernel and of the unsharded model.
+the numbers of TRL's own kernel and of the unsharded model; a model whose own forward calls
+``fused_linear_grpo_loss(..., gather_head=zero3_gather_head(lm_head.weight, lm_head.bias))`` gives the unsharded
+loss and mean gradient, where ``deepspeed.zero.GatheredParameters`` as ``gather_head`` fails.
 
 Each rank wraps the same tiny Llama (``add_fused_lm_head``) in ``deepspeed.initialize`` with ZeRO stage 3
 (``DS_ACCELERATOR=cpu``, gloo; every parameter partitioned, ``stage3_param_persistence_threshold=0``), runs
@@ -18,18 +20,55 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import tiny_llama
+
 WORLD, VOCAB, B, L = 2, 43, 2, 9
 STEPS = ("patched", "trl")  # patch_trl(strict=True), then TRL's own kernel, on the same engine
+HEAD_IMPLS = ("torch", "triton")  # HeadModel's loss: the recompute backward, the gradient computed in the forward
+# gather_head=lambda: deepspeed.zero.GatheredParameters([w, b]) -> the error DeepSpeed 0.19.8 raises: in the model's
+# forward (a fresh engine), and outside it under the caller's own GatheredParameters of the head
+NAIVE = {"in_forward": "Cannot free a ZeRO-3 parameter while it is still active in submodules",
+         "under_caller_gather": "Nested GatheredParameters contexts cannot overlap parameters"}
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+class HeadModel(torch.nn.Module):
+    """A model whose own forward runs its backbone and our fused loss on ``lm_head``'s parameters (never calling
+    ``lm_head``), the way a user's model under ZeRO-3 would; ``gather`` picks the ``gather_head``."""
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    def __init__(self, gather: str = "zero3_gather_head", impl: str = "torch"):
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed, self.proj = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, 16)
+        self.lm_head = torch.nn.Linear(16, VOCAB)
+        torch.nn.init.normal_(self.lm_head.bias, std=0.5)
+        self.gather, self.impl, self.head_status = gather, impl, None
+
+    def forward(self, ids, advantages, mask):
+        import grpo_kernels as gk
+
+        hidden = torch.tanh(self.proj(self.embed(ids[:, :-1])))
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        self.head_status = getattr(weight, "ds_status", None)  # as ZeRO-3 hands the head to this forward
+        gather_head = gk.zero3_gather_head(weight, bias) if self.gather == "zero3_gather_head" else \
+            _naive_gather(weight, bias)
+        loss, _ = gk.fused_linear_grpo_loss(hidden, weight, ids[:, 1:], advantages, mask=mask, bias=bias,
+                                            loss_type="bnpo", entropy_coef=0.05, temperature=0.9, impl=self.impl,
+                                            gather_head=gather_head)
+        return loss
+
+
+def _naive_gather(*params):
+    import deepspeed
+
+    return lambda: deepspeed.zero.GatheredParameters(list(params))
+
+
+def head_batch(rank: int):
+    g = torch.Generator().manual_seed(20 + rank)
+    ids = torch.randint(0, VOCAB, (B + 1, L), generator=g)
+    mask = torch.ones(B + 1, L - 1, dtype=torch.bool)
+    mask[rank, : 3 + rank] = False
+    return ids, torch.randn(B + 1, generator=g), mask, torch.randn(B + 1, L - 1, 16, generator=g)
 
 
 def rank_batch(rank: int):
@@ -56,15 +95,47 @@ def _error(call):
 def _outside_forward(engine, ids):
     """The backbone, then our head with ``gather_head``, outside the model's forward (as ``causal_lm_token_logprobs``
     would run): evidence for refusing ZeRO-3 there. Run last, the engine may not survive it."""
-    import deepspeed
-
     import grpo_kernels as gk
 
     weight = engine.module.lm_head.weight
     hidden = engine.module.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
     logp = gk.linear_token_logprobs(hidden, weight, ids[:, 1:], temperature=0.9, impl="torch",
-                                    gather_head=lambda: deepspeed.zero.GatheredParameters([weight]))
+                                    gather_head=gk.zero3_gather_head(weight))
     engine.backward(logp.sum())
+
+
+def _head_model_steps(config, rank: int):
+    """HeadModel under ZeRO-3: each impl's loss and full gradients and the head's status in the forward; a no-grad
+    scoring outside the forward, alone and under the caller's own gather; the naive ``gather_head``'s errors."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    import grpo_kernels as gk
+
+    ids, advantages, mask, hidden = head_batch(rank)
+    engine, *_ = deepspeed.initialize(model=HeadModel(), config=config)
+    results = {}
+    for impl in HEAD_IMPLS:
+        engine.module.impl = impl
+        loss = engine(ids, advantages, mask)
+        engine.backward(loss)
+        results[impl] = {"loss": loss.detach(), "status": str(engine.module.head_status),
+                         "grads": {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}}
+        engine.optimizer.zero_grad()
+    # Outside the forward without gradients (e.g. reference log-probs): the helper gathers, then re-partitions; under
+    # the caller's own gather it leaves the head to it.
+    w, b = engine.module.lm_head.weight, engine.module.lm_head.bias
+    score = lambda gather_head: gk.linear_token_logprobs(  # noqa: E731
+        hidden, w, ids[:, 1:], bias=b, temperature=0.9, gather_head=gather_head)
+    with torch.no_grad():
+        results["no_grad"] = {"logp": score(gk.zero3_gather_head(w, b)), "numel_after": w.numel() + b.numel()}
+        with deepspeed.zero.GatheredParameters([w, b]):
+            results["no_grad_under_caller_gather"] = {"logp": score(gk.zero3_gather_head(w, b)),
+                                                      "numel_after": w.numel() + b.numel()}
+            results["naive_under_caller_gather"] = _error(lambda: score(_naive_gather(w, b)))
+    naive, *_ = deepspeed.initialize(model=HeadModel("GatheredParameters"), config=config)
+    results["naive_in_forward"] = _error(lambda: naive.backward(naive(ids, advantages, mask)))
+    return results
 
 
 def worker(rank: int, port: str, out_dir: str) -> None:
@@ -87,7 +158,7 @@ def worker(rank: int, port: str, out_dir: str) -> None:
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
     hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841 - alive: transformers' is_deepspeed_zero3_enabled()
     deepspeed.init_distributed(dist_backend="gloo")
-    model = _tiny_llama()
+    model = tiny_llama(vocab_size=VOCAB)
     trl_utils.add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     head = engine.module.lm_head.weight
@@ -106,6 +177,7 @@ def worker(rank: int, port: str, out_dir: str) -> None:
                          "grads": {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}}
         engine.optimizer.zero_grad()
     results["get_lm_head"] = _error(lambda: get_lm_head(engine.module))
+    results["head_model"] = _head_model_steps(config, rank)
     results["outside_forward"] = _error(lambda: _outside_forward(engine, ids))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
@@ -117,7 +189,7 @@ def _truth():
     from grpo_kernels.integrations.trl import patch_trl, unpatch_trl
 
     values, grads = [], []
-    model = _tiny_llama()
+    model = tiny_llama(vocab_size=VOCAB)
     trl_utils.add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
     patch_trl(strict=True)
     try:
@@ -131,6 +203,31 @@ def _truth():
     finally:
         unpatch_trl()
     return values, {n: sum(g[n] for g in grads) / WORLD for n in grads[0]}
+
+
+def _head_model_truth():
+    """Per rank: HeadModel's unsharded loss and no-grad log-probs (zero3_gather_head a no-op on plain tensors,
+    the triton impl as well as torch); the gradients' mean over ranks."""
+    import grpo_kernels as gk
+
+    losses, logps, grads = [], [], []
+    model = HeadModel()
+    for rank in range(WORLD):
+        ids, advantages, mask, hidden = head_batch(rank)
+        per_impl = []
+        for impl in ("torch", "triton"):
+            model.impl = impl
+            model.zero_grad()
+            loss = model(ids, advantages, mask)
+            loss.backward()
+            per_impl.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        torch.testing.assert_close(per_impl[0][0], per_impl[1][0], rtol=1e-5, atol=1e-6)
+        losses.append(per_impl[0][0])
+        grads.append(per_impl[0][1])
+        with torch.no_grad():
+            logps.append(gk.linear_token_logprobs(hidden, model.lm_head.weight, ids[:, 1:], bias=model.lm_head.bias,
+                                                  temperature=0.9))
+    return losses, logps, {n: sum(g[n] for g in grads) / WORLD for n in grads[0]}
 
 
 def test_zero3_real_deepspeed(tmp_path):
@@ -147,6 +244,7 @@ def test_zero3_real_deepspeed(tmp_path):
     start_ranks(WORLD, tmp_path, lambda r: [__file__, str(r), port, str(tmp_path)])
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     values, truth = _truth()
+    head_losses, head_logps, head_truth = _head_model_truth()
     tol = dict(rtol=1e-4, atol=ATOL[torch.float32])  # fp32 model: ZeRO-3's reduction order vs the plain sum
     for rank, res in enumerate(results):
         assert res["partitioned"], f"rank {rank}: lm_head.weight was not partitioned by ZeRO-3"
@@ -165,7 +263,32 @@ def test_zero3_real_deepspeed(tmp_path):
         # .grad does not match), since its hooks are armed only for parameters used inside the model's forward.
         assert res["get_lm_head"] and "DeepSpeed ZeRO-3" in res["get_lm_head"], res["get_lm_head"]
         assert res["get_lm_head"].startswith("ValueError") and "patch_trl()" in res["get_lm_head"]
-        assert res["outside_forward"] and res["outside_forward"].startswith("RuntimeError"), res["outside_forward"]
+        # ZeRO-3's gradient accumulation receives the full (V, H) head gradient where it expects the empty partition
+        assert res["outside_forward"] and res["outside_forward"].startswith("RuntimeError") and \
+            "size of tensor a (0)" in res["outside_forward"], res["outside_forward"]
+
+        # A model whose own forward calls our loss with gather_head=zero3_gather_head(...): the unsharded loss and
+        # mean gradient, on both backward paths and when the caller already holds a gather of the head.
+        head = res["head_model"]
+        for step in HEAD_IMPLS:
+            got = head[step]
+            torch.testing.assert_close(got["loss"], head_losses[rank], **tol)
+            assert set(got["grads"]) == set(head_truth)
+            for name, g in head_truth.items():
+                torch.testing.assert_close(got["grads"][name], g, **tol,
+                                           msg=lambda m, n=name, s=step: f"rank {rank}, {s}, d {n}: {m}")
+            # DeepSpeed 0.19.8 gathers a parameter read in the engine's forward itself (an external parameter of
+            # the running module) and keeps it for that module's backward, so zero3_gather_head has nothing to do
+            # there; the naive GatheredParameters then re-partitions it on exit (below).
+            assert got["status"] == "ZeroParamStatus.AVAILABLE", got["status"]
+        torch.testing.assert_close(head["no_grad"]["logp"], head_logps[rank], **tol)
+        assert head["no_grad"]["numel_after"] == 0, "the head stayed gathered after zero3_gather_head's context"
+        torch.testing.assert_close(head["no_grad_under_caller_gather"]["logp"], head_logps[rank], **tol)
+        assert head["no_grad_under_caller_gather"]["numel_after"] == VOCAB * 17, \
+            "zero3_gather_head re-partitioned a head the caller still holds"
+        for case, message in NAIVE.items():
+            got = head[f"naive_{case}"]
+            assert got and got.startswith("RuntimeError") and message in got, (case, got)
 
 
 if __name__ == "__main__":

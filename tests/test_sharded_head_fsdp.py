@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import grpo_kernels as gk
+from tests.tiny_models import tiny_llama
 
 try:
     from tests.tolerances import ATOL
@@ -74,16 +75,6 @@ def head_loss(hidden, weight, bias, batch, impl="torch"):
     return loss + 0.1 * (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum()
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=V, hidden_size=H * 2, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config).double()
-
-
 def llama_loss(model, batch, layout):
     ids = batch["ids"]
     if layout.startswith("hf"):
@@ -100,7 +91,7 @@ def _build(layout: str):
     if layout.startswith(("trl", "hf")):
         import trl.trainer.utils as trl_utils
 
-        model = _tiny_llama()
+        model = tiny_llama(vocab_size=V, hidden_size=H * 2, dtype=torch.float64)
         if layout.startswith("trl"):
             trl_utils.add_fused_lm_head(model, temperature=0.9, outputs=("log_probs",))
         return model, model.lm_head, llama_loss
@@ -163,6 +154,61 @@ def run_layout(layout: str, rank: int) -> dict:
         unpatch_trl()
 
 
+def bf16_inputs(rank: int):
+    """A bf16 head (the same on every rank) and this rank's hidden rows, ids and weights of the scored log-probs."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(V, H, generator=g).bfloat16()
+    g = torch.Generator().manual_seed(30 + rank)
+    hidden = torch.randn(6, H, generator=g).bfloat16()
+    return weight, hidden, torch.randint(0, V, (6,), generator=g), torch.randn(6, generator=g)
+
+
+def bf16_head(rank: int) -> dict:
+    """A bf16 DTensor head: its gradient and the dtypes of the collectives its backward runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("_c10d_functional", "c10d"):
+                self.seen.append((func.__name__, str(args[0].dtype)))
+            return func(*args, **(kwargs or {}))
+
+    weight, hidden, ids, coef = bf16_inputs(rank)
+    shard = distribute_tensor(weight, init_device_mesh("cpu", (WORLD,)), [Shard(0)]).requires_grad_()
+    logp = gk.linear_token_logprobs(hidden, shard, ids, impl="torch")
+    with Collectives() as collectives:
+        (logp * coef).sum().backward()
+    return {"grad": shard.grad.full_tensor(), "collectives": collectives.seen}
+
+
+def validation_only(rank: int) -> dict:
+    """``get_lm_head(gather=False)`` on rank 0 only (a collective there would hang rank 0, the launch then fails),
+    then ``get_lm_head()`` on every rank: what each returns for a DTensor head."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from grpo_kernels.integrations.transformers import get_lm_head
+    from grpo_kernels.sharded_head import is_dtensor
+
+    model = tiny_llama(vocab_size=V, hidden_size=H * 2, dtype=torch.float64)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    seen = {}
+    if rank == 0:
+        head = get_lm_head(model, gather=False)
+        seen["validate"] = (is_dtensor(head.weight), tuple(head.weight.shape), head.weight.grad_fn is None)
+    dist.barrier()
+    head = get_lm_head(model)
+    seen["gather"] = (is_dtensor(head.weight), tuple(head.weight.shape), head.weight.grad_fn is None)
+    return seen
+
+
 def error_messages() -> dict:
     """The ValueError of each DTensor head the fused head refuses (None when it did not raise)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -211,6 +257,14 @@ def worker(rank: int, store: str, out: str) -> None:
             results[layout] = run_layout(layout, rank)
         except Exception as error:  # noqa: BLE001 - reported by the test, named by layout
             results[layout] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        results["bf16"] = bf16_head(rank)
+    except Exception as error:  # noqa: BLE001
+        results["bf16"] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        results["validation"] = validation_only(rank)
+    except Exception as error:  # noqa: BLE001
+        results["validation"] = {"error": f"{type(error).__name__}: {error}"}
     try:
         results["errors"] = error_messages()
     except Exception as error:  # noqa: BLE001
@@ -289,3 +343,30 @@ def test_unsupported_dtensor_heads_are_refused(fsdp_results):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+
+
+def test_get_lm_head_validation_does_not_gather(fsdp_results):
+    """gather=False: the DTensor parameter itself, no graph, no collective (called on rank 0 alone); the default
+    gathers a plain full tensor with a graph (its backward reduce-scatters)."""
+    full = (V, H * 2)
+    assert fsdp_results[0]["validation"]["validate"] == (True, full, True), fsdp_results[0]["validation"]
+    for r, res in enumerate(fsdp_results):
+        assert res["validation"].get("gather") == (False, full, False), (r, res["validation"])
+
+
+def test_bf16_head_gradient_is_reduced_in_fp32(fsdp_results):
+    """A bf16 DTensor head: the reduce-scatter runs on fp32 (as FSDP2's reduce_dtype=float32 does for every other
+    gradient) and the gradient comes back in bf16, equal to the fp32 mean of the ranks' bf16 gradients."""
+    grads = []
+    for r in range(WORLD):
+        weight, hidden, ids, coef = bf16_inputs(r)
+        weight.requires_grad_()
+        (gk.linear_token_logprobs(hidden, weight, ids, impl="torch") * coef).sum().backward()
+        grads.append(weight.grad.float())
+    truth = (sum(grads) / WORLD).bfloat16()
+    for r, res in enumerate(fsdp_results):
+        assert "error" not in res["bf16"], (r, res["bf16"])
+        assert res["bf16"]["grad"].dtype == torch.bfloat16
+        torch.testing.assert_close(res["bf16"]["grad"], truth, rtol=0, atol=0)
+        reduces = [dtype for name, dtype in res["bf16"]["collectives"] if "reduce" in name]
+        assert reduces and set(reduces) == {"torch.float32"}, res["bf16"]["collectives"]

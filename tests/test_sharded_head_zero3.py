@@ -14,6 +14,7 @@ import torch
 
 from grpo_kernels import FusedLinearGRPOLoss, fused_linear_grpo_loss, linear_token_logprobs
 from grpo_kernels.config import GRPOLossConfig
+from tests.tiny_models import tiny_llama
 from tests.tolerances import ATOL
 
 
@@ -126,16 +127,6 @@ def test_gather_head_errors():
 
 # ------------------------------------------------------------------------------------------------ through TRL
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=43, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config).double()
-
-
 def _trl_head_grads(patched: bool, partitioned: bool, monkeypatch):
     """(log_probs, entropy, d lm_head.weight, d hidden-side param) of TRL's fused forward on a tiny Llama."""
     import transformers.integrations.deepspeed as hf_ds
@@ -143,7 +134,7 @@ def _trl_head_grads(patched: bool, partitioned: bool, monkeypatch):
 
     from grpo_kernels.integrations.trl import patch_trl, unpatch_trl
 
-    model = _tiny_llama()
+    model = tiny_llama(dtype=torch.float64)
     trl_utils.add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
     head = model.lm_head.weight
     if partitioned:
@@ -185,3 +176,23 @@ def test_trl_zero3_stays_on_fused_head(monkeypatch):
     for a, b, c in zip(ours, trl_own, unsharded):
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=ATOL[torch.float32])
         torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_zero3_gather_head_without_zero3(monkeypatch):
+    """Plain tensors (no ZeRO-3): a no-op context that never imports deepspeed, so one model code runs with and
+    without DeepSpeed; ZeRO-3 partitions with deepspeed not importable: an ImportError that says so."""
+    import sys
+
+    from grpo_kernels import zero3_gather_head
+
+    weight = torch.randn(5, 3, requires_grad=True)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises ImportError
+    gather_head = zero3_gather_head(weight, None)
+    with gather_head():
+        pass
+    hidden, ids = torch.randn(4, 3, requires_grad=True), torch.tensor([0, 4, 2, 1])
+    torch.testing.assert_close(linear_token_logprobs(hidden, weight, ids, gather_head=gather_head),
+                               linear_token_logprobs(hidden, weight, ids))
+    weight.ds_id = 7  # what a ZeRO-3 partition carries
+    with pytest.raises(ImportError, match="zero3_gather_head: the head's parameters are DeepSpeed ZeRO-3 partitions"):
+        zero3_gather_head(weight)()

@@ -27,7 +27,8 @@ Refused with a ValueError (there is no fallback here, since a fallback would hav
   ``gather_head``.
 
 An FSDP2-sharded ``lm_head`` (a DTensor weight) is gathered by ``get_lm_head`` with the gradient averaged back
-over the mesh, like every other FSDP2 parameter (``grpo_kernels/sharded_head.py``).
+over the mesh, like every other FSDP2 parameter (``grpo_kernels/sharded_head.py``): a collective, so every rank
+calls it; ``get_lm_head(model, gather=False)`` validates without gathering.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class LMHead:
     """The output projection of a causal LM as the fused path sees it.
 
     weight (V, H), bias (V,) or None (plain tensors, gathered from DTensors when sharded by FSDP2, with the
-    gradient averaged back over the mesh), and
+    gradient averaged back over the mesh; the module's parameters as they are with ``get_lm_head(gather=False)``),
+    and
     ``logit_scale`` (float > 0), the factor the model multiplies its logits by before any softmax.
     """
 
@@ -108,8 +110,8 @@ def zero3_blocker(weight) -> tuple[str, str] | None:
         return ("DeepSpeed ZeRO-3", "the lm_head is partitioned, and ZeRO-3 takes a gathered parameter's gradient "
                 "only when it was used inside the model's forward, while this helper runs the backbone and the head "
                 "outside it; use TRL with grpo_kernels.patch_trl() (its fused head gathers the partition "
-                "inside the forward), fused_linear_grpo_loss(..., gather_head=...) inside your own model forward, "
-                "or ZeRO stage <= 2")
+                "inside the forward), fused_linear_grpo_loss(..., gather_head=grpo_kernels.zero3_gather_head(w, b)) "
+                "inside your own model forward, or ZeRO stage <= 2")
     return None
 
 
@@ -125,10 +127,16 @@ def _unwrap_peft(model):
     return model
 
 
-def get_lm_head(model) -> LMHead:
+def get_lm_head(model, gather: bool = True) -> LMHead:
     """Validate that ``model``'s head can go through the fused path and return its parameters.
 
     Raises a ValueError naming the model option that prevents it (see the module docstring).
+
+    gather: with an FSDP2-sharded head (a DTensor weight), ``get_lm_head`` all-gathers it, a collective recorded
+    by autograd (its backward reduce-scatters the gradient): call it on every rank of the mesh at the same point,
+    where the head is about to be used (calling it on some ranks only hangs the others). ``gather=False`` only
+    validates: no collective, no graph, and ``weight`` / ``bias`` are the module's parameters as they are
+    (DTensors stay DTensors; ``weight.shape`` is the full shape); use it for checks at setup time.
     """
     model = _unwrap_peft(model)
     config = _text_config(model)
@@ -150,6 +158,8 @@ def get_lm_head(model) -> LMHead:
     if blocker is not None:
         option, reason = blocker
         raise ValueError(f"{option} ({type(model).__name__}) is not supported by the fused linear head: {reason}")
+    if not gather:
+        return LMHead(head.weight, head.bias, float(scale))
     # FSDP2 shards parameters as DTensors; the kernel needs plain tensors. Unlike a bare full_tensor() (whose
     # backward keeps only this rank's own gradient), the gather averages the gradient over the mesh, as FSDP2 does.
     weight, bias = gathered_dtensor_head(head.weight, head.bias)
