@@ -146,6 +146,15 @@ def _reset_forward_state(root: nn.Module, use_reset_iter_state: bool | None = No
     order = getattr(getattr(state, "_comm_ctx", None), "post_forward_order", None)
     if order is not None:
         order.clear()
+    # After an exception inside gathered(), a layer may still be mid-forward: forget it, as reset_iter_state does
+    # (no-ops after a normal exit, where every post-forward hook already did this).
+    ctx = getattr(state, "_state_ctx", None)
+    if ctx is not None and hasattr(ctx, "iter_forward_root"):
+        ctx.iter_forward_root = None
+    for sub in getattr(ctx, "all_states", None) or [state]:
+        training_state = getattr(sub, "_training_state", None)
+        if training_state is not None and hasattr(type(training_state), "IDLE"):
+            sub._training_state = type(training_state).IDLE
 
 
 def gradient_sync(model: nn.Module, sync: bool, env: DistEnv):

@@ -63,6 +63,13 @@ def _zero3_gather(params):
     except ImportError as error:
         raise ImportError("zero3_gather_head: the head's parameters are DeepSpeed ZeRO-3 partitions (they carry "
                           "ds_id) but deepspeed cannot be imported") from error
+    # Why refuse INFLIGHT: GatheredParameters does not wait for a partition ZeRO-3 is prefetching, and its exit
+    # asserts "Cannot partition a param in flight" after the whole head has run; say so before any work.
+    inflight = [p for p in partitions.values() if p.ds_status == ZeroParamStatus.INFLIGHT]
+    if inflight:
+        raise RuntimeError(f"zero3_gather_head: {len(inflight)} head parameter(s) are being prefetched by ZeRO-3 "
+                           "(ds_status INFLIGHT); call the fused head inside the model's forward, where ZeRO-3 has "
+                           "gathered them, or outside a prefetch")
     to_gather = [p for p in partitions.values() if p.ds_status != ZeroParamStatus.AVAILABLE]
     return deepspeed.zero.GatheredParameters(to_gather) if to_gather else contextlib.nullcontext()
 
@@ -149,18 +156,26 @@ class _GatherDataParallel(torch.autograd.Function):
         return partial.redistribute(mesh, placements).to(dtype)
 
 
-def gathered_dtensor_head(weight, bias):
-    """(weight, bias) as plain full tensors when weight is a data-parallel DTensor (FSDP2), else unchanged.
-
-    The gradient flows back to the DTensor shards averaged over the mesh (``_GatherDataParallel``)."""
+def check_dtensor_head(weight, bias) -> bool:
+    """Whether (weight, bias) is a DTensor head; raises a ValueError naming the argument for one the fused head cannot
+    gather (mixed DTensor / plain, a placement other than FSDP2's / HSDP's). No collective: a validation."""
     if not is_dtensor(weight) and not is_dtensor(bias):
-        return weight, bias
+        return False
     if bias is not None and is_dtensor(weight) != is_dtensor(bias):
         raise ValueError("weight and bias must both be DTensors or both plain tensors, got weight "
                          f"{type(weight).__name__} and bias {type(bias).__name__}")
     _check_data_parallel("weight", weight)
     if bias is not None:
         _check_data_parallel("bias", bias)
+    return True
+
+
+def gathered_dtensor_head(weight, bias):
+    """(weight, bias) as plain full tensors when weight is a data-parallel DTensor (FSDP2), else unchanged.
+
+    The gradient flows back to the DTensor shards averaged over the mesh (``_GatherDataParallel``)."""
+    if not check_dtensor_head(weight, bias):
+        return weight, bias
     return _GatherDataParallel.apply(weight), None if bias is None else _GatherDataParallel.apply(bias)
 
 

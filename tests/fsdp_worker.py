@@ -137,6 +137,25 @@ def resharded(root) -> bool:
     return bool(ok)
 
 
+def abort_inside_gathered(policy, rollout) -> bool:
+    """A decoder layer raising mid-forward (after FSDP's pre-forward gathered it) inside ``gathered()``: the exit
+    must still leave FSDP ready for the training steps that follow (every rank raises at the same point)."""
+    layer = sharding.decoder_layers(policy.lm)[0]
+
+    def fail(module, args):
+        raise RuntimeError("abort inside gathered()")
+
+    handle = layer.register_forward_pre_hook(fail)
+    try:
+        with sharding.gathered(policy):
+            rollout_logprobs(policy, rollout, MICRO)
+    except RuntimeError as error:
+        return "abort inside gathered()" in str(error)
+    finally:
+        handle.remove()
+    return False
+
+
 def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_norm: float,
         sync: str = "micro_batch", checks: dict | None = None) -> list[float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -198,6 +217,8 @@ def main() -> None:
         rows = torch.arange(rank * share, (rank + 1) * share, device=device)
         clip = cfg.get("max_grad_norm", 0.0)
         checks = {}
+        if cfg.get("reset") == "reshard":
+            checks["aborted_inside_gathered"] = abort_inside_gathered(policy, rollout)
         sharded_norms = run(policy, ref, policy, optimizer, rollout, advantages, rows, env, clip,
                             cfg.get("sync", "micro_batch"), checks)
         sharding._reset_forward_state = reset

@@ -71,6 +71,8 @@ def test_two_ranks_match_one_process_and_broken_reductions_do_not(tmp_path):
             assert r["max_param_diff"] >= BROKEN_MIN_DIFF, (name, r)
             assert r["max_param_change_sharded"] >= BROKEN_MIN_DIFF, (name, r)  # measured >= 3e-2
     assert results["bnpo-sgd-clipped"]["grad_norms_single"][0] > 1.0  # so clipping to 1.0 was active
+    # torch < 2.12's path of gathered() (forced here) also recovers from a layer failing mid-forward inside it
+    assert results["grpo-adamw-reshard-reset"]["aborted_inside_gathered"], results["grpo-adamw-reshard-reset"]
 
 
 def test_decoding_runs_in_lockstep_when_one_rank_finishes_first(tmp_path):

@@ -219,6 +219,11 @@ def error_messages() -> dict:
     hidden, weight, bias = torch.randn(4, H), torch.randn(V, H), torch.randn(V)
     ids = torch.randint(0, V, (4,))
     row_sharded = distribute_tensor(weight, mesh, [Shard(1)])  # sharded over H: row-wise tensor parallelism
+    # validation alone (get_lm_head(gather=False)) refuses the layout too, without running a collective
+    from grpo_kernels.integrations.transformers import get_lm_head
+    tensor_parallel_model = tiny_llama(vocab_size=V, hidden_size=H, dtype=torch.float32)
+    tensor_parallel_model.lm_head.weight = torch.nn.Parameter(
+        distribute_tensor(tensor_parallel_model.lm_head.weight.detach(), mesh, [Shard(1)]))
     calls = {
         "shard_hidden_dim": lambda: gk.linear_token_logprobs(hidden, row_sharded, ids),
         "partial": lambda: gk.linear_token_logprobs(hidden, DTensor.from_local(weight, mesh, [Partial()]), ids),
@@ -232,6 +237,7 @@ def error_messages() -> dict:
             bias=DTensor.from_local(bias, mesh, [Partial()])),
         "vocab_parallel_dtensor": lambda: gk.linear_token_logprobs(
             hidden, distribute_tensor(weight, mesh, [Shard(0)]), ids, process_group=mesh.get_group()),
+        "validate_shard_hidden_dim": lambda: get_lm_head(tensor_parallel_model, gather=False),
     }
     messages = {}
     for name, call in calls.items():
@@ -326,6 +332,7 @@ ERRORS = {  # refused DTensor head -> what its message must say
     "bias_partial": [r"bias is a DTensor with placements \(Partial\(sum\),\)", r"bias\.to_local\(\)"],
     "vocab_parallel_dtensor": ["weight must be this rank's vocabulary shard as a plain tensor with process_group=",
                                r"weight\.to_local\(\)"],
+    "validate_shard_hidden_dim": [r"weight is a DTensor with placements \(Shard\(dim=1\),\)", "process_group="],
 }
 
 

@@ -196,3 +196,16 @@ def test_zero3_gather_head_without_zero3(monkeypatch):
     weight.ds_id = 7  # what a ZeRO-3 partition carries
     with pytest.raises(ImportError, match="zero3_gather_head: the head's parameters are DeepSpeed ZeRO-3 partitions"):
         zero3_gather_head(weight)()
+
+
+def test_zero3_gather_head_refuses_a_head_in_flight():
+    """A partition ZeRO-3 is prefetching (INFLIGHT) is refused up front with a message naming the helper, instead
+    of DeepSpeed's assertion on exit after the whole head has run."""
+    partition_parameters = pytest.importorskip(
+        "deepspeed.runtime.zero.partition_parameters", reason="deepspeed is a test extra (pip install -e .[test])")
+    from grpo_kernels import zero3_gather_head
+
+    weight = torch.nn.Parameter(torch.empty(0))
+    weight.ds_id, weight.ds_status = 3, partition_parameters.ZeroParamStatus.INFLIGHT
+    with pytest.raises(RuntimeError, match="zero3_gather_head: 1 head parameter.*INFLIGHT"):
+        zero3_gather_head(weight, None)()

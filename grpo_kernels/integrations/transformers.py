@@ -36,7 +36,7 @@ import math
 import torch
 from torch import nn
 
-from ..sharded_head import gathered_dtensor_head
+from ..sharded_head import check_dtensor_head, gathered_dtensor_head
 
 __all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "fused_head_blocker",
            "zero3_blocker", "cast_to"]
@@ -159,6 +159,7 @@ def get_lm_head(model, gather: bool = True) -> LMHead:
         option, reason = blocker
         raise ValueError(f"{option} ({type(model).__name__}) is not supported by the fused linear head: {reason}")
     if not gather:
+        check_dtensor_head(head.weight, head.bias)  # the layout checks of the gather, without its collective
         return LMHead(head.weight, head.bias, float(scale))
     # FSDP2 shards parameters as DTensors; the kernel needs plain tensors. Unlike a bare full_tensor() (whose
     # backward keeps only this rank's own gradient), the gather averages the gradient over the mesh, as FSDP2 does.
