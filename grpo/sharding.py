@@ -183,9 +183,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 def shard_checksums(module: nn.Module, env: DistEnv) -> list[float]:
-    """Collective: the parameter checksum of ``Trainer.param_checksums`` over each rank's *local shards*, rank
-    order. They differ across ranks (each holds other rows); their sum is the checksum of the full parameters (the
-    same value on every rank, comparable with an unsharded run and with the saved ``model/``)."""
+    """Collective: the parameter checksum of ``Trainer.param_checksums`` over each rank's *local* parameters, rank
+    order. Without FSDP every rank holds a replica (equal values = ranks in sync). Under FSDP they differ (each
+    rank holds other rows) and their sum is the checksum of the full parameters (comparable with an unsharded run
+    and with the saved ``model/``)."""
     from torch.distributed.tensor import DTensor
 
     totals = torch.zeros(env.world_size, dtype=torch.float64, device=env.device)

@@ -22,7 +22,7 @@ from . import checkpoint as ckpt
 from . import sharding
 from .config import TrainConfig
 from .data import BUILTIN_TASKS, PRINTABLE_ASCII, TRAIN_ROW_WEIGHTING, PromptSampler, format_prompt, load_jsonl, split_eval
-from .distributed import DistEnv, all_reduce_sum, barrier, reduce_mean_dict
+from .distributed import DistEnv, barrier, reduce_mean_dict
 from .errors import UsageError
 from .evaluation import Evaluator
 from .metrics import MetricsLog, Progress, plot_curves
@@ -263,18 +263,12 @@ class Trainer:
         the ranks hold different shards, so there is nothing to compare between them: each entry is the checksum
         of the full parameters (the sum of ``shard_checksums``), comparable with a DDP or single-process run and
         with the saved ``model/``."""
-        if self.cfg.fsdp:
-            return [sum(self.shard_checksums())] * self.env.world_size
-        with torch.no_grad():
-            total = sum(float(p.double().sum()) + 1e-3 * float(p.double().abs().sum())
-                        for p in self.policy.parameters())
-        t = torch.zeros(self.env.world_size, dtype=torch.float64, device=self.device)
-        t[self.env.rank] = total
-        all_reduce_sum(t, self.env)
-        return t.tolist()
+        per_rank = self.shard_checksums()  # each rank's own parameters: a replica (DDP) or its shards (FSDP)
+        return [sum(per_rank)] * self.env.world_size if self.cfg.fsdp else per_rank
 
     def shard_checksums(self) -> list[float]:
-        """Under FSDP: the checksum of each rank's local shards (rank order; see sharding.shard_checksums)."""
+        """The checksum of each rank's local parameters, rank order (under FSDP its shards; see
+        sharding.shard_checksums)."""
         return sharding.shard_checksums(self.policy, self.env)
 
     def _rollout_stats(self, rollout: Rollout, gen_time: float) -> dict:
