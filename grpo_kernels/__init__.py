@@ -1,15 +1,15 @@
 """grpo-kernels: fused Triton kernels for the GRPO loss, with TRL's semantics.
 
 Public API: ``GRPOLossConfig``, ``group_advantages``, ``token_logprobs``, ``grpo_loss``, ``GRPOLoss``,
-``linear_token_logprobs``, ``fused_linear_grpo_loss``, ``FusedLinearGRPOLoss``, ``zero3_gather_head``. Triton is
-imported lazily, on the first kernel launch.
+``linear_token_logprobs``, ``fused_linear_grpo_loss``, ``FusedLinearGRPOLoss``, ``zero3_gather_head``, ``explain``
+(which path a call takes, why, and its transient memory). Triton is imported lazily, on the first kernel launch.
 """
 from .config import GRPOLossConfig
-from .logprobs_from_hidden import linear_token_logprobs
-from .logprobs_from_logits import token_logprobs
+from .distributed.sharded_head import zero3_gather_head
+from .explain import explain
+from .logprobs import linear_token_logprobs, token_logprobs
 from .loss import FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_loss
 from .reference import group_advantages
-from .sharded_head import zero3_gather_head
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "fused_linear_grpo_loss",
     "FusedLinearGRPOLoss",
     "zero3_gather_head",
+    "explain",
     "patch_trl",
     "unpatch_trl",
 ]

@@ -29,6 +29,17 @@ def tensor(name: str, t, *, floating: bool = False, integer: bool = False, dims=
     return t
 
 
+def mask_like(mask, shape: tuple, what: str = "") -> None:
+    """A mask (None allowed) of the given shape, bool / integer / float."""
+    if mask is None:
+        return
+    tensor("mask", mask)
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"mask must have shape {tuple(shape)}{what}, got {tuple(mask.shape)}")
+    if mask.is_complex():
+        raise ValueError(f"mask must be bool, integer or float, got {mask.dtype}")
+
+
 def temperature(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {value!r}")
@@ -37,7 +48,7 @@ def temperature(value) -> float:
 
 def token_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
     """Ids must lie in [0, V): one reduction and one host sync, cheap next to a vocab sweep."""
-    if ids.numel() == 0:
+    if ids.numel() == 0 or ids.device.type == "meta":  # meta tensors (planning) carry no values
         return
     lo, hi = torch.aminmax(ids)
     lo, hi = int(lo), int(hi)
@@ -52,9 +63,11 @@ def same_device(**tensors) -> None:
         raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
-def kernel_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"impl='triton' supports {name} in float32, bfloat16 or float16, got {t.dtype}; "
+def kernel_dtype(name: str, t) -> None:
+    """A tensor (or the dtype it is computed in) the Triton kernels support."""
+    dtype = t if isinstance(t, torch.dtype) else t.dtype
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"impl='triton' supports {name} in float32, bfloat16 or float16, got {dtype}; "
                          "use impl='torch' for float64")
 
 

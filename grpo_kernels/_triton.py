@@ -39,7 +39,8 @@ def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
     """'triton' or 'torch' for this call.
 
     impl: "auto" | "triton" | "torch"; the environment variable ``GRPO_KERNELS_IMPL`` overrides "auto".
-    auto picks Triton on CUDA tensors and the chunked PyTorch path elsewhere. "triton" on CPU tensors works only
+    auto picks Triton on CUDA tensors and the chunked PyTorch path elsewhere; meta tensors (a plan made without
+    data, ``grpo_kernels.explain``) count as CUDA tensors. "triton" on CPU tensors works only
     under ``TRITON_INTERPRET=1`` and otherwise raises a ValueError that says so.
     """
     impl = "auto" if impl is None else impl
@@ -49,7 +50,7 @@ def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
         impl = os.environ.get(IMPL_ENV, "auto") or "auto"
         if impl not in IMPLS:
             raise ValueError(f"environment variable {IMPL_ENV} must be one of {IMPLS}, got {impl!r}")
-    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    on_cuda = all(t.is_cuda or t.device.type == "meta" for t in tensors if t is not None)
     if impl == "auto":
         return "triton" if on_cuda else "torch"
     if impl == "triton" and not on_cuda and not interpreting():

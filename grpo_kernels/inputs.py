@@ -5,20 +5,23 @@ resolves the implementation once; everything below takes them by name and trusts
 - ``HeadInputs``: hidden as (N, H), the lm_head weight / bias, ids as (N,) int64, temperature, impl, in the dtype
   the head runs in (``linear_token_logprobs``, ``fused_linear_grpo_loss``). This is the one place where autocast
   decides that dtype, as it would for ``F.linear``;
-- ``LossInputs``: the per-token tensors of the loss on the (B, T) completion grid.
+- ``LossInputs``: the per-token tensors of the loss on the (B, T) completion grid, with the one place that turns the
+  mask into reduction weights (``token_weights``);
+- ``ValidRows``: the one valid-row compaction (gather the tokens the mask keeps, scatter results back).
 
 Each ``validate`` raises a ValueError naming the argument (a wrong id would read out of bounds inside a kernel).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from . import _checks
 from ._triton import resolve_impl
 from .config import GRPOLossConfig
+from .loss_types import reduction_weights
 
 
 @dataclass(frozen=True)
@@ -31,9 +34,13 @@ class LogitsInputs:
     impl: str
 
     @classmethod
-    def validate(cls, logits, ids, temperature, impl, dims=(2, 3)) -> "LogitsInputs":
+    def validate(cls, logits, ids, temperature, impl, dims=(2, 3), inplace_backward: bool = False) -> "LogitsInputs":
         temperature = _checks.temperature(temperature)
         _checks.tensor("logits", logits, floating=True, dims=dims)
+        if inplace_backward and logits.device.type != "meta" and torch._debug_has_internal_overlap(logits) != 0:
+            # Why refuse: d logits written into a buffer whose rows share memory would overwrite each other.
+            raise ValueError("inplace_backward=True needs logits whose elements do not overlap in memory (got an "
+                             "expanded or as_strided tensor); pass logits.contiguous() or inplace_backward=False")
         _checks.tensor("ids", ids, integer=True, dims=(logits.dim() - 1,))
         if tuple(ids.shape) != tuple(logits.shape[:-1]):
             raise ValueError(f"ids must have shape {tuple(logits.shape[:-1])} (logits' leading dims), "
@@ -50,8 +57,14 @@ class LogitsInputs:
 
 @dataclass(frozen=True)
 class HeadInputs:
-    """hidden (N, H), weight (V, H), bias (V,) | None, all in the head's compute dtype; ids (N,) int64 contiguous;
-    ``shape`` the shape of the caller's ids (the outputs are reshaped to it)."""
+    """hidden (N, H), weight (V, H), bias (V,) | None as the caller gave them (contiguous on H for Triton); ids (N,)
+    int64 contiguous; ``shape`` the shape of the caller's ids (the outputs are reshaped to it); ``dtype`` the dtype
+    the head runs in.
+
+    This is the one place where autocast decides that dtype, as it would for ``F.linear``: under autocast the head
+    runs in the autocast dtype and gradients flow back to the given (e.g. fp32 master) tensors. The cast itself is
+    made by the path that runs: ``in_compute_dtype()`` (autograd casts, as nn.Linear) or, on the fast path, inside
+    its autograd Function (so that an fp32 master weight's gradient accumulates straight into fp32)."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -60,6 +73,7 @@ class HeadInputs:
     shape: torch.Size
     temperature: float
     impl: str
+    dtype: torch.dtype
 
     @classmethod
     def validate(cls, hidden, weight, ids, bias, temperature, impl, ids_dims=None,
@@ -72,19 +86,15 @@ class HeadInputs:
         _checks.tensor("ids", ids, integer=True, dims=ids_dims)
         if bias is not None:
             _checks.tensor("bias", bias, floating=True, dims=(1,))
-        if torch.is_autocast_enabled(hidden.device.type):
-            # The one autocast site: like nn.Linear under autocast, the head runs in the autocast dtype (gradients
-            # flow back to fp32 master weights through the casts); the kernels accumulate in fp32 themselves.
-            dtype = torch.get_autocast_dtype(hidden.device.type)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+        autocast = hidden.device.type != "meta" and torch.is_autocast_enabled(hidden.device.type)
+        dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else hidden.dtype
         H = hidden.shape[-1]
         if weight.shape[1] != H:
             raise ValueError(f"weight must have shape (V, H) = (V, {H}) to match hidden's last dim, "
                              f"got {tuple(weight.shape)}")
         if weight.shape[0] == 0 or H == 0:
             raise ValueError(f"weight must have non-empty V and H, got {tuple(weight.shape)}")
-        if weight.dtype != hidden.dtype:
+        if not autocast and weight.dtype != hidden.dtype:
             raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
         N = hidden.numel() // H
         if hidden.dim() == 3 and tuple(ids.shape) != tuple(hidden.shape[:2]):
@@ -101,12 +111,24 @@ class HeadInputs:
         impl = resolve_impl(impl, hidden, weight, bias)
         hidden2d = hidden.reshape(N, H)
         if impl == "triton":
-            _checks.kernel_dtype("hidden", hidden)
+            _checks.kernel_dtype("hidden", dtype)
             # the kernels read rows with a unit stride on H (autograd maps gradients back through any copy)
             hidden2d = hidden2d if hidden2d.stride(-1) == 1 else hidden2d.contiguous()
             weight = weight if weight.stride(-1) == 1 else weight.contiguous()
             bias = None if bias is None else bias.contiguous()
-        return cls(hidden2d, weight, bias, ids.reshape(N).long().contiguous(), ids.shape, temperature, impl)
+        return cls(hidden2d, weight, bias, ids.reshape(N).long().contiguous(), ids.shape, temperature, impl, dtype)
+
+    def cast_bytes(self, *, hidden: bool = True, weight: bool = True) -> int:
+        """Bytes of the copies ``in_compute_dtype`` makes (tensors not already in the compute dtype)."""
+        chosen = ([self.hidden] if hidden else []) + ([self.weight, self.bias] if weight else [])
+        return sum(t.numel() * self.dtype.itemsize for t in chosen if t is not None and t.dtype != self.dtype)
+
+    def in_compute_dtype(self) -> "HeadInputs":
+        """The same inputs with hidden / weight / bias cast to ``dtype`` (autograd-tracked, like nn.Linear)."""
+        if all(t is None or t.dtype == self.dtype for t in (self.hidden, self.weight, self.bias)):
+            return self
+        cast = [None if t is None else t.to(self.dtype) for t in (self.hidden, self.weight, self.bias)]
+        return replace(self, hidden=cast[0], weight=cast[1], bias=cast[2])
 
 
 @dataclass(frozen=True)
@@ -128,12 +150,7 @@ class LossInputs:
         _checks.tensor("advantages", advantages, floating=True)
         if tuple(advantages.shape) not in ((B,), (B, T)):
             raise ValueError(f"advantages must have shape ({B},) or ({B}, {T}), got {tuple(advantages.shape)}")
-        if mask is not None:
-            _checks.tensor("mask", mask)
-            if tuple(mask.shape) != (B, T):
-                raise ValueError(f"mask must have shape ({B}, {T}), got {tuple(mask.shape)}")
-            if mask.is_complex():
-                raise ValueError(f"mask must be bool, integer or float, got {mask.dtype}")
+        _checks.mask_like(mask, (B, T))
         for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps), ("sampling_logps", sampling_logps)):
             if t is not None:
                 _checks.tensor(name, t, floating=True)
@@ -161,3 +178,61 @@ class LossInputs:
             raise ValueError(f"advantages must be on the device of the logits / hidden states {device}, "
                              f"got {advantages.device}")
         return cls(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch)
+
+    def token_weights(self, cfg: GRPOLossConfig, B: int, T: int, device) -> "TokenWeights":
+        """The mask as bool and float, its count and the loss type's reduction weights on the (B, T) grid."""
+        mask_b = torch.ones(B, T, dtype=torch.bool, device=device) if self.mask is None else self.mask.bool()
+        mask_f = mask_b.float()
+        weights = reduction_weights(mask_f, cfg.loss_type, self.num_items_in_batch, cfg.max_completion_length)
+        return TokenWeights(mask_b, mask_f, mask_f.sum(), weights.contiguous())
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """``mask_b`` / ``mask_f`` (B, T) bool / fp32, ``n_valid`` its 0-dim fp32 count, ``weights`` (B, T) fp32 with
+    ``loss = sum(weights * per_token_loss)``."""
+
+    mask_b: torch.Tensor
+    mask_f: torch.Tensor
+    n_valid: torch.Tensor
+    weights: torch.Tensor
+
+    @property
+    def count(self) -> torch.Tensor:
+        """The number of valid tokens, at least 1 (the divisor of every masked mean)."""
+        return self.n_valid.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class ValidRows:
+    """The flat indices of the tokens a mask keeps, or ``index=None`` when it keeps all ``total`` of them.
+
+    Why compact: padded tokens then cost neither the N x V x H matmuls nor a vocab sweep. ``of`` makes the one host
+    sync (the compact batch's size); on meta tensors (planning without data) every token counts as valid."""
+
+    index: torch.Tensor | None
+    total: int
+
+    @classmethod
+    def of(cls, mask, total: int) -> "ValidRows":
+        if mask is None or mask.device.type == "meta":
+            return cls(None, total)
+        index = (mask.reshape(-1) != 0).nonzero().squeeze(1)
+        return cls(None if index.numel() == total else index, total)
+
+    @property
+    def count(self) -> int:
+        return self.total if self.index is None else int(self.index.numel())
+
+    def compact(self, *tensors):
+        """Each tensor's rows at the valid tokens (differentiable); unchanged when every token is valid."""
+        if self.index is None:
+            return tensors
+        return tuple(None if t is None else t.index_select(0, self.index) for t in tensors)
+
+    def scatter(self, *tensors):
+        """Each compact (N_valid,) tensor back on all ``total`` tokens, zeros elsewhere (differentiable)."""
+        if self.index is None:
+            return tensors
+        return tuple(torch.zeros(self.total, dtype=t.dtype, device=t.device).index_copy(0, self.index, t)
+                     for t in tensors)

@@ -1,36 +1,37 @@
-"""Functional GRPO losses and their thin ``nn.Module`` wrappers.
+"""The GRPO losses: ``grpo_loss`` (from logits), ``fused_linear_grpo_loss`` (from hidden states and the lm_head) and
+their thin ``nn.Module`` wrappers.
 
-Both losses validate their arguments once (``inputs.py``), then run two stages: a vocab sweep (Triton or chunked
-PyTorch) that yields per-token log-prob, entropy and logsumexp, then the contract's per-token loss, masks and
-reduction on B x T tensors: ``reference.loss_from_logps``, or on the Triton path for token-level configurations the
-per-token kernel of ``triton_loss_stage``. The gradient of the second stage w.r.t. (logp, entropy) is the per-token
-scalar ``g`` of docs/DESIGN.md section 3 that the sweep's backward turns into d logits / d hidden / d weight.
+Each validates its arguments once (``inputs.py``), asks the planner for a ``Plan`` and dispatches on ``Plan.path``
+(docs/DESIGN.md, "The planner"); this module decides nothing itself. Every path ends in the contract's per-token
+loss, masks and reduction: inside a Triton kernel on the fast paths, else ``token_stage.loss_from_token_logprobs``.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from . import triton_loss_stage
+from . import planner
 from .config import GRPOLossConfig, resolve_config
-from .inputs import HeadInputs, LogitsInputs, LossInputs
-from .linear_loss_in_forward import gradient_in_forward, light_path_chunk_bytes
-from .logprobs_from_hidden import head_token_logprobs, linear_token_logprobs
-from .loss_types import per_token_gradient_known
-from .logprobs_from_logits import logits_token_logprobs
-from .reference import loss_from_logps
-from .sharded_head import check_head_options, gathered, gathered_dtensor_head
+from .distributed import sharded_head, vocab_parallel
+from .head.fast import head_loss_in_forward, head_sequence_loss_in_forward
+from .head.light import head_token_logprobs
+from .inputs import HeadInputs, LogitsInputs, LossInputs, ValidRows
+from .logits.fast import logits_loss_in_forward
+from .logits.logprobs import logits_token_logprobs
+from .logprobs import linear_token_logprobs
+from .token_stage import loss_from_token_logprobs
 
 
-def _loss_stage(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig, impl: str):
-    """The per-token loss, masks and reduction: one Triton kernel where it applies, else the reference."""
-    B, T = logps.shape
-    if impl == "triton" and per_token_gradient_known(cfg) and B * T > 0:
-        return triton_loss_stage.fused_loss_from_logps(logps, entropy, batch, cfg)
-    return loss_from_logps(logps, batch.advantages, mask=batch.mask, old_logps=batch.old_logps,
-                           ref_logps=batch.ref_logps, is_ratio=batch.is_ratio, entropy=entropy,
-                           num_items_in_batch=batch.num_items_in_batch, sampling_logps=batch.sampling_logps,
-                           config=cfg)
+def validate_logits_loss(logits, ids, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
+                          sampling_logps, config, impl, inplace_backward, overrides):
+    cfg = resolve_config(config, overrides)
+    inputs = LogitsInputs.validate(logits, ids, cfg.temperature, impl, dims=(3,), inplace_backward=inplace_backward)
+    B, T = ids.shape
+    batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
+                                sampling_logps, num_items_in_batch)
+    wants_grad = torch.is_grad_enabled() and logits.requires_grad
+    return inputs, batch, cfg, planner.plan_logits("grpo_loss", inputs, cfg, wants_grad=wants_grad,
+                                                   inplace=bool(inplace_backward))
 
 
 def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
@@ -39,22 +40,58 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     """GRPO loss from logits (B, T, V) aligned with ``ids`` (B, T): returns ``(loss, metrics)``.
 
     advantages (B,) or (B, T); mask (B, T) (None = all valid); old_logps / ref_logps / sampling_logps (B, T);
-    is_ratio (B,), (B, 1) or (B, T); num_items_in_batch normalizes dapo / cispo / vespo (default: mask.sum()).
-    config: a ``GRPOLossConfig``; keyword overrides (``loss_type="grpo"``, ``beta=0.04``...) apply on top.
-    inplace_backward: write d logits into the logits buffer (no second B x T x V tensor). With the gradient computed
-    in the forward (``config.grad_in_forward``, the default on the Triton path where the per-token gradient is known
-    once a row is swept, and the logits require grad) the buffer holds d logits as soon as this returns.
-    Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a dict of detached 0-dim metrics.
+    is_ratio (B,), (B, 1) or (B, T), >= 0; num_items_in_batch > 0 normalizes dapo / cispo / vespo (default:
+    mask.sum()). config: a ``GRPOLossConfig``; keyword overrides (``loss_type="grpo"``, ``beta=0.04``...) apply on top.
+    inplace_backward: write d logits into the logits buffer (no second B x T x V tensor; refused for logits whose
+    elements overlap in memory, e.g. expanded). On the fast path (``grpo_kernels.explain`` says which path runs)
+    the buffer holds d logits as soon as this returns. Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a
+    dict of detached 0-dim metrics.
     """
-    cfg = resolve_config(config, config_overrides)
-    inputs = LogitsInputs.validate(logits, ids, cfg.temperature, impl, dims=(3,))
-    B, T = ids.shape
-    batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
-                                sampling_logps, num_items_in_batch)
-    if triton_loss_stage.grad_in_forward_applies(inputs, cfg):
-        return triton_loss_stage.grad_in_forward_loss(inputs, batch, cfg, inplace_backward)
-    logps, entropy, _ = logits_token_logprobs(inputs, inplace_backward, row_mask=mask)
-    return _loss_stage(logps, entropy, batch, cfg, inputs.impl)
+    inputs, batch, cfg, plan = validate_logits_loss(logits, ids, advantages, mask, old_logps, ref_logps, is_ratio,
+                                                     num_items_in_batch, sampling_logps, config, impl,
+                                                     inplace_backward, config_overrides)
+    if plan.path == planner.LOGITS_FAST:
+        return logits_loss_in_forward(inputs, batch, cfg, inplace_backward)
+    logps, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward, row_mask=batch.mask)
+    return loss_from_token_logprobs(logps, entropy, batch, cfg, plan.token_stage)
+
+
+def validate_head_loss(hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
+                        num_items_in_batch, config, impl, sampling_logps, process_group, vocab_start, overrides):
+    """(inputs, batch, cfg, rows, shard | None): validated on this rank, or agreed by the whole vocab-parallel
+    group (``distributed/vocab_parallel.validate``: every rank raises the same error)."""
+    cfg = resolve_config(config, overrides)
+
+    def local():
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,),
+                                     check_ids=process_group is None)
+        B, T = ids.shape
+        batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
+                                    sampling_logps, num_items_in_batch)
+        return inputs, batch.mask, batch
+
+    if process_group is None:
+        inputs, _, batch = local()
+        shard = None
+    else:
+        inputs, _, batch, shard = vocab_parallel.validate(process_group, vocab_start, hidden, local)
+    return inputs, batch, cfg, ValidRows.of(batch.mask, inputs.ids.numel()), shard
+
+
+def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, rows: ValidRows,
+                   vocab_parallel_shard=None) -> planner.Plan:
+    """The plan of one ``fused_linear_grpo_loss`` call (also what ``explain`` shows)."""
+    wants = torch.is_grad_enabled()
+    needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
+    B, T = inputs.shape
+
+    def counts():  # valid tokens per sequence: one host sync, asked only for the sequence-level fast path
+        if batch.mask is None or batch.mask.device.type == "meta":
+            return [T] * B
+        return batch.mask.bool().sum(-1).tolist()
+
+    return planner.plan_head("fused_linear_grpo_loss", inputs, cfg, needs=needs, n_valid=rows.count,
+                             sequence_counts=counts, vocab_parallel=vocab_parallel_shard is not None)
 
 
 def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
@@ -63,42 +100,38 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
                            vocab_start: int | None = None, gather_head=None, **config_overrides):
     """GRPO loss from final hidden states and the lm_head, never writing the B x T x V logits.
 
-    hidden (B, T, H) or (B*T, H); weight (V, H); bias (V,) or None; ids (B, T); other arguments as
-    ``grpo_loss``. Gradients flow to hidden, weight and bias, each only when it requires grad (a frozen head
-    does no d weight work). On the Triton path, token-level configurations compute the gradients in the forward
-    (``config.grad_in_forward``, chunks sized by ``config.memory_budget``); everything else takes the
-    memory-light recompute path, whose ``config.deterministic`` selects the atomics-free backward.
+    hidden (B, T, H) or (B*T, H); weight (V, H); bias (V,) or None; ids (B, T); other arguments as ``grpo_loss``.
+    Gradients flow to hidden, weight and bias, each only when it requires grad (a frozen head does no d weight
+    work). The planner picks the path (``grpo_kernels.explain`` shows it): on the Triton path, token-level
+    configurations compute the gradients in the forward (6NHV) when its chunk and accumulators fit
+    ``config.memory_budget``; everything else takes the memory-light recompute path, whose ``config.deterministic``
+    selects the atomics-free backward.
 
     Vocab-parallel (``process_group``): ``weight`` / ``bias`` are this rank's vocabulary shard starting at
     ``vocab_start``, everything else is replicated, as for ``linear_token_logprobs``; every rank gets the same
-    loss, its own dW / dbias and the all-reduced d hidden. Both impls take the recompute path there (the gradient
-    in the forward needs the global logsumexp first).
+    loss, its own dW / dbias and the all-reduced d hidden (docs/distributed.md).
 
     A head sharded for data parallelism (a DTensor from FSDP2, or a DeepSpeed ZeRO-3 partition with
     ``gather_head=grpo_kernels.zero3_gather_head(weight, bias)``, inside the model's forward) is gathered for the
-    call, as for ``linear_token_logprobs``; ``gather_head`` is entered around the forward and, on the memory-light
-    path, again around the backward's recompute.
+    call; ``gather_head`` is entered around the forward and, on the memory-light path, again around the backward.
     """
-    check_head_options(weight, bias, process_group, vocab_start, gather_head)
-    if process_group is not None:
-        from .vocab_parallel import vocab_parallel_grpo_loss
-        return vocab_parallel_grpo_loss(hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
-                                        num_items_in_batch, config, impl, sampling_logps, config_overrides,
-                                        process_group, vocab_start)
-    cfg = resolve_config(config, config_overrides)
-    weight, bias = gathered_dtensor_head(weight, bias)
-    with gathered(gather_head):
-        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,))
-        B, T = ids.shape
-        batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
-                                    sampling_logps, num_items_in_batch)
-        # the gradient-in-forward paths read weight / bias only here: their backward hands out stored gradients
-        in_forward = gradient_in_forward(inputs, batch, cfg)
-        if in_forward is not None:
-            return in_forward
-        logps, entropy, _ = head_token_logprobs(inputs, cfg.deterministic, row_mask=mask,
-                                                chunk_bytes=light_path_chunk_bytes(cfg), gather_head=gather_head)
-    return _loss_stage(logps, entropy, batch, cfg, inputs.impl)
+    sharded_head.check_head_options(weight, bias, process_group, vocab_start, gather_head)
+    weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
+    with sharded_head.gathered(gather_head):
+        inputs, batch, cfg, rows, shard = validate_head_loss(
+            hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio, num_items_in_batch, config,
+            impl, sampling_logps, process_group, vocab_start, config_overrides)
+        plan = plan_head_loss(inputs, batch, cfg, rows, shard)
+        # the fast paths read weight / bias only here: their backward hands out stored gradients
+        if plan.path == planner.HEAD_FAST:
+            return head_loss_in_forward(inputs, batch, cfg, plan, rows)
+        if plan.path == planner.HEAD_FAST_SEQUENCE:
+            return head_sequence_loss_in_forward(inputs, batch, cfg, plan, rows)
+        if shard is not None:
+            logps, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows, cfg.deterministic)
+        else:
+            logps, entropy, _ = head_token_logprobs(inputs, plan, rows, cfg.deterministic, gather_head=gather_head)
+    return loss_from_token_logprobs(logps, entropy, batch, cfg, plan.token_stage)
 
 
 class GRPOLoss(nn.Module):
@@ -163,5 +196,6 @@ class FusedLinearGRPOLoss(nn.Module):
                     bias=named.get("bias") if ref_weight is None else ref_bias, temperature=self.config.temperature,
                     impl=self.impl, process_group=named.get("process_group"),
                     vocab_start=named.get("vocab_start"),
-                    gather_head=named.get("gather_head") if ref_weight is None else None).view(named["ids"].shape)
+                    gather_head=named.get("gather_head") if ref_weight is None else None,
+                    memory_budget=self.config.memory_budget).view(named["ids"].shape)
         return fused_linear_grpo_loss(config=self.config, impl=self.impl, **named)

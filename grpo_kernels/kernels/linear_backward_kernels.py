@@ -28,6 +28,8 @@ Extra device memory beyond inputs, outputs and the returned gradients (it = item
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .._checks import alloc
@@ -122,14 +124,15 @@ def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     tl.store(out, _to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
 def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
                              need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool,
-                             chunk_bytes: int | None = None):
+                             chunk_bytes: int | None = None, row_block: int | None = None):
     """(d_hidden | None, d_weight | None, d_bias | None) in hidden's / weight's / bias' dtype.
 
     Inputs as in ``linear_logprobs_forward`` plus the forward's lse and entropy and the per-token grads grad_logp
     and grad_entropy (fp32 (N,); grad_entropy may be None: its term is then not compiled in). Per element
     dz_v = grad_logp (onehot_v - p_v) - grad_entropy p_v (log p_v + entropy), d logits = dz / temperature.
     ``deterministic`` selects the atomic-free path (see the module docstring for both paths and their memory);
-    chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32 logits).
+    chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32 logits) and
+    row_block its rows (None: all N), both from the plan (``backward_layout``).
     """
     N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
     need_bias = bool(need_bias) and bias is not None
@@ -150,7 +153,8 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
             chunk_bytes = int(DETERMINISTIC_CHUNK_FRACTION * 4 * N * V)
         if DETERMINISTIC_CHUNK_BYTES is not None:
             chunk_bytes = min(chunk_bytes, DETERMINISTIC_CHUNK_BYTES)
-        return _backward_chunked(common, N, V, H, need_hidden, need_weight, need_bias, chunk_bytes)
+        return _backward_row_blocks(common, N, V, H, need_hidden, need_weight, need_bias, chunk_bytes,
+                                    N if row_block is None else max(1, min(N, row_block)))
     tile, _, dot_fp32 = tiles.launch_params("bwd", hidden.dtype, dev)
     dh = torch.zeros((N, H), dtype=f32, device=dev) if need_hidden else None
     dw = torch.zeros((V, H), dtype=f32, device=dev) if need_weight else None
@@ -168,9 +172,105 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
             None if db is None else db.to(bias.dtype))
 
 
-def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool,
-                      chunk_bytes: int):
-    """Deterministic backward: d logits per vocab chunk, then fixed-order matmuls and sums.
+def _chunk_cols(chunk_bytes: int, rows: int, V: int, esize: int, block_v: int) -> int:
+    """Vocab columns of a d-logits chunk of ``rows`` rows within chunk_bytes: all V when they fit, else a multiple
+    of the tile's block (at least one block)."""
+    cols = chunk_bytes // max(1, rows * esize)
+    if cols >= V:
+        return V
+    return max(block_v, cols // block_v * block_v)
+
+
+def _dlogits_geometry(dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(bytes per d-logits element of the chunk buffer, vocab block of the d-logits tile kernel)."""
+    by_gemm = dlogits_by_gemm(dtype, device)
+    if device.type == "meta":  # a plan made without data: the sm_90 table
+        block_v = tiles.TILES[(90, "dlogits", "fp32" if dtype == torch.float32 else "half")].block_v
+    else:
+        block_v = tiles.launch_params("dlogits", dtype, device)[0].block_v
+    return (4 if by_gemm else dtype.itemsize), block_v
+
+
+@dataclass(frozen=True)
+class BackwardLayout:
+    """The light path's backward geometry: rows per block, d-logits chunk bytes per block, and what it allocates
+    beyond its inputs and returned gradients (``items``: (what, bytes))."""
+
+    row_block: int
+    chunk_bytes: int | None
+    items: tuple
+
+    @property
+    def transient_bytes(self) -> int:
+        return sum(b for _, b in self.items)
+
+
+def backward_layout(N, V, H, dtype, device, room, need_hidden, need_weight, need_bias, deterministic):
+    """The backward's geometry within ``room`` bytes (None: the smallest one), or None when even that does not fit.
+
+    One block of all N rows when its fp32 d hidden accumulator fits beside a chunk of at least one tile block;
+    else blocks of fewer rows (d weight is then summed over blocks in the weight's dtype)."""
+    half = dtype != torch.float32
+    db = 4 * V if need_bias and half else 0
+    if not deterministic:
+        items = (("fp32 d hidden accumulator", 4 * N * H if need_hidden and half else 0),
+                 ("fp32 d weight accumulator", 4 * V * H if need_weight and half else 0), ("fp32 d bias", db))
+        layout = BackwardLayout(max(N, 1), None, items)
+        return layout if room is None or layout.transient_bytes <= room else None
+    esize, block_v = _dlogits_geometry(dtype, device)
+
+    def layout(rows, cols):
+        n_chunks = -(-V // cols)
+        dh = 4 * rows * H if need_hidden and half and n_chunks > 1 else 0
+        return BackwardLayout(rows, rows * cols * esize, (("d logits chunk", rows * min(cols, V) * esize),
+                                                          ("fp32 d hidden of a row block", dh), ("fp32 d bias", db)))
+
+    N1 = max(N, 1)
+    if room is None:
+        return layout(1, min(V, block_v))
+    if db + N1 * V * esize <= room:
+        return layout(N1, V)
+    dh_all = 4 * N1 * H if need_hidden and half else 0
+    cols = _chunk_cols(room - db - dh_all, N1, V, esize, block_v) if room - db - dh_all > 0 else 0
+    if cols and N1 * cols * esize + dh_all + db <= room:
+        return layout(N1, cols)
+    target = min(V, max(block_v, 1024 // block_v * block_v))
+    per_row = (4 * H if need_hidden and half else 0) + target * esize
+    rows = (room - db) // per_row if room > db else 0
+    if rows < 1:
+        per_row = (4 * H if need_hidden and half else 0) + min(V, block_v) * esize
+        rows = (room - db) // per_row if room > db else 0
+        if rows < 1:
+            return None
+    rows = min(rows, N1)
+    rows = -(-N1 // -(-N1 // rows))  # evenly spread blocks
+    left = room - db - (4 * rows * H if need_hidden and half else 0)
+    return layout(rows, _chunk_cols(left, rows, V, esize, block_v))
+
+
+def _backward_row_blocks(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+                         chunk_bytes: int, row_block: int):
+    """The deterministic backward over blocks of ``row_block`` rows: each block's d hidden is complete when the
+    block ends; d weight and d bias accumulate over blocks (in the weight's dtype / fp32)."""
+    hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
+    dev = hidden.device
+    d_hidden = alloc((N, H), hidden.dtype, dev) if need_hidden else None
+    d_weight = alloc(tuple(weight.shape), weight.dtype, dev) if need_weight else None
+    db32 = torch.zeros((V,), dtype=torch.float32, device=dev) if need_bias else None
+    for r0 in range(0, N, row_block):
+        r1 = min(N, r0 + row_block)
+        block = dict(c, hidden=hidden[r0:r1], ids=c["ids"][r0:r1], lse=c["lse"][r0:r1],
+                     entropy=c["entropy"][r0:r1], grad_logp=c["grad_logp"][r0:r1],
+                     grad_entropy=c["grad_entropy"][r0:r1])
+        _backward_chunked(block, r1 - r0, V, H, chunk_bytes, None if d_hidden is None else d_hidden[r0:r1],
+                          d_weight, db32, accumulate=r0 > 0)
+    return d_hidden, d_weight, None if db32 is None else db32.to(bias.dtype)
+
+
+def _backward_chunked(c: dict, N: int, V: int, H: int, chunk_bytes: int, d_hidden, d_weight, db32,
+                      accumulate: bool) -> None:
+    """Deterministic backward of one row block: d logits per vocab chunk, then fixed-order matmuls and sums into
+    d_hidden (this block's rows), d_weight (written, or added to when ``accumulate``) and db32 (added to).
 
     d logits come from the Triton tile kernel, or (``dlogits_by_gemm``) from cuBLAS fp32 logits of the chunk plus
     the row-sweep epilogue that rewrites them in place: the chunk's buffer is then 4 N Vc bytes instead of it N Vc.
@@ -178,28 +278,19 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_w
     hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
     dtype, dev = hidden.dtype, hidden.device
     tile, _, dot_fp32 = tiles.launch_params("dlogits", dtype, dev)
-    bv = tile.block_v
     by_gemm = dlogits_by_gemm(dtype, dev)
-    chunk = max(bv, chunk_bytes // (N * (4 if by_gemm else hidden.element_size())) // bv * bv)
-    chunk = min(chunk, tiles.cdiv(V, bv) * bv)
+    chunk = _chunk_cols(chunk_bytes, N, V, 4 if by_gemm else hidden.element_size(), tile.block_v)
     n_chunks = tiles.cdiv(V, chunk)
     if by_gemm:
         zflat = alloc((N * min(chunk, V),), torch.float32, dev)
     else:
         buf = alloc((N, min(chunk, V)), dtype, dev)
-    direct_dh = n_chunks == 1 or dtype == torch.float32
-    d_hidden = d_weight = db32 = dh32 = None
-    if need_hidden:
-        if n_chunks == 1:
-            d_hidden = alloc((N, H), dtype, dev)
-        elif dtype == torch.float32:
-            d_hidden = torch.zeros((N, H), dtype=dtype, device=dev)
+    dh32 = None
+    if d_hidden is not None and n_chunks > 1:
+        if dtype == torch.float32:
+            d_hidden.zero_()
         else:
             dh32 = torch.zeros((N, H), dtype=torch.float32, device=dev)
-    if need_weight:
-        d_weight = alloc(tuple(weight.shape), weight.dtype, dev)
-    if need_bias:
-        db32 = alloc((V,), torch.float32, dev)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         if by_gemm:
@@ -211,23 +302,25 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, need_hidden: bool, need_w
         else:
             dl = buf[:, : v1 - v0]
             _dlogits_tiles(c, buf, tile, dot_fp32, N, V, H, v0, v1)
-        # Why these three ops are deterministic: each is a fixed-shape cuBLAS GEMM or a torch reduction, and
-        # every output element is produced by exactly one of them per chunk (no cross-program float atomics).
-        if need_weight:
-            torch.mm(dl.t(), hidden, out=d_weight[v0:v1])
-        if need_bias:
-            torch.sum(dl, dim=0, dtype=torch.float32, out=db32[v0:v1])
-        if need_hidden:
+        # Why these ops are deterministic: each is a fixed-shape cuBLAS GEMM or a torch reduction, and every output
+        # element is produced by exactly one of them per chunk and block, in a fixed order (no float atomics).
+        if d_weight is not None:
+            if accumulate:
+                d_weight[v0:v1].addmm_(dl.t(), hidden)
+            else:
+                torch.mm(dl.t(), hidden, out=d_weight[v0:v1])
+        if db32 is not None:
+            db32[v0:v1] += dl.sum(dim=0, dtype=torch.float32)
+        if d_hidden is not None:
             w_chunk = weight[v0:v1]
             if n_chunks == 1:
                 torch.mm(dl, w_chunk, out=d_hidden)
-            elif direct_dh:
+            elif dh32 is None:
                 d_hidden.addmm_(dl, w_chunk)
             else:
                 addmm_f32_(dh32, dl, w_chunk)
     if dh32 is not None:
-        d_hidden = dh32.to(dtype)
-    return d_hidden, d_weight, None if db32 is None else db32.to(bias.dtype)
+        d_hidden.copy_(dh32)
 
 
 def _dlogits_tiles(c: dict, buf, tile, dot_fp32: int, N: int, V: int, H: int, v0: int, v1: int) -> None:

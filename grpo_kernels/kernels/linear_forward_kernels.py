@@ -108,6 +108,24 @@ def linear_fwd_merge_kernel(part_ptr, logp_ptr, lse_ptr, ent_ptr, N, n_splits, B
     tl.store(ent_ptr + rows, log_s - a / s, mask=row_ok)
 
 
+def forward_splits(N: int, V: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(vocab columns per split, number of splits) of the forward's (token block, vocab split) grid."""
+    if device.type == "meta":  # a plan made without data: the sm_90 table on 132 SMs
+        tile, sms = tiles.TILES[(90, "fwd", "fp32" if dtype == torch.float32 else "half")], tiles.RECORDING_SMS
+    else:
+        tile, sms, _ = tiles.launch_params("fwd", dtype, device)
+    n_m = tiles.cdiv(N, tile.block_m)
+    n_vb = tiles.cdiv(V, tile.block_v)
+    # Why: enough (token block, vocab split) programs for ~tiles.WAVES waves, each split at least one vocab block.
+    v_per_split = tiles.cdiv(n_vb, min(n_vb, max(1, tiles.cdiv(tiles.WAVES * sms, n_m)))) * tile.block_v
+    return v_per_split, tiles.cdiv(V, v_per_split)
+
+
+def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of the forward's fp32 (4, n_splits, N) partial statistics: its only memory beyond the outputs."""
+    return 16 * forward_splits(N, V, dtype, device)[1] * N if N else 0
+
+
 def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor,
                             temperature: float):
     """(logp, lse, entropy), each fp32 (N,), of z = (hidden @ weight.T + bias) / temperature at ``ids``.
@@ -120,12 +138,9 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
     if N == 0:
         return logp, lse, ent
-    tile, sms, dot_fp32 = tiles.launch_params("fwd", hidden.dtype, dev)
+    tile, _, dot_fp32 = tiles.launch_params("fwd", hidden.dtype, dev)
     n_m = tiles.cdiv(N, tile.block_m)
-    n_vb = tiles.cdiv(V, tile.block_v)
-    # Why: enough (token block, vocab split) programs for ~tiles.WAVES waves, each split at least one vocab block.
-    v_per_split = tiles.cdiv(n_vb, min(n_vb, max(1, tiles.cdiv(tiles.WAVES * sms, n_m)))) * tile.block_v
-    n_splits = tiles.cdiv(V, v_per_split)
+    v_per_split, n_splits = forward_splits(N, V, hidden.dtype, dev)
     part = alloc((4, n_splits, N), torch.float32, dev)
     launch(linear_fwd_partial_kernel, (n_m * n_splits,),
         hidden, weight, weight if bias is None else bias, ids, part,

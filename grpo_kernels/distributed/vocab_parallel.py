@@ -5,7 +5,7 @@ full-vocabulary ids [vocab_start, vocab_start + V_r); hidden, ids, mask and the 
 same on every rank, as after a tensor-parallel block). The shards' outputs combine exactly (docs/DESIGN.md
 section 3's maths, split over the vocabulary):
 
-- per rank, the ordinary fused head on the shard (Triton or chunked torch, ``head_token_logprobs``) gives the
+- per rank, the ordinary fused head on the shard (the plan's light, no-grad or torch path) gives the
   shard's log-prob ``logp_r`` of the id clamped into the shard and its entropy ``H_r``; the clamped id's logit
   ``z_c`` (an N x H gather, ``_TargetLogit``) turns it into the shard's logsumexp ``lse_r = z_c - logp_r``, with
   its exact gradient (d lse_r / dz = p_r);
@@ -19,8 +19,9 @@ section 3's maths, split over the vocabulary):
   local, and the hidden state's gradient is all-reduced over the group (the head's input is replicated), so every
   rank ends with the full dh.
 
-The Triton gradient-in-forward path (``linear_loss_in_forward.py``) does not apply here: its per-token gradient
-needs the global logsumexp before the shard's sweep. Both impls run the memory-light recompute path per shard.
+The fast head path (gradient in the forward) does not apply here: its per-token gradient needs the global
+logsumexp before the shard's sweep. The planner gives every shard the memory-light path (``planner.plan_head`` with
+``vocab_parallel=True``).
 
 Validation: every rank validates its own arguments, then one all-gather of a small table (shard size, start, N,
 ids / mask checksums, the local error message if any) lets every rank reach the same verdict, so a bad shard,
@@ -34,11 +35,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from . import _checks
-from .config import resolve_config
-from .inputs import HeadInputs, LossInputs
-from .linear_loss_in_forward import light_path_chunk_bytes
-from .logprobs_from_hidden import _acc_dtype, head_token_logprobs
+from ..head.light import head_token_logprobs
+from ..head.torch_tiles import accumulation_dtype
+from ..inputs import HeadInputs, ValidRows
 
 # Rows per chunk of the target-logit gather (bounds its fp32 scratch to TARGET_CHUNK_ROWS x H).
 TARGET_CHUNK_ROWS = 4096
@@ -100,7 +99,7 @@ class _TargetLogit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_ids, temperature):
-        acc = _acc_dtype(hidden)
+        acc = accumulation_dtype(hidden)
         z = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         for r0 in range(0, hidden.shape[0], TARGET_CHUNK_ROWS):
             c = local_ids[r0:r0 + TARGET_CHUNK_ROWS]
@@ -117,7 +116,7 @@ class _TargetLogit(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         hidden, weight, bias, local_ids = ctx.saved_tensors
-        acc = _acc_dtype(hidden)
+        acc = accumulation_dtype(hidden)
         g = grad.to(acc) / ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         d_hidden = torch.empty_like(hidden) if need_h else None
@@ -255,25 +254,18 @@ def validate(process_group, vocab_start, hidden, local):
 
 # ------------------------------------------------------------------------------------------------- the sharded head
 
-def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, deterministic: bool = True, row_mask=None,
-                          chunk_bytes=None):
+def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: ValidRows, deterministic: bool = True):
     """(logp, entropy, lse) over the full vocabulary, shaped like the caller's ids, from this rank's shard.
 
-    ``inputs.ids`` are full-vocabulary ids. Rows where ``row_mask`` is zero are skipped (0, no gradient)."""
-    hidden, ids, shape = inputs.hidden, inputs.ids, inputs.shape
-    rows = None
-    if row_mask is not None:
-        rows = row_mask.reshape(-1).nonzero().squeeze(1)
-        if rows.numel() == ids.numel():
-            rows = None
-        else:
-            hidden, ids = hidden.index_select(0, rows), ids.index_select(0, rows)
+    ``inputs.ids`` are full-vocabulary ids. Rows ``rows`` leaves out are skipped (0, no gradient)."""
+    inputs = inputs.in_compute_dtype()
+    hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     if torch.is_grad_enabled() and hidden.requires_grad:
         hidden = _ReplicatedInput.apply(hidden, shard.group)
     owned = (ids >= shard.start) & (ids < shard.start + shard.size)
     local_ids = (ids - shard.start).clamp(0, shard.size - 1)
     local = replace(inputs, hidden=hidden, ids=local_ids, shape=local_ids.shape)
-    logp_r, entropy_r, _ = head_token_logprobs(local, deterministic, chunk_bytes=chunk_bytes)
+    logp_r, entropy_r, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()), deterministic)
     z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.temperature)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
     table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]),
@@ -284,48 +276,6 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, deterministic: 
     # Every term is >= 0 (no cancellation against lse, unlike lse - sum_v p_v z_v).
     log_w = table[:, 0] - lse
     entropy = (torch.exp(log_w) * (table[:, 2] - log_w)).sum(0)
-    if rows is not None:
-        logp, entropy, lse = (torch.zeros(shape.numel(), dtype=t.dtype, device=t.device).index_copy(0, rows, t)
-                              for t in (logp, entropy, lse))
+    logp, entropy, lse = rows.scatter(logp, entropy, lse)
+    shape = inputs.shape
     return logp.view(shape), entropy.view(shape), lse.detach().view(shape)
-
-
-def _mask_like_ids(mask, ids):
-    if mask is not None:
-        _checks.tensor("mask", mask)
-        if tuple(mask.shape) != tuple(ids.shape):
-            raise ValueError(f"mask must have the shape of ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
-    return mask
-
-
-def vocab_parallel_token_logprobs(hidden, weight, ids, bias, temperature, return_entropy, impl, deterministic,
-                                  mask, process_group, vocab_start):
-    """``linear_token_logprobs`` with ``process_group`` (see its docstring and this module's)."""
-    def local():
-        inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl, check_ids=False)
-        return inputs, _mask_like_ids(mask, ids), None
-
-    inputs, mask, _, shard = validate(process_group, vocab_start, hidden, local)
-    logp, entropy, _ = sharded_head_logprobs(inputs, shard, deterministic, row_mask=mask)
-    return (logp, entropy) if return_entropy else logp
-
-
-def vocab_parallel_grpo_loss(hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
-                             num_items_in_batch, config, impl, sampling_logps, config_overrides, process_group,
-                             vocab_start):
-    """``fused_linear_grpo_loss`` with ``process_group`` (see its docstring and this module's)."""
-    from .loss import _loss_stage  # loss.py imports this module lazily: no import cycle
-
-    def local():
-        cfg = resolve_config(config, config_overrides)
-        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,),
-                                     check_ids=False)
-        B, T = ids.shape
-        batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
-                                    sampling_logps, num_items_in_batch)
-        return inputs, batch.mask, (batch, cfg)
-
-    inputs, mask, (batch, cfg), shard = validate(process_group, vocab_start, hidden, local)
-    logps, entropy, _ = sharded_head_logprobs(inputs, shard, cfg.deterministic, row_mask=mask,
-                                              chunk_bytes=light_path_chunk_bytes(cfg))
-    return _loss_stage(logps, entropy, batch, cfg, inputs.impl)

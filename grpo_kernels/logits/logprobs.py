@@ -1,0 +1,126 @@
+"""Per-token log-prob, entropy and logsumexp from given logits: the ``logits.sweep`` (Triton kernels of
+``kernels/logits_kernels.py``) and ``logits.torch`` (chunked PyTorch below) paths, behind one autograd Function.
+
+Neither path creates a second B x T x V tensor in the forward; the backward writes one d logits buffer, or reuses
+the logits buffer with ``inplace_backward=True``. The PyTorch path's rows per chunk come from the plan (its fp32
+temporaries fit the memory budget).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..inputs import LogitsInputs
+
+
+def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_rows: int):
+    """Chunked eager path: fp32 out (fp64 for fp64 logits); temporaries are chunk_rows x V."""
+    V = logits.shape[-1]
+    x = logits.reshape(-1, V)
+    flat_ids = ids.reshape(-1)
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    N = x.shape[0]
+    logp, lse, entropy = (torch.empty(N, dtype=acc, device=x.device) for _ in range(3))
+    for start in range(0, N, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        z = x[rows].to(acc) / temperature
+        chunk_lse = torch.logsumexp(z, dim=-1)
+        p = torch.exp(z - chunk_lse.unsqueeze(-1))
+        lse[rows] = chunk_lse
+        entropy[rows] = chunk_lse - (p * z).nan_to_num(nan=0.0).sum(-1)
+        logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+    return logp, lse, entropy
+
+
+def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, inplace, chunk_rows):
+    V = logits.shape[-1]
+    x = logits.reshape(-1, V)
+    out = x if inplace and x.data_ptr() == logits.data_ptr() else torch.empty_like(x)
+    flat_ids = ids.reshape(-1)
+    acc = lse.dtype
+    for start in range(0, x.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        z = x[rows].to(acc) / temperature
+        log_p = z - lse[rows].unsqueeze(-1)
+        p = torch.exp(log_p)
+        g = grad_logp[rows].to(acc).unsqueeze(-1)
+        dz = -g * p
+        dz.scatter_add_(-1, flat_ids[rows].unsqueeze(-1), g)
+        active = g != 0
+        if grad_entropy is not None:
+            h = entropy[rows].unsqueeze(-1)
+            g_h = grad_entropy[rows].to(acc).unsqueeze(-1)
+            dz -= torch.where(p > 0, g_h * p * (log_p + h), 0.0)
+            active = active | (g_h != 0)
+        # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits hold
+        # NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
+        out[rows] = torch.where(active, dz / temperature, 0.0).to(x.dtype)
+    return out.view(logits.shape)
+
+
+@dataclass(frozen=True)
+class LogitsSweepParams:
+    """The non-differentiable inputs of ``_TokenLogprobs``: impl "triton" | "torch", the PyTorch path's rows per
+    chunk, and the rows the Triton forward may skip (``row_mask``: their outputs are 0 and get no gradient)."""
+
+    temperature: float
+    impl: str
+    inplace: bool
+    chunk_rows: int | None = None
+    row_mask: torch.Tensor | None = None
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """(logits, ids) -> (logp, entropy, lse); saves logits (no copy), ids and two fp32 values per token."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, params: LogitsSweepParams):
+        if params.impl == "triton":
+            from ..kernels.logits_kernels import logits_logprobs_forward
+            logp, lse, entropy = logits_logprobs_forward(logits, ids, params.temperature, row_mask=params.row_mask)
+        else:
+            logp, lse, entropy = _torch_forward(logits, ids, params.temperature, params.chunk_rows)
+        ctx.save_for_backward(logits, ids, lse, entropy)
+        ctx.params = params
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        shape = ids.shape
+        return logp.view(shape), entropy.view(shape), lse.view(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+        params = ctx.params
+        if params.inplace:
+            # The first in-place backward overwrote the saved logits (Triton writes bump no version counter).
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("token_logprobs(inplace_backward=True): the logits were overwritten by the first "
+                                   "backward; a second backward (retain_graph=True) needs inplace_backward=False")
+            ctx.consumed = True
+        logits, ids, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        grad_logp = grad_logp.reshape(-1).to(lse.dtype)
+        grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).to(lse.dtype)
+        if params.impl == "triton":
+            from ..kernels.logits_kernels import logits_logprobs_backward
+            dlogits = logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
+                                               params.temperature, inplace=params.inplace)
+        else:
+            dlogits = _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, params.temperature,
+                                      params.inplace, params.chunk_rows)
+        return dlogits, None, None
+
+
+def logits_token_logprobs(inputs: LogitsInputs, plan, inplace_backward: bool = False, row_mask=None):
+    """(logp, entropy, lse) shaped like the ids, from validated inputs and their plan.
+
+    row_mask (like ids, optional): the Triton path skips rows where it is 0 (their outputs are 0 and they must get
+    no gradient); the loss passes its mask so padded tokens cost no logits traffic."""
+    params = LogitsSweepParams(inputs.temperature, inputs.impl, bool(inplace_backward), plan.chunk_rows,
+                               row_mask if inputs.impl == "triton" else None)
+    return _TokenLogprobs.apply(inputs.logits, inputs.ids, params)

@@ -1,0 +1,108 @@
+"""Per-token log-probs (and entropies) of the sampled tokens: ``token_logprobs`` from logits and
+``linear_token_logprobs`` from hidden states and the lm_head. Each validates once, asks the planner for a plan, and
+dispatches on its path (docs/DESIGN.md, "The planner").
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _checks, planner
+from .config import GRPOLossConfig
+from .distributed import sharded_head, vocab_parallel
+from .head.light import head_token_logprobs
+from .inputs import HeadInputs, LogitsInputs, ValidRows
+from .logits.logprobs import logits_token_logprobs
+
+
+def _budget_config(memory_budget) -> GRPOLossConfig | None:
+    """The log-prob functions take only ``memory_budget`` of the loss options (validated the same way)."""
+    return None if memory_budget is None else GRPOLossConfig(memory_budget=memory_budget)
+
+
+def plan_token_logprobs(inputs: LogitsInputs, inplace_backward: bool, memory_budget=None) -> planner.Plan:
+    wants_grad = torch.is_grad_enabled() and inputs.logits.requires_grad
+    cfg = _budget_config(memory_budget)
+    return planner.plan_logits("token_logprobs", inputs, None, wants_grad=wants_grad, inplace=inplace_backward,
+                               budget_config=cfg)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
+                   impl: str = "auto", inplace_backward: bool = False, memory_budget: int | None = None):
+    """Log-probability of ``ids`` under ``softmax(logits / temperature)``, differentiable w.r.t. logits.
+
+    logits: (B, T, V) or (N, V), float32 / bfloat16 / float16 (float64 with impl="torch"); position t scores
+        ``ids[..., t]`` (no implicit shift).
+    ids: integer tensor shaped like ``logits[..., 0]`` with values in [0, V).
+    Returns logp shaped like ids in float32 (float64 for float64 logits), and the entropy of the same
+    distribution when ``return_entropy``. ``inplace_backward=True`` writes d logits into the logits buffer
+    (saves one B x T x V tensor; use it only when nothing else reads the logits afterwards; refused for logits
+    whose elements overlap in memory). impl: "auto" (Triton on CUDA, chunked PyTorch on CPU), "triton", "torch".
+    memory_budget: bytes of transient memory the call may allocate (GRPOLossConfig.memory_budget's meaning).
+    """
+    inputs = LogitsInputs.validate(logits, ids, temperature, impl, inplace_backward=inplace_backward)
+    plan = plan_token_logprobs(inputs, bool(inplace_backward), memory_budget)
+    logp, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward)
+    return (logp, entropy) if return_entropy else logp
+
+
+def validate_head_logprobs(hidden, weight, ids, bias, temperature, impl, mask, process_group, vocab_start):
+    def local():
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl, check_ids=process_group is None)
+        _checks.mask_like(mask, tuple(ids.shape), " (the shape of ids)")
+        return inputs, mask, None
+
+    if process_group is None:
+        inputs, _, _ = local()
+        return inputs, None
+    inputs, _, _, shard = vocab_parallel.validate(process_group, vocab_start, hidden, local)
+    return inputs, shard
+
+
+def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, memory_budget=None,
+                               deterministic: bool = True) -> planner.Plan:
+    wants = torch.is_grad_enabled()
+    needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
+    return planner.plan_head("linear_token_logprobs", inputs, None, needs=needs, n_valid=rows.count,
+                             vocab_parallel=shard is not None, budget_config=_budget_config(memory_budget),
+                             deterministic=bool(deterministic))
+
+
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
+                          temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
+                          deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
+                          vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None):
+    """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    hidden: (B, T, H) or (N, H); weight: (V, H) in hidden's dtype; bias: (V,) or None; ids: (B, T) or (N,)
+    with one id per hidden row, values in [0, V). Returns float32 logp shaped like ids (and the entropy when
+    ``return_entropy``). Differentiable w.r.t. hidden, weight and bias, each only when it requires grad; under
+    ``torch.no_grad()`` it is the one-sweep old/reference-policy path. Never holds an N x V tensor. With ``mask``
+    (shaped like ids) only the rows where it is non-zero are computed; the others are 0. Under ``torch.autocast``
+    the head runs in the autocast dtype, like ``nn.Linear``. memory_budget: bytes of transient memory the call may
+    allocate (GRPOLossConfig.memory_budget's meaning); ``grpo_kernels.explain`` shows the plan.
+
+    Vocab-parallel (``process_group``, a torch.distributed group): ``weight`` / ``bias`` are this rank's contiguous
+    shard (V_r, H) / (V_r,) of the vocabulary, starting at full-vocabulary id ``vocab_start`` (None: the sum of
+    the lower ranks' shard sizes); hidden, ids and mask are the same on every rank and ids lie in the full
+    vocabulary. Every rank gets the full-vocabulary logp / entropy, its own dW / dbias and the all-reduced
+    d hidden (docs/distributed.md).
+
+    A head sharded for data parallelism is gathered for the call (docs/distributed.md): a DTensor ``weight`` /
+    ``bias`` (FSDP2: Shard(0) on one mesh dimension, Replicate on any other) is all-gathered and its gradient
+    reduce-scattered back averaged over the mesh; for DeepSpeed ZeRO-3 pass
+    ``gather_head=grpo_kernels.zero3_gather_head(weight, bias)`` (any zero-argument callable returning a context
+    manager under which weight and bias hold their full values): it is entered around the forward and again in the
+    backward. With gradients, call it inside the model's forward, where ZeRO-3 reduces the head's gradient.
+    """
+    sharded_head.check_head_options(weight, bias, process_group, vocab_start, gather_head)
+    weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
+    with sharded_head.gathered(gather_head):
+        inputs, shard = validate_head_logprobs(hidden, weight, ids, bias, temperature, impl, mask, process_group,
+                                       vocab_start)
+        rows = ValidRows.of(mask, inputs.ids.numel())
+        plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic)
+        if shard is not None:
+            logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows, deterministic)
+        else:
+            logp, entropy, _ = head_token_logprobs(inputs, plan, rows, deterministic, gather_head=gather_head)
+    return (logp, entropy) if return_entropy else logp
