@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._testing import knobs
 from .config import GRPOLossConfig
 from .head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
+from .logits.logprobs import TORCH_LOGITS_TEMPS
 from .loss_types import per_token_gradient_known
 
 # Working memory (chunks, tiles) of every path when memory_budget is None.
@@ -28,8 +30,6 @@ DEFAULT_WORKING_BYTES = 1 << 30
 FAST_PATH_MIN_ROWS = 256
 # The no-grad head pass gains nothing from chunks above this (the GEMM is at full speed from ~400 rows at V = 152k).
 NO_GRAD_CHUNK_CAP = 256 << 20
-# Temporaries of the chunked PyTorch logits path, in fp32 (or fp64) elements per (row, vocab) element of a chunk.
-TORCH_LOGITS_TEMPS = 5
 
 LOGITS_FAST = "logits.fast"
 LOGITS_SWEEP = "logits.sweep"
@@ -109,6 +109,10 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _fast_min_rows() -> int:
+    return knobs().fast_path_min_rows or FAST_PATH_MIN_ROWS
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -149,10 +153,11 @@ def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool
     if inputs.impl == "torch":
         acc = 8 if logits.dtype == torch.float64 else 4
         need_row = TORCH_LOGITS_TEMPS * acc * V
-        if budget < need_row:
-            raise _budget_error(op, LOGITS_TORCH, need_row, budget_cfg)
-        rows = max(1, min(N, budget // need_row))
-        items = (("fp32 temporaries of one row chunk", rows * need_row), ("per-token values", _per_token_bytes(N, 4)))
+        small = _per_token_bytes(N, 4)
+        if budget < need_row + small:
+            raise _budget_error(op, LOGITS_TORCH, need_row + small, budget_cfg)
+        rows = max(1, min(N, (budget - small) // need_row))
+        items = (("fp32 temporaries of one row chunk", rows * need_row), ("per-token values", small))
         stage = None if cfg is None else "reference"
         return Plan(path=LOGITS_TORCH, reason="impl torch (CPU tensors, or impl='torch')", chunk_rows=rows,
                     token_stage=stage, transient=items, **common)
@@ -224,23 +229,29 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
     if inputs.impl == "torch":
         budget = DEFAULT_WORKING_BYTES if budget_cfg.memory_budget is None else budget_cfg.memory_budget
         acc = 8 if inputs.dtype == torch.float64 else 4
+        half = inputs.dtype not in (torch.float32, torch.float64)
+        vt = min(V, TORCH_HEAD_TILE_VOCAB)
         accum = []
-        if grad and inputs.dtype not in (torch.float32, torch.float64):
+        if grad and half:
             if need_h:
                 accum.append(("fp32 d hidden accumulator", 4 * N * H))
             if need_w:
                 accum.append(("fp32 d weight accumulator", 4 * V * H))
-        per_row = TORCH_HEAD_TEMPS * acc * min(V, TORCH_HEAD_TILE_VOCAB) + acc * H
-        need = fixed + sum(b for _, b in accum) + per_row
+        if half:
+            accum.append(("weight tile in fp32", 4 * vt * H))
+        per_row = TORCH_HEAD_TEMPS * acc * vt + (acc * H if half else 0)
+        small = _per_token_bytes(N, 4)
+        need = fixed + sum(b for _, b in accum) + small + per_row
         if budget < need:
             raise _budget_error(op, HEAD_TORCH, need, budget_cfg)
         rows = max(1, min(max(N, 1), (budget - need + per_row) // per_row))
-        items = accum + [("tile temporaries", rows * per_row), ("per-token values", _per_token_bytes(N, 4))]
+        items = accum + [("logits tiles", rows * TORCH_HEAD_TEMPS * acc * vt),
+                         ("hidden rows in fp32", rows * acc * H if half else 0), ("per-token values", small)]
         return make(HEAD_TORCH, "impl torch (CPU tensors, or impl='torch')", budget, items, chunk_rows=rows,
                     flops_nhv=(2 + (6 if grad else 0)) if N else 0)
     if not grad:
         budget = DEFAULT_WORKING_BYTES if budget_cfg.memory_budget is None else budget_cfg.memory_budget
-        room = min(budget - fixed - _per_token_bytes(N, 3), NO_GRAD_CHUNK_CAP)
+        room = min(budget - fixed - _per_token_bytes(N, 3), knobs().no_grad_chunk_cap or NO_GRAD_CHUNK_CAP)
         if room < 4 * V:
             raise _budget_error(op, HEAD_NO_GRAD, fixed + _per_token_bytes(N, 3) + 4 * V, budget_cfg)
         rows = _even_rows(N, room // (4 * V))
@@ -267,19 +278,19 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
         if accum:
             items.append(("fp32 d weight / d bias accumulators", accum))
         if per_token_gradient_known(cfg):
-            if N == 0 or max_rows >= min(N, FAST_PATH_MIN_ROWS):
+            if N == 0 or max_rows >= min(N, _fast_min_rows()):
                 rows = _even_rows(N, max(max_rows, 1))
                 items += [("fp32 logits chunk (d logits written in place)", min(rows, max(N, 1)) * 4 * V),
                           ("per-token values and terms", small)]
                 return make(HEAD_FAST, "Triton, a token-level configuration, a gradient wanted, and the "
                             "accumulators plus a chunk of at least "
-                            f"{min(N, FAST_PATH_MIN_ROWS)} rows fit the budget", budget, items, chunk_rows=rows,
+                            f"{min(N, _fast_min_rows())} rows fit the budget", budget, items, chunk_rows=rows,
                             flops_nhv=(6 if need_w else 4) if N else 0, token_stage="in the epilogue kernel")
             reasons.append(f"the budget leaves room for {max_rows} rows per chunk beside the accumulators, fewer "
-                           f"than {min(N, FAST_PATH_MIN_ROWS)}")
+                           f"than {min(N, _fast_min_rows())}")
         else:
             counts = sequence_counts() if sequence_counts is not None else None
-            if counts and max_rows >= min(N, FAST_PATH_MIN_ROWS) and max(counts) <= max_rows:
+            if counts and max_rows >= min(N, _fast_min_rows()) and max(counts) <= max_rows:
                 chunks = sequence_chunks(counts, max_rows)
                 rows = max(r1 - r0 for _, _, r0, r1 in chunks)
                 items += [("fp32 logits chunk (d logits written in place)", rows * 4 * V),

@@ -38,3 +38,30 @@ def pytest_collection_modifyitems(config, items):
         params = getattr(getattr(item, "callspec", None), "params", {})
         if item.get_closest_marker("interpreter") or params.get("impl") == "triton":
             item.add_marker(skip)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def knobs():
+    """``knobs(fast_path_min_rows=1, ...)`` sets the library's test-only knobs (grpo_kernels._testing) until the test
+    ends."""
+    import contextlib
+
+    from grpo_kernels import _testing
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(_testing.override(**values))
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """The list of ``Plan`` objects the planner returns during the test (which path each call took)."""
+    from grpo_kernels import planner
+
+    seen = []
+    for name in ("plan_head", "plan_logits"):
+        real = getattr(planner, name)
+        monkeypatch.setattr(planner, name, lambda *a, _real=real, **k: seen.append(_real(*a, **k)) or seen[-1])
+    return seen

@@ -164,7 +164,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
         from grpo_kernels.reference import reference_grpo_loss
         loss, _ = reference_grpo_loss(logits, ids, adv)
     else:
-        loss, _ = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, impl="torch")
+        loss, _ = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, impl="torch", memory_budget=N * V * 4 // 50)
     loss.backward()
     grads = hidden.grad.numel() * 4 + weight.grad.numel() * 4
     print(json.dumps({"peak_extra": status("VmHWM") - base, "grads": grads, "logits": N * V * 4}))
@@ -178,7 +178,8 @@ def _peak(mode):
 
 
 def test_torch_path_peak_memory_is_under_5_percent_of_logits():
-    """N=4096, V=32768, H=256 on CPU: peak RSS above the inputs, minus the gradient buffers, < 5% of fp32 logits.
+    """N=4096, V=32768, H=256 on CPU with memory_budget = 2% of the fp32 logits: peak RSS above the inputs, minus the
+    gradient buffers, < 5% of fp32 logits (the budget plus the BLAS and allocator slack the profiler cannot see).
 
     The same probe on the eager full-logits loss must see at least the logits: the measurement can fail."""
     ours = _peak("fused")
@@ -205,7 +206,8 @@ def test_strided_inputs(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_autocast_runs_the_head_in_the_autocast_dtype(impl):
     """Under autocast, fp32 master weights with bf16 activations work like nn.Linear: the head runs in bf16 and
-    the gradient reaches the fp32 weight; the result equals explicit bf16 casts."""
+    the gradient reaches the fp32 weight; the loss equals explicit bf16 casts, and the fp32 gradient equals the bf16
+    one up to its rounding (on the fast path it is accumulated straight into fp32, never rounded to bf16)."""
     g = torch.Generator().manual_seed(13)
     hidden = torch.randn(2, 4, 32, generator=g)
     weight = torch.randn(50, 32, generator=g, requires_grad=True)
@@ -217,7 +219,8 @@ def test_autocast_runs_the_head_in_the_autocast_dtype(impl):
     expected, _ = gk.fused_linear_grpo_loss(hidden.to(torch.bfloat16), w16, ids, adv, impl=impl, loss_type="grpo")
     expected.backward()
     assert weight.grad.dtype == torch.float32
-    assert torch.equal(loss, expected) and torch.equal(weight.grad, w16.grad.float())
+    assert torch.equal(loss, expected)
+    assert torch.allclose(weight.grad, w16.grad.float(), rtol=2 ** -8, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl,path", [("torch", "light"), ("triton", "light"), ("triton", "grad-in-forward")])
@@ -229,13 +232,9 @@ def test_padded_rows_are_not_computed(impl, path, monkeypatch):
     mask = inputs["mask"]
     seen = []
     if path == "light":
-        import grpo_kernels.logprobs_from_hidden as linear_module
-        original = linear_module._launchers
-
-        def spy(which, grad=True):
-            forward_fn, backward_fn = original(which, grad)
-            return (lambda h, *a: (seen.append(h.shape[0]), forward_fn(h, *a))[1]), backward_fn
-        monkeypatch.setattr(linear_module, "_launchers", spy)
+        import grpo_kernels.head.light as light
+        original = light._forward
+        monkeypatch.setattr(light, "_forward", lambda h, *a: (seen.append(h.shape[0]), original(h, *a))[1])
     else:
         import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
         original = epilogue.head_loss_and_grads

@@ -190,7 +190,10 @@ def test_fused_linear_grad_in_forward_on_gpu(dtype, frozen):
     logits, bitwise reproducible, the same as the light path, and on bf16 fp32-output logits GEMMs (no fallback)."""
     import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
     case = next(c for c in CASES if c.id == "is-ratio-token")
-    cfg = case.config.replace(entropy_coef=0.02, temperature=0.9, delta=1.3, memory_budget=700 * 4 * 32000)
+    from grpo_kernels.planner import head_accumulator_bytes
+    # room for ~700 rows of fp32 logits beside the fp32 dW / dbias accumulators (the budget counts them too)
+    budget = head_accumulator_bytes(32000, 1024, dtype, dtype, not frozen, not frozen) + 700 * 4 * 32000 + (1 << 20)
+    cfg = case.config.replace(entropy_coef=0.02, temperature=0.9, delta=1.3, memory_budget=budget)
     inputs = {k: (v.to(DEV) if torch.is_tensor(v) else v)
               for k, v in make_inputs(case, B=4, T=512, V=32000, hidden_size=1024, dtype=dtype).items()}
     hidden, weight = inputs.pop("hidden"), inputs.pop("weight")
@@ -237,7 +240,10 @@ def test_no_grad_linear_logprobs_at_qwen_vocab():
 def test_fused_linear_sequence_level_grad_in_forward_on_gpu():
     """GSPO with KL in chunks of whole sequences (bf16, N = 2048, V = 32000): loss and gradients against fp64."""
     case = next(c for c in CASES if c.id == "sequence-beta")
-    cfg = case.config.replace(memory_budget=1100 * 4 * 32000)  # two sequences of 512 per chunk
+    from grpo_kernels.planner import head_accumulator_bytes
+    # two sequences of 512 per chunk beside the fp32 dW accumulator
+    budget = head_accumulator_bytes(32000, 1024, torch.bfloat16, None, True, False) + 1100 * 4 * 32000
+    cfg = case.config.replace(memory_budget=budget)
     inputs = {k: (v.to(DEV) if torch.is_tensor(v) else v)
               for k, v in make_inputs(case, B=4, T=512, V=32000, hidden_size=1024, dtype=torch.bfloat16).items()}
     hidden, weight = inputs.pop("hidden"), inputs.pop("weight")

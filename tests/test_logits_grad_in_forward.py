@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 import grpo_kernels as gk
 import grpo_kernels.loss as loss_module
-from grpo_kernels import GRPOLossConfig, _checks, triton_loss_stage
+from grpo_kernels import GRPOLossConfig, _checks
 from grpo_kernels.kernels import logits_kernels
 from grpo_kernels.kernels.logits_loss_kernels import N_TERMS
 from grpo_kernels.loss_types import LOSS_TYPES, per_token_gradient_known
@@ -42,7 +42,7 @@ def _force(mode, monkeypatch):
     if mode == "grad_in_forward":
         monkeypatch.setattr(loss_module, "logits_token_logprobs", fail)
     else:
-        monkeypatch.setattr(triton_loss_stage, "grad_in_forward_loss", fail)
+        monkeypatch.setattr(loss_module, "logits_loss_in_forward", fail)
     return mode == "grad_in_forward"
 
 

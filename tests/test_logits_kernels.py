@@ -150,7 +150,7 @@ def test_empty_mask_gives_zero_loss_and_zero_grad(loss_type, impl):
 
 def test_token_level_configs_use_the_fused_stage(monkeypatch):
     """Token-level configs run the per-token Triton kernel, not the eager stage (whose maths it must match)."""
-    import grpo_kernels.loss as loss_module
+    import grpo_kernels.token_stage as loss_module
 
     def fail(*args, **kwargs):
         raise AssertionError("eager loss stage used")

@@ -84,7 +84,7 @@ def configs(draw):
         entropy_coef=draw(st.sampled_from([0.0, 0.0, 0.03])),
         deterministic=draw(st.booleans()),
         grad_in_forward=draw(st.booleans()),
-        memory_budget=draw(st.sampled_from([None, 0, 1 << 20])),
+        memory_budget=draw(st.sampled_from([None, 1 << 14, 1 << 20])),
     )
 
 

@@ -194,7 +194,7 @@ def validation_only(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from grpo_kernels.integrations.transformers import get_lm_head
-    from grpo_kernels.sharded_head import is_dtensor
+    from grpo_kernels.distributed.sharded_head import is_dtensor
 
     model = tiny_llama(vocab_size=V, hidden_size=H * 2, dtype=torch.float64)
     fully_shard(model.lm_head)

@@ -9,24 +9,37 @@ import torch
 
 # Vocab columns per tile (the tile's row count follows from the memory budget, ``planner.plan_head``).
 TORCH_HEAD_TILE_VOCAB = 4096
-# fp32 (or fp64) temporaries of one tile, in tile-sized units, and per-row values beside them (the plan's figure).
-TORCH_HEAD_TEMPS = 4
+# Tile-sized temporaries alive at once (the plan's figure: ``planner.plan_head``).
+TORCH_HEAD_TEMPS = 2
 
 
 def accumulation_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
-def _tile_logits(h, weight, bias, v0, v1, inv_t, acc):
-    """One (rows x vocab-tile) block of z = (h W^T + b) / tau in the accumulation dtype."""
-    z = h @ weight[v0:v1].to(acc).T
+# Why clamp -inf logits (a -inf bias bans a token) to this before multiplying by a probability: p = 0 there, and
+# 0 * -1e30 = 0 where 0 * -inf would be NaN. Finite after a multiplication by any per-token scale below 1e8.
+NEG_BIG = -1e30
+
+
+def _weight_tile(weight, v0, v1, acc):
+    """weight[v0:v1] in the accumulation dtype: a view for fp32 / fp64 weights, a (Vt, H) copy for half ones."""
+    return weight[v0:v1].to(acc)
+
+
+def _tile_logits(h, w_tile, bias, v0, v1, inv_t, acc):
+    """One (rows x vocab-tile) block of z = (h W^T + b) / tau in the accumulation dtype (one new tile)."""
+    z = h @ w_tile.T
     if bias is not None:
         z += bias[v0:v1].to(acc)
     return z.mul_(inv_t)
 
 
 def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_rows: int):
-    """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy)."""
+    """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy).
+
+    At most two (tile_rows, TORCH_HEAD_TILE_VOCAB) temporaries at a time (the logits tile and its exponentials),
+    plus, for half-precision inputs, the weight tile and the hidden rows in the accumulation dtype."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden)
     inv_t = 1.0 / temperature
@@ -41,18 +54,19 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_r
         z_target = torch.zeros(n, dtype=acc, device=h.device)
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
-            z = _tile_logits(h, weight, bias, v0, v1, inv_t, acc)
+            z = _tile_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, inv_t, acc)
             # online logsumexp; `a` carries sum exp(z - m) z for the entropy
             m_new = torch.maximum(m, z.amax(-1))
             m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
             alpha = torch.exp(m - m_safe)
-            e = torch.exp(z - m_safe.unsqueeze(-1))
-            s = s * alpha + e.sum(-1)
-            a = a * alpha + torch.where(e > 0, e * z, 0.0).sum(-1)
-            m = m_new
             inside = (tgt >= v0) & (tgt < v1)
             local = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
             z_target += torch.where(inside, z.gather(-1, local).squeeze(-1), 0.0)
+            e = (z - m_safe.unsqueeze(-1)).exp_()
+            s = s * alpha + e.sum(-1)
+            a = a * alpha + e.mul_(z.clamp_(min=NEG_BIG)).sum(-1)
+            m = m_new
+            del z, e
         chunk_lse = m + torch.log(s)
         lse[r0:r0 + n] = chunk_lse
         entropy[r0:r0 + n] = chunk_lse - a / s
@@ -62,8 +76,9 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_r
 
 def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature,
                                    need_hidden, need_weight, need_bias, tile_rows: int):
-    """Tiled eager backward (always deterministic): recompute each tile, form dz, accumulate dh, dW, db in the
-    accumulation dtype (fp32 accumulators for half-precision inputs, counted by the plan)."""
+    """Tiled eager backward (always deterministic): recompute each tile, form dz in place, accumulate dh, dW, db
+    in the accumulation dtype (fp32 accumulators for half-precision inputs, counted by the plan). Two tiles at a
+    time, as in the forward."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden)
     inv_t = 1.0 / temperature
@@ -81,21 +96,26 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad
             row_h = entropy[r0:r0 + n].unsqueeze(-1)
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
-            log_p = _tile_logits(h, weight, bias, v0, v1, inv_t, acc) - row_lse
-            p = torch.exp(log_p)
-            dz = -g * p
+            w_tile = _weight_tile(weight, v0, v1, acc)
+            log_p = _tile_logits(h, w_tile, bias, v0, v1, inv_t, acc).sub_(row_lse)
+            p = log_p.exp()
+            if grad_entropy is None:
+                dz = p.mul_(-g)  # g (onehot - p): the onehot part is added below
+            else:
+                # -p (g + g_h (log p + H)), formed in log_p's buffer
+                dz = log_p.clamp_(min=NEG_BIG).add_(row_h).mul_(g_h).add_(g).mul_(p).neg_()
+            del log_p, p
             inside = ((tgt >= v0) & (tgt < v1)).unsqueeze(-1)
             local = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
             dz.scatter_add_(-1, local, torch.where(inside, g, 0.0))
-            if grad_entropy is not None:
-                dz -= torch.where(p > 0, g_h * p * (log_p + row_h), 0.0)
             dz.mul_(inv_t)
             if need_hidden:
-                d_hidden[r0:r0 + n] += dz @ weight[v0:v1].to(acc)
+                d_hidden[r0:r0 + n].addmm_(dz, w_tile)
             if need_weight:
-                d_weight[v0:v1] += dz.T @ h
+                d_weight[v0:v1].addmm_(dz.T, h)
             if need_bias:
                 d_bias[v0:v1] += dz.sum(0)
+            del dz
     return (None if d_hidden is None else d_hidden.to(hidden.dtype),
             None if d_weight is None else d_weight.to(weight.dtype),
             None if d_bias is None else d_bias.to(bias.dtype))

@@ -27,7 +27,7 @@ Refused with a ValueError (there is no fallback here, since a fallback would hav
   ``gather_head``.
 
 An FSDP2-sharded ``lm_head`` (a DTensor weight) is gathered by ``get_lm_head`` with the gradient averaged back
-over the mesh, like every other FSDP2 parameter (``grpo_kernels/sharded_head.py``): a collective, so every rank
+over the mesh, like every other FSDP2 parameter (``grpo_kernels/distributed/sharded_head.py``): a collective, so every rank
 calls it; ``get_lm_head(model, gather=False)`` validates without gathering.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import math
 import torch
 from torch import nn
 
-from ..sharded_head import check_dtensor_head, gathered_dtensor_head
+from ..distributed.sharded_head import check_dtensor_head, gathered_dtensor_head
 
 __all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "fused_head_blocker",
            "zero3_blocker", "cast_to"]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import alloc
+from .._testing import knobs
 from . import linear_tiles as tiles
 from .launch import launch
 from .linear_epilogue_kernels import addmm_f32_, dlogits_chunk, half_view, logits_f32
@@ -245,7 +246,8 @@ def backward_layout(N, V, H, dtype, device, room, need_hidden, need_weight, need
     rows = min(rows, N1)
     rows = -(-N1 // -(-N1 // rows))  # evenly spread blocks
     left = room - db - (4 * rows * H if need_hidden and half else 0)
-    return layout(rows, _chunk_cols(left, rows, V, esize, block_v))
+    best = layout(rows, _chunk_cols(max(left, 0), rows, V, esize, block_v))
+    return best if best.transient_bytes <= room else None
 
 
 def _backward_row_blocks(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool,
@@ -341,8 +343,9 @@ def dlogits_by_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     ``DLOGITS_BY_GEMM`` (None = auto): on CUDA for bf16/fp16, where cuBLAS runs the recompute GEMM faster than the
     Triton tile kernel (60-70% of cuBLAS measured on an H200); fp32 keeps the tile kernel (IEEE fp32 either way).
     """
-    if DLOGITS_BY_GEMM is not None:
-        return DLOGITS_BY_GEMM
+    forced = DLOGITS_BY_GEMM if DLOGITS_BY_GEMM is not None else knobs().dlogits_by_gemm
+    if forced is not None:
+        return forced
     return device.type == "cuda" and dtype != torch.float32
 
 

@@ -15,8 +15,14 @@ from torch.autograd.function import once_differentiable
 from ..inputs import LogitsInputs
 
 
+# Tile-sized temporaries of the PyTorch path alive at once (the plan's figure: ``planner.plan_logits``).
+TORCH_LOGITS_TEMPS = 2
+# Why clamp -inf logits before multiplying by a probability: p = 0 there, and 0 * -1e30 = 0, 0 * -inf = NaN.
+NEG_BIG = -1e30
+
+
 def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_rows: int):
-    """Chunked eager path: fp32 out (fp64 for fp64 logits); temporaries are chunk_rows x V."""
+    """Chunked eager path: fp32 out (fp64 for fp64 logits); two chunk_rows x V temporaries at a time."""
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
     flat_ids = ids.reshape(-1)
@@ -25,38 +31,51 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
     logp, lse, entropy = (torch.empty(N, dtype=acc, device=x.device) for _ in range(3))
     for start in range(0, N, chunk_rows):
         rows = slice(start, start + chunk_rows)
-        z = x[rows].to(acc) / temperature
-        chunk_lse = torch.logsumexp(z, dim=-1)
-        p = torch.exp(z - chunk_lse.unsqueeze(-1))
+        z = x[rows].to(acc).mul(1.0 / temperature) if x.dtype == acc else x[rows].to(acc).mul_(1.0 / temperature)
+        m = z.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), 0.0, m)
+        logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1)
+        e = (z - m).exp_()
+        s = e.sum(-1)
+        chunk_lse = m.squeeze(-1) + torch.log(s)
         lse[rows] = chunk_lse
-        entropy[rows] = chunk_lse - (p * z).nan_to_num(nan=0.0).sum(-1)
-        logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+        entropy[rows] = chunk_lse - e.mul_(z.clamp_(min=NEG_BIG)).sum(-1) / s
+        logp[rows] -= chunk_lse
+        del z, e
     return logp, lse, entropy
 
 
 def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, inplace, chunk_rows):
+    """d logits, chunk by chunk, formed in place: two chunk_rows x V temporaries at a time."""
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
     out = x if inplace and x.data_ptr() == logits.data_ptr() else torch.empty_like(x)
     flat_ids = ids.reshape(-1)
     acc = lse.dtype
+    inv_t = 1.0 / temperature
     for start in range(0, x.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
-        z = x[rows].to(acc) / temperature
-        log_p = z - lse[rows].unsqueeze(-1)
-        p = torch.exp(log_p)
+        log_p = x[rows].to(acc).mul(inv_t) if x.dtype == acc else x[rows].to(acc).mul_(inv_t)
+        log_p.sub_(lse[rows].unsqueeze(-1))
+        p = log_p.exp()
         g = grad_logp[rows].to(acc).unsqueeze(-1)
-        dz = -g * p
-        dz.scatter_add_(-1, flat_ids[rows].unsqueeze(-1), g)
         active = g != 0
-        if grad_entropy is not None:
+        if grad_entropy is None:
+            dz = p.mul_(-g)
+        else:
             h = entropy[rows].unsqueeze(-1)
             g_h = grad_entropy[rows].to(acc).unsqueeze(-1)
-            dz -= torch.where(p > 0, g_h * p * (log_p + h), 0.0)
+            # -p (g + g_h (log p + H)), formed in log_p's buffer
+            dz = log_p.clamp_(min=NEG_BIG).add_(h).mul_(g_h).add_(g).mul_(p).neg_()
             active = active | (g_h != 0)
+        del log_p, p
+        dz.scatter_add_(-1, flat_ids[rows].unsqueeze(-1), g)
+        dz.mul_(inv_t)
         # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits hold
         # NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
-        out[rows] = torch.where(active, dz / temperature, 0.0).to(x.dtype)
+        dz.masked_fill_(~active, 0.0)
+        out[rows].copy_(dz)
+        del dz
     return out.view(logits.shape)
 
 

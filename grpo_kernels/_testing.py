@@ -1,0 +1,40 @@
+"""Test-only knobs, in one place: tests enter ``override(...)``; library code reads ``knobs()``. In normal use every
+knob is None (the library's own choice). Why knobs at all: small test shapes must cross boundaries (several chunks,
+the fast path's minimum rows, the d-logits route) that real shapes cross on their own.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """fast_path_min_rows: the fast head path's minimum rows per chunk; no_grad_chunk_cap: bytes cap of the no-grad
+    head chunk; dlogits_by_gemm: force the light backward's d-logits route (True: cuBLAS + epilogue, False: the
+    Triton tile kernel)."""
+
+    fast_path_min_rows: int | None = None
+    no_grad_chunk_cap: int | None = None
+    dlogits_by_gemm: bool | None = None
+
+
+_CURRENT = [Knobs()]
+
+
+def knobs() -> Knobs:
+    return _CURRENT[-1]
+
+
+@contextlib.contextmanager
+def override(**values):
+    """Set knobs for the duration of a ``with`` block (nests; unknown names raise)."""
+    known = {f.name for f in fields(Knobs)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown testing knob(s) {sorted(unknown)}; known: {sorted(known)}")
+    _CURRENT.append(replace(_CURRENT[-1], **values))
+    try:
+        yield _CURRENT[-1]
+    finally:
+        _CURRENT.pop()
