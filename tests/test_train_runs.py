@@ -186,7 +186,7 @@ def test_default_run_learns_to_copy_held_out_strings(tmp_path):
     assert (out / "curves.png").stat().st_size > 1000 and (out / "checkpoint-300" / "COMPLETE").exists()
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["final_accuracy"] == evals[-1]["eval/accuracy"] and summary["eval_size"] == 58
-    assert "greedy accuracy on the 58 eval prompts" in proc.stdout and "reward" in proc.stderr  # tqdm bar postfix
+    assert "greedy accuracy on the 58 held-out prompts" in proc.stdout and "reward" in proc.stderr  # tqdm bar postfix
 
 
 @pytest.mark.slow
