@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
          "flash_attn is installed and on CUDA, else sdpa)", metavar="NAME")
     _add(model, "liger_layers", "replace RMSNorm / SwiGLU / RoPE with Liger-Kernel's Triton kernels (CUDA)",
          action="store_true")
-    _add(model, "gradient_checkpointing", "recompute activations in the backward pass (less memory, ~30%% more "
-         "compute)", action="store_true")
+    _add(model, "gradient_checkpointing", "recompute activations in the backward pass (less activation memory, "
+         "one more forward per micro-batch)", action="store_true")
     _add(model, "trust_remote_code", "allow the custom modeling code shipped in --model to run",
          action="store_true")
     _add(model, "impl", "grpo_kernels loss implementation (auto: Triton on CUDA, chunked torch on CPU)")

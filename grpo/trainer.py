@@ -346,9 +346,9 @@ class Trainer:
             return summary
         with open(os.path.join(cfg.output_dir, "run_summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        print(f"[grpo.train] {len(history)} steps in {seconds:.1f}s; mean reward of {step_span(history[:k])} "
-              f"{first:.3f} -> of {step_span(history[-k:])} {last:.3f}; kl {history[-1]['kl']:.4f}; outputs in "
-              f"{cfg.output_dir}", flush=True)
+        print(f"[grpo.train] {len(history)} steps in {seconds:.1f}s; reward {first:.3f} (mean of "
+              f"{step_span(history[:k])}) -> {last:.3f} (mean of {step_span(history[-k:])}); kl "
+              f"{history[-1]['kl']:.4f}; outputs in {cfg.output_dir}", flush=True)
         if evals:
             resumed_at = history[0]["step"] - 1 if self.resumed_from else None
             line = describe_evals(evals, self.evaluator, resumed_at, os.path.join(cfg.output_dir, "metrics.jsonl"))

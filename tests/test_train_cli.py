@@ -213,7 +213,7 @@ def test_resumed_run_summary_compares_with_the_evaluation_before_resuming(tmp_pa
     assert train.main(opts + ["--max-steps", "2"]) == 0
     first = capsys.readouterr().out
     assert re.search(r"greedy accuracy on the 8 held-out prompts \d\.\d{3} at step 0 -> \d\.\d{3} at step 2\n", first)
-    assert "mean reward of step 1 " in first and "-> of step 2 " in first
+    assert re.search(r"; reward \d\.\d{3} \(mean of step 1\) -> \d\.\d{3} \(mean of step 2\); kl", first)
     assert train.main(opts + ["--max-steps", "3", "--resume"]) == 0
     out_text = capsys.readouterr().out
     assert re.search(r"held-out prompts \d\.\d{3} at step 2 \(before resuming\) -> \d\.\d{3} at step 3\n", out_text)

@@ -148,7 +148,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
     data.write_text("".join(json.dumps({"prompt": s + "=", "answer": s}) + "\n" for s in ("ab", "c", "hgf", "d")))
     assert train.main(SMALL + ["--model", str(full / "checkpoint-8" / "model"), "--dataset", str(data),
                                "--reward", "copy", "--reward", "grpo.rewards:format_reward=0.1",
-                               "--max-steps", "2", "--output-dir", str(tmp_path / "m")]) == 0
+                               "--max-steps", "2", "--max-new-tokens", "8",  # the built-in model's context: 128
+                               "--output-dir", str(tmp_path / "m")]) == 0
     assert [r["step"] for r in _metrics(tmp_path / "m")] == [1, 2]
 
 
