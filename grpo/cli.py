@@ -29,7 +29,7 @@ _LOSS_HELP = {
     "epsilon_low": "lower clip range: the ratio new/old policy probability is kept >= 1 - EPSILON_LOW (in [0, 1))",
     "epsilon_high": "upper clip range: the ratio is kept <= 1 + EPSILON_HIGH (cispo: the raw upper bound of the "
                     "ratio; > 0)",
-    "use_bias_correction_kl": "multiply the k3 KL estimate by the importance ratio (TRL's default)",
+    "use_bias_correction_kl": "multiply the k3 KL estimate by the importance ratio, as TRL does",
     "importance_sampling_level": "importance ratio per token, or one per completion ('sequence', GSPO)",
     "delta": "upper clamp of the unclipped ratio (two-sided clipping, > 0; default: none)",
     "max_completion_length": "dr_grpo's normalizer in tokens (default: --max-new-tokens)",
@@ -47,7 +47,8 @@ _LOSS_HELP = {
     "grad_in_forward": "Triton path: compute the loss gradient during the forward pass when the loss type allows it "
                        "(saves a second sweep over the vocabulary); --no-grad-in-forward forces separate sweeps",
     "memory_budget": "bytes of scratch memory the fused-linear head may use for its logits chunks (default: the "
-                     "package default; less selects the memory-light recompute path)",
+                     "package default); below what the gradient-in-forward path needs, the memory-light recompute "
+                     "path runs",
 }
 # Negative numbers as flag values (``--lr -1e-3``): argparse takes any value that starts with "-" for a flag unless
 # it matches its own pattern, which knows neither exponents nor inf / nan; the value then reaches our range checks.
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
          "were sampled (> 0)", type=float)
     _add(gen, "top_p", "nucleus sampling: draw from the smallest set of tokens holding this probability (in (0, 1]; "
          "1.0: off)", type=float)
-    _add(gen, "top_k", "draw only from the K most likely tokens (0: off)", type=int)
+    _add(gen, "top_k", "draw only from the N most likely tokens (0: off)", type=int)
     _add(gen, "completion_chars", "sample only tokens made of these characters, and EOS (action masking, applied "
          "alike in sampling and in the loss); default: any text, the answer alphabet for a built-in --task",
          metavar="CHARS")
@@ -203,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt = p.add_argument_group("optimization")
     _add(opt, "lr", "peak AdamW learning rate (> 0; default: 1e-3 for the built-in model, 1e-6 with --model)",
          type=float)
-    _add(opt, "weight_decay", "AdamW decoupled weight decay per step, relative to the learning rate (>= 0)",
+    _add(opt, "weight_decay", "AdamW decoupled weight decay: each step multiplies the weights by 1 - lr x X (>= 0)",
          type=float)
     _add(opt, "adam_beta1", "AdamW decay rate of the gradient's running mean (in [0, 1))", type=float)
     _add(opt, "adam_beta2", "AdamW decay rate of the squared gradient's running mean (in [0, 1))", type=float)
