@@ -214,8 +214,8 @@ def fit_to_context(cfg, lm, tokenizer, add_special_tokens: bool, train_texts: li
                   add_special_tokens=add_special_tokens)
     flag = "--dataset" if cfg.dataset is not None else f"--task {cfg.task}"
     train_texts, cut = fit_prompts(train_texts, train_rows, flag=flag, **common)
-    eval_texts, eval_cut = fit_prompts(eval_texts, eval_rows, flag=cfg.eval_dataset and "--eval-dataset" or flag,
-                                       **common)
+    eval_flag = "--eval-dataset" if cfg.eval_dataset is not None else flag
+    eval_texts, eval_cut = fit_prompts(eval_texts, eval_rows, flag=eval_flag, **common)
     if verbose and cut + eval_cut:
         print(f"[grpo.train] --truncate-prompts {cfg.truncate_prompts}: cut {cut} training and {eval_cut} evaluation "
               f"prompts to {common['context'] - cfg.max_new_tokens} tokens (the context of "
@@ -258,7 +258,9 @@ def check_completion_chars(chars: str | None, tokenizer, vocab_size: int, banned
     banned_set, covered = set(banned), set()
     for i in range(min(len(tokenizer), vocab_size)):
         if i not in banned_set:
-            covered.update(tokenizer.decode([i], skip_special_tokens=True))
+            # Twice in a row too: SentencePiece-style decoders drop a token's leading space ("▁1" -> "1") only at
+            # the start of a text, so the space such a token brings mid-completion shows only after another token.
+            covered.update(tokenizer.decode([i, i], skip_special_tokens=True))
     unknown = sorted(set(chars) - covered)
     if unknown:
         what = "the built-in character tokenizer (printable ASCII and newline)" if builtin else "the tokenizer"

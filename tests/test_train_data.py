@@ -166,6 +166,25 @@ def test_completion_chars_the_tokenizer_lacks_are_refused(tmp_path, capsys):
                 check_completion_chars(chars, bpe, len(bpe), banned, builtin=False)
 
 
+def test_completion_chars_count_the_space_a_sentencepiece_token_brings():
+    """"▁1" decodes to "1" alone (the decoder drops a text's leading space) but to " 1" after another token:
+    completions of such tokens do contain spaces, so " " is a character the tokenizer has."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from grpo.rollout import suppressed_token_ids
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "▁1": 2, "▁2": 3, "1": 4, "2": 5},
+                                         unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    assert tok.decode([2]) == "1" and tok.decode([2, 3]) == "1 2"
+    banned = suppressed_token_ids(tok, len(tok), [1], "12 ")
+    check_completion_chars("12 ", tok, len(tok), banned, builtin=False)
+    with pytest.raises(UsageError, match="'3'"):
+        check_completion_chars("123", tok, len(tok), suppressed_token_ids(tok, len(tok), [1], "123"), builtin=False)
+
+
 # ------------------------------------------------------------------------------------------------- eval labels
 def test_eval_labels_say_held_out_only_for_a_disjoint_set():
     rows = _sums(10)
