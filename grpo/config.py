@@ -81,6 +81,8 @@ class TrainConfig:
     chat_template: str = "auto"
     system_prompt: str | None = None
     max_prompt_length: int | None = None
+    truncate_prompts: str | None = None  # None: a prompt that leaves no room for --max-new-tokens in the model's
+    #                                      context is an error; "left" / "right": cut its beginning / its end
     # generation
     num_generations: int = 8
     prompts_per_step: int = 16
@@ -113,27 +115,9 @@ class TrainConfig:
         for name, choices in CHOICES.items():
             _check(getattr(self, name) in choices,
                    f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        _check(self.num_generations >= 2,
-               f"--num-generations must be >= 2 (GRPO compares completions within a group), got {self.num_generations}")
-        _check(self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}")
-        _check(self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}")
-        _check(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        _check(self.save_steps >= 0, f"--save-steps must be >= 0, got {self.save_steps}")
-        _check(self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}")
-        _check(self.eval_size is None or self.eval_size >= 0, f"--eval-size must be >= 0, got {self.eval_size}")
-        _check(math.isfinite(self.temperature) and self.temperature > 0,
-               f"--temperature must be > 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"--top-p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
-        _check(math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}")
-        _check(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        _check(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
-        _check(self.num_iterations >= 1, f"--num-iterations must be >= 1, got {self.num_iterations}")
-        _check(self.max_prompt_length is None or self.max_prompt_length >= 1,
-               f"--max-prompt-length must be >= 1, got {self.max_prompt_length}")
-        _check(self.hidden_size >= 1 and self.num_layers >= 1 and self.num_heads >= 1,
-               "--hidden-size, --num-layers and --num-heads must be >= 1")
+        _check(self.truncate_prompts in (None, "left", "right"),
+               f"--truncate-prompts must be left or right, got {self.truncate_prompts!r}")
+        self._check_numbers()
         _check(self.hidden_size % self.num_heads == 0,
                f"--hidden-size {self.hidden_size} must be a multiple of --num-heads {self.num_heads}")
         rollout = self.prompts_per_step * self.num_generations
@@ -167,6 +151,38 @@ class TrainConfig:
         self._set(rewards=rewards, reward_specs=tuple(parse_reward_spec(spec) for spec in rewards))
         self._set(loss=self._loss_config())
 
+    def _check_numbers(self) -> None:
+        """Every numeric option: type, finiteness and range, each failure one line naming the flag. (The loss
+        options are checked again by GRPOLossConfig; the ones whose wrong sign the loss would silently accept are
+        checked here too, under their flag names.)"""
+        ints = {"seed": 0, "max_steps": 1, "save_steps": 0, "save_total_limit": 0, "hidden_size": 1, "num_layers": 1,
+                "num_heads": 1, "eval_every": 1, "num_generations": 2, "prompts_per_step": 1, "max_new_tokens": 1,
+                "top_k": 0, "warmup_steps": 0, "num_iterations": 1}
+        optional_ints = {"eval_size": 0, "max_prompt_length": 1, "mini_batch_size": 1, "micro_batch_size": 1}
+        why = {"num_generations": " (GRPO compares completions within a group)",
+               "save_total_limit": " (0 keeps every checkpoint)", "seed": ""}
+        for name, low in list(ints.items()) + list(optional_ints.items()):
+            value = getattr(self, name)
+            if value is None and name in optional_ints:
+                continue
+            _check(isinstance(value, int) and not isinstance(value, bool),
+                   f"--{_flag(name)} must be an integer, got {value!r}")
+            _check(value >= low, f"--{_flag(name)} must be >= {low}{why.get(name, '')}, got {value}")
+        _check(self.seed < 2**32, f"--seed must be < 2**32, got {self.seed}")
+        floats = {"temperature": (lambda v: v > 0, "> 0"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+                  "lr": (lambda v: v > 0, "> 0"), "weight_decay": (lambda v: v >= 0, ">= 0"),
+                  "adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"), "adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+                  "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"), "max_grad_norm": (lambda v: v >= 0, ">= 0")}
+        for name, (ok, allowed) in floats.items():
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+                   f"--{_flag(name)} must be a number, got {value!r}")
+            _check(math.isfinite(value) and ok(value), f"--{_flag(name)} must be {allowed}, got {value}")
+        # The KL coefficient is a penalty: a negative one rewards drifting away from the reference model.
+        beta = getattr(self.loss, "beta", 0.0)
+        _check(isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 0,
+               f"--beta must be >= 0 (the KL penalty's coefficient; 0 turns it off), got {beta}")
+
     def _loss_config(self) -> GRPOLossConfig:
         loss = self.loss
         _check(isinstance(loss, GRPOLossConfig), f"loss must be a GRPOLossConfig, got {type(loss).__name__}")
@@ -179,7 +195,7 @@ class TrainConfig:
         try:
             return dataclasses.replace(loss, **overrides)
         except ValueError as exc:
-            raise UsageError(f"invalid loss option: {exc}")
+            raise loss_option_error(exc) from None
 
     def _set(self, **values) -> None:
         for name, value in values.items():
@@ -191,6 +207,32 @@ class TrainConfig:
         out["rewards"] = list(self.rewards)
         out.update(dataclasses.asdict(self.loss))
         return out
+
+
+def loss_option_error(exc: ValueError) -> UsageError:
+    """GRPOLossConfig's ValueError (it starts with the field's name) as a UsageError naming the flag too."""
+    name = str(exc).split(" ", 1)[0]
+    if name in {f.name for f in dataclasses.fields(GRPOLossConfig)}:
+        return UsageError(f"--{_flag(name)}: {exc}")
+    return UsageError(f"invalid loss option: {exc}")
+
+
+def quiet_unused_deepspeed() -> None:
+    """Keep DeepSpeed's import-time "[WARNING] ... Setting accelerator to CPU" out of runs that do not use it.
+
+    grpo.train never uses DeepSpeed, but when it is installed, saving a checkpoint imports it (transformers'
+    ``save_pretrained`` -> accelerate's ``extract_model_from_parallel``), and DeepSpeed then guesses its accelerator
+    and warns on stdout, into the progress bar, when it finds no GPU. Naming the CPU accelerator up front (only where
+    there is no CUDA device, where DeepSpeed would pick the CPU anyway, and only when nobody chose one or imported
+    DeepSpeed already) silences the guess and changes nothing else."""
+    import sys
+
+    if "deepspeed" in sys.modules or "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def _flag(name: str) -> str:

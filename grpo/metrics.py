@@ -42,9 +42,9 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_curves(metrics_path: str, png_path: str, window: int = 10) -> None:
-    """Reward (raw and moving average), KL and, when the run evaluates, held-out greedy accuracy and reward,
-    against the optimizer step."""
+def plot_curves(metrics_path: str, png_path: str, window: int = 10, eval_label: str | None = None) -> None:
+    """Reward (raw and moving average), KL and, when the run evaluates, greedy accuracy and reward on the evaluation
+    set (``eval_label``: "held-out", the default, or e.g. "eval (training prompts)"), against the optimizer step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -66,11 +66,12 @@ def plot_curves(metrics_path: str, png_path: str, window: int = 10) -> None:
     axes[1].set_ylabel("KL to reference")
     if evals:
         eval_steps = [r["step"] for r in evals]
+        label = eval_label or "held-out"
         axes[2].plot(eval_steps, [r["eval/accuracy"] for r in evals], "o-", color="tab:green",
-                     label="held-out greedy accuracy")
+                     label=f"{label} greedy accuracy")
         axes[2].plot(eval_steps, [r["eval/reward"] for r in evals], "s--", color="tab:olive",
-                     label="held-out greedy reward")
-        axes[2].set_ylabel("held-out eval")
+                     label=f"{label} greedy reward")
+        axes[2].set_ylabel("held-out eval" if label == "held-out" else label)
         axes[2].legend(loc="lower right")
     for ax in axes:
         ax.grid(alpha=0.3)

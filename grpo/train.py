@@ -10,7 +10,7 @@ import os
 import sys
 import warnings
 
-from .config import TrainConfig
+from .config import TrainConfig, quiet_unused_deepspeed
 from .errors import UsageError
 
 
@@ -23,6 +23,7 @@ def train(config: TrainConfig) -> dict:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=".*generation_config.*")
+    quiet_unused_deepspeed()
     from .distributed import barrier, cleanup_distributed, init_distributed
     from .trainer import Trainer
 

@@ -21,10 +21,11 @@ import grpo_kernels as gk
 from . import checkpoint as ckpt
 from . import sharding
 from .config import TrainConfig
-from .data import BUILTIN_TASKS, PRINTABLE_ASCII, TRAIN_ROW_WEIGHTING, PromptSampler, format_prompt, load_jsonl, split_eval
+from .data import (BUILTIN_TASKS, PRINTABLE_ASCII, TRAIN_ROW_WEIGHTING, PromptSampler, check_completion_chars,
+                   fit_to_context, format_prompt, load_jsonl, split_eval, training_overlap)
 from .distributed import DistEnv, barrier, reduce_mean_dict
 from .errors import UsageError
-from .evaluation import Evaluator
+from .evaluation import Evaluator, describe_evals, step_span, summary_fields
 from .metrics import MetricsLog, Progress, plot_curves
 from .modeling import (DTYPES, apply_liger_layers, build_char_tokenizer, build_tiny_model,
                        choose_attn_implementation, disable_dropout, eos_token_ids, load_pretrained)
@@ -54,6 +55,8 @@ class Trainer:
         self.eos_ids = eos_token_ids(self.lm, self.tokenizer)
         banned = suppressed_token_ids(self.tokenizer, self.lm.get_output_embeddings().weight.shape[0], self.eos_ids,
                                       cfg.completion_chars)
+        check_completion_chars(cfg.completion_chars, self.tokenizer, self.lm.get_output_embeddings().weight.shape[0],
+                               banned, builtin=cfg.model is None)
         use_chat = self._use_chat_template()
 
         param_dtype = next(self.lm.parameters()).dtype
@@ -92,10 +95,13 @@ class Trainer:
                                self.device, add_special_tokens=not use_chat, autocast_dtype=autocast)
         self.rows = train_rows
         self.texts = [format_prompt(r["prompt"], self.tokenizer, use_chat, cfg.system_prompt) for r in train_rows]
+        eval_texts = [format_prompt(r["prompt"], self.tokenizer, use_chat, cfg.system_prompt) for r in eval_rows]
+        self.texts, eval_texts = fit_to_context(cfg, self.lm, self.tokenizer, not use_chat, self.texts, train_rows,
+                                                eval_texts, eval_rows, verbose=env.is_main)
         self.evaluator = None
         if eval_rows:
-            eval_texts = [format_prompt(r["prompt"], self.tokenizer, use_chat, cfg.system_prompt) for r in eval_rows]
-            self.evaluator = Evaluator(self.sampler, eval_rows, eval_texts)
+            self.evaluator = Evaluator(self.sampler, eval_rows, eval_texts,
+                                       overlap=training_overlap(train_rows, eval_rows))
         self.prompts = PromptSampler(len(train_rows), cfg.seed, env.rank, env.world_size)
         # Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
         # backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead
@@ -243,7 +249,8 @@ class Trainer:
         summary = self._summary(history, evals, time.time() - start_time, checksums, shards)
         if env.is_main:
             log.close()
-            plot_curves(log.path, os.path.join(cfg.output_dir, "curves.png"))
+            plot_curves(log.path, os.path.join(cfg.output_dir, "curves.png"),
+                        eval_label=getattr(self.evaluator, "label", None))
         return {"history": history, "evals": evals, "summary": summary, "param_checksums": checksums}
 
     def _evaluate(self, log: MetricsLog | None, record: dict) -> dict:
@@ -306,7 +313,8 @@ class Trainer:
                              fsdp_root=self.policy if cfg.fsdp else None)
         if self.env.is_main:
             ckpt.prune_checkpoints(cfg.output_dir, cfg.save_total_limit)
-            plot_curves(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "curves.png"))
+            plot_curves(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "curves.png"),
+                        eval_label=getattr(self.evaluator, "label", None))
             if progress is not None:
                 progress.write(f"step {self.step}: saved {path}")
 
@@ -333,17 +341,18 @@ class Trainer:
             summary.update({f"first_{key[5:]}": evals[0][key] for key in ("eval/accuracy", "eval/reward")})
             summary.update({f"final_{key[5:]}": evals[-1][key] for key in ("eval/accuracy", "eval/reward")})
             summary["eval_size"] = len(self.evaluator)
+            summary.update(summary_fields(evals, self.evaluator))
         if not say:
             return summary
         with open(os.path.join(cfg.output_dir, "run_summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        window = "1 step" if k == 1 else f"{k} steps"
-        print(f"[grpo.train] {len(history)} steps in {seconds:.1f}s; reward (mean over {window}) "
-              f"{first:.3f} -> {last:.3f}; kl {history[-1]['kl']:.4f}; outputs in {cfg.output_dir}", flush=True)
+        print(f"[grpo.train] {len(history)} steps in {seconds:.1f}s; reward {first:.3f} (mean of "
+              f"{step_span(history[:k])}) -> {last:.3f} (mean of {step_span(history[-k:])}); kl "
+              f"{history[-1]['kl']:.4f}; outputs in {cfg.output_dir}", flush=True)
         if evals:
-            print(f"[grpo.train] greedy accuracy on the {len(self.evaluator)} eval prompts "
-                  f"{evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> {evals[-1]['eval/accuracy']:.3f} "
-                  f"(step {evals[-1]['step']})", flush=True)
+            resumed_at = history[0]["step"] - 1 if self.resumed_from else None
+            line = describe_evals(evals, self.evaluator, resumed_at, os.path.join(cfg.output_dir, "metrics.jsonl"))
+            print(f"[grpo.train] {line}", flush=True)
             for prompt, completion, reward in self.evaluator.samples[:4]:
                 print(f"[grpo.train] greedy: {prompt!r} -> {completion!r} (reward {reward:.2f})", flush=True)
         return summary

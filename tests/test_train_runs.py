@@ -148,7 +148,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
     data.write_text("".join(json.dumps({"prompt": s + "=", "answer": s}) + "\n" for s in ("ab", "c", "hgf", "d")))
     assert train.main(SMALL + ["--model", str(full / "checkpoint-8" / "model"), "--dataset", str(data),
                                "--reward", "copy", "--reward", "grpo.rewards:format_reward=0.1",
-                               "--max-steps", "2", "--output-dir", str(tmp_path / "m")]) == 0
+                               "--max-steps", "2", "--max-new-tokens", "8",  # the built-in model's context: 128
+                               "--output-dir", str(tmp_path / "m")]) == 0
     assert [r["step"] for r in _metrics(tmp_path / "m")] == [1, 2]
 
 
@@ -186,7 +187,7 @@ def test_default_run_learns_to_copy_held_out_strings(tmp_path):
     assert (out / "curves.png").stat().st_size > 1000 and (out / "checkpoint-300" / "COMPLETE").exists()
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["final_accuracy"] == evals[-1]["eval/accuracy"] and summary["eval_size"] == 58
-    assert "greedy accuracy on the 58 eval prompts" in proc.stdout and "reward" in proc.stderr  # tqdm bar postfix
+    assert "greedy accuracy on the 58 held-out prompts" in proc.stdout and "reward" in proc.stderr  # tqdm bar postfix
 
 
 @pytest.mark.slow
