@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from grpo_kernels import GRPOLossConfig
+from grpo_kernels.config import IMPLS
 
 from .data import BUILTIN_TASKS, TASK_COMPLETION_CHARS
 from .errors import UsageError
@@ -30,7 +31,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "autocast": ("auto", "bfloat16", "float16", "none"),
-    "impl": ("auto", "triton", "torch"),
+    "impl": IMPLS,
     "task": tuple(sorted(BUILTIN_TASKS)),
     "advantage_scale": ("group", "batch", "none"),
     "chat_template": ("auto", "on", "off"),
