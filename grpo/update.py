@@ -67,7 +67,8 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
     if global_norm:
         n_tokens = rollout.completion_mask[rows].sum().to(torch.float64)
         all_reduce_sum(n_tokens, env)
-        num_items = (n_tokens / env.world_size).to(torch.float32)
+        # at least 1 (the loss divides by max(num_items_in_batch, 1); the library refuses a count of 0)
+        num_items = (n_tokens / env.world_size).clamp(min=1).to(torch.float32)
     totals: dict[str, torch.Tensor] = {}
     loss_total = torch.zeros((), dtype=torch.float32, device=rows.device)
     token_total = torch.zeros((), dtype=torch.float32, device=rows.device)

@@ -29,7 +29,7 @@ class GRPOLossConfig:
     """Every non-tensor option of the GRPO loss (docs/DESIGN.md section 2).
 
     loss_type: one of ``LOSS_TYPES``; the reduction and the policy term follow TRL's ``_compute_loss``.
-    beta: KL coefficient; ``ref_logps`` is required when it is not 0.
+    beta: KL coefficient, >= 0; ``ref_logps`` is required when it is not 0.
     epsilon_low / epsilon_high: PPO clip range ``[1 - eps_low, 1 + eps_high]``; for cispo epsilon_high is the raw
         upper bound of the ratio.
     temperature: logits are divided by it before the softmax.
@@ -48,9 +48,10 @@ class GRPOLossConfig:
     grad_in_forward: on the Triton path, compute the gradient of the loss in the forward pass when every token's
         gradient is known as soon as its log-prob is (``loss_types.per_token_gradient_known``); the backward then
         only scales it by the incoming gradient. False forces the separate forward / backward sweeps.
-    memory_budget: bytes of scratch memory the fused-linear path may use beyond its inputs and outputs (its
-        logits chunks); None picks the default documented in README.md. Below what the gradient-in-forward path
-        needs, the memory-light recompute path runs.
+    memory_budget: bytes of transient memory a call may allocate beyond its inputs and returned gradients, on every
+        path (docs/memory.md); None: 1 GiB of working memory, plus the fused head fast path's fp32 weight-gradient
+        accumulator. The planner picks the fastest path that fits (``grpo_kernels.explain`` shows it) and raises a
+        ValueError naming memory_budget when none does.
     """
 
     loss_type: str = "dapo"
@@ -83,7 +84,7 @@ class GRPOLossConfig:
                 f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                 f"got {self.importance_sampling_level!r}"
             )
-        _finite("beta", self.beta)
+        _finite("beta", self.beta, nonneg=True)
         _finite("temperature", self.temperature, positive=True)
         _finite("epsilon_high", self.epsilon_high, positive=True)
         _finite("epsilon_low", self.epsilon_low, nonneg=True)

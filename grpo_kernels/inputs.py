@@ -161,13 +161,20 @@ class LossInputs:
             if tuple(is_ratio.shape) not in ((B,), (B, 1), (B, T)):
                 raise ValueError(f"is_ratio must have shape ({B},), ({B}, 1) or ({B}, {T}), "
                                  f"got {tuple(is_ratio.shape)}")
+        if is_ratio is not None and is_ratio.device.type != "meta" and is_ratio.numel() \
+                and bool((is_ratio < 0).any()):  # one host sync, only when is_ratio is given
+            raise ValueError(f"is_ratio must be >= 0 (an importance weight), got a minimum of {is_ratio.min().item()}")
         n = num_items_in_batch
         if n is not None:
             if isinstance(n, torch.Tensor):
                 if n.numel() != 1:
                     raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(n.shape)}")
-            elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
-                raise ValueError(f"num_items_in_batch must be a number >= 0 or a scalar tensor, got {n!r}")
+                if n.device.type != "meta" and not float(n) > 0:  # a host sync, only when it is given
+                    raise ValueError(f"num_items_in_batch must be > 0 (the token count that normalizes the loss), "
+                                     f"got {float(n)!r}")
+            elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
+                raise ValueError(f"num_items_in_batch must be a number > 0 (the token count that normalizes the "
+                                 f"loss) or a scalar tensor, got {n!r}")
         if config.beta != 0.0 and ref_logps is None:
             raise ValueError(f"ref_logps is required when beta != 0 (beta={config.beta}); pass the reference "
                              "model's per-token log-probs of shape (B, T)")

@@ -114,3 +114,35 @@ def test_inputs_are_not_modified(impl):
     for k, v in kwargs.items():
         assert torch.equal(v.detach(), snapshot[k]), k
     assert torch.equal(old, old_copy)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("entry", ["grpo_loss", "fused_linear_grpo_loss"])
+@pytest.mark.parametrize("bad,name", [
+    (dict(beta=-0.1), "beta"), (dict(epsilon_low=-0.1), "epsilon_low"), (dict(epsilon_high=-0.2), "epsilon_high"),
+    (dict(num_items_in_batch=0), "num_items_in_batch"), (dict(num_items_in_batch=torch.tensor(0.0)),
+                                                         "num_items_in_batch"),
+    (dict(is_ratio=torch.tensor([1.0, -0.5])), "is_ratio")], ids=lambda v: v if isinstance(v, str) else None)
+def test_library_guards_name_the_argument(entry, impl, bad, name):
+    """beta < 0, a negative epsilon, num_items_in_batch <= 0 and a negative is_ratio are refused by every entry point
+    on both impls, with a ValueError naming the argument."""
+    import grpo_kernels as gk
+    g = torch.Generator().manual_seed(0)
+    ids, adv = torch.randint(0, 11, (2, 3), generator=g), torch.randn(2, generator=g)
+    if entry == "grpo_loss":
+        args = (torch.randn(2, 3, 11, generator=g, requires_grad=True), ids, adv)
+    else:
+        args = (torch.randn(2, 3, 8, generator=g, requires_grad=True), torch.randn(11, 8, generator=g), ids, adv)
+    with pytest.raises(ValueError, match=name):
+        getattr(gk, entry)(*args, impl=impl, loss_type="dapo", **bad)
+
+
+def test_inplace_backward_refuses_overlapping_logits():
+    """d logits written in place into an expanded tensor (rows sharing memory) would be wrong: refused."""
+    import grpo_kernels as gk
+    row = torch.randn(1, 1, 11)
+    logits = row.expand(2, 3, 11)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        gk.grpo_loss(logits, torch.zeros(2, 3, dtype=torch.long), torch.ones(2), inplace_backward=True, impl="torch")
+    with pytest.raises(ValueError, match="inplace_backward"):
+        gk.token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), inplace_backward=True)
