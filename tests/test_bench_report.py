@@ -383,3 +383,22 @@ def test_a_results_file_that_cannot_be_written_at_the_end_is_one_line(capsys):
     assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
     assert capsys.readouterr().err == ("ERROR: --benchmark-json gone/run.json: results not written (No such file or "
                                        "directory)\n")
+
+
+@pytest.mark.interpreter
+def test_no_grad_logits_builders_agree_on_the_triton_kernels():
+    """The no-grad logits builders of the Triton providers (ours with impl=triton, Liger's, TRL's: the CUDA providers
+    of that case) give the eager reference's log-probs, here on the Triton CPU interpreter."""
+    from benchmarks.providers import OURS_INTERP
+
+    shape = harness.Shape(N=16, H=0, V=100, T=8)
+    case = harness._build_case("logits", shape, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        want = EAGER.builders["logits_nograd"](case)()
+        assert want.shape == (2, 8) and torch.isfinite(want).all()
+        for provider in (OURS_INTERP, LIGER_TRITON, TRL_TRITON):
+            for module in provider.requires:
+                pytest.importorskip(module)
+            fn = provider.builders["logits_nograd"](case)
+            harness._prepare(fn)
+            torch.testing.assert_close(fn(), want, rtol=1e-5, atol=1e-5, msg=provider.name)
