@@ -49,7 +49,8 @@ VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens
                   "longrow": "one long row, every token valid"}
 
 # (path, variant, mode) in run order: headline first, then the padded batch, the frozen head, the long row, and
-# the forward / backward breakdown last.
+# the forward / backward breakdown last (on the logits path the forward case is the no-grad pass: log-probs +
+# entropy, which is what a forward-only target is measured on; the loss forward there writes the gradient).
 CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
          ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),
          ("linear", "frozen", "fwdbwd"), ("logits", "longrow", "fwdbwd"),
