@@ -153,21 +153,7 @@ echo
 # Whether the fused head's logits GEMM wrote fp32 directly (mm with out_dtype=float32) or took the fallback
 # (bf16-rounded logits, slower blocks): decided once per device on a small real CUDA call, so a fresh process
 # reaches the same decision as the benchmark run did.
-timeout 60 $PY - <<'PYEOF' 2>&1 | tee "$OUT_DIR/fp32_gemm.txt"
-import torch
-try:
-    from grpo_kernels.kernels.fp32_gemm import fp32_output_gemm_support
-except ImportError as exc:
-    print(f"fp32-output GEMM path: unknown (grpo_kernels.kernels.fp32_gemm is not importable: {exc})")
-else:
-    if not torch.cuda.is_available():
-        print("fp32-output GEMM path: not applicable (no CUDA device)")
-    else:
-        info = dict(fp32_output_gemm_support(torch.device("cuda")))
-        flag = next((info[k] for k in ("taken", "supported", "fp32_output", "ok") if k in info), None)
-        verdict = "unknown" if flag is None else "taken" if flag else "NOT taken (fallback)"
-        print(f"fp32-output GEMM path: {verdict}; " + ", ".join(f"{k}={v}" for k, v in info.items()))
-PYEOF
+timeout 60 $PY -m benchmarks.fp32_gemm_check 2>&1 | tee "$OUT_DIR/fp32_gemm.txt"
 echo
 if [ -s "$OUT_DIR/bench.json" ]; then
     # also prints the trainer-vs-TRL and end-to-end tables (e2e_step.json of step 4 is read from the same folder)

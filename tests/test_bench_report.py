@@ -402,3 +402,23 @@ def test_no_grad_logits_builders_agree_on_the_triton_kernels():
             fn = provider.builders["logits_nograd"](case)
             harness._prepare(fn)
             torch.testing.assert_close(fn(), want, rtol=1e-5, atol=1e-5, msg=provider.name)
+
+
+def test_fp32_gemm_line_of_the_gpu_check():
+    """benchmarks/fp32_gemm_check.py: one line whatever the probe answers, or when its module is missing."""
+    from benchmarks.fp32_gemm_check import describe
+
+    seen = []
+
+    def probe(device):
+        seen.append(device)
+        return {"supported": False, "reason": "TypeError: out_dtype"}
+
+    assert describe(probe, cuda=True) == ("fp32-output GEMM path: NOT taken (fallback); supported=False, "
+                                          "reason=TypeError: out_dtype")
+    assert seen == [torch.device("cuda")]
+    assert describe(lambda d: {"taken": True}, cuda=True) == "fp32-output GEMM path: taken; taken=True"
+    assert describe(lambda d: {"x": 1}, cuda=True).startswith("fp32-output GEMM path: unknown (no verdict key")
+    assert describe(probe, cuda=False) == "fp32-output GEMM path: not applicable (no CUDA device)"
+    line = describe()  # the real module: present (this machine's verdict) or not yet in the tree
+    assert line.startswith("fp32-output GEMM path: ") and "\n" not in line
