@@ -24,10 +24,14 @@ Benchmarks run in ``harness.CASES`` order (headline first), whatever the file. R
 (``benchmark.pedantic``), so ``--benchmark-min-rounds`` / ``--benchmark-max-time`` do not apply. Each benchmark's
 ``extra_info`` carries rows, work, peak memory, ceiling and achieved rate (see ``harness.py``, ``work.py``); the
 JSON also gets ``grpo_not_run`` (benchmarks that did not run, with the reason) and ``grpo_settings``.
+The folder of ``--benchmark-json`` is created; a path that cannot be written is refused before any benchmark runs,
+and a write that fails at the end (disk full) is one error line and exit status 1, not a traceback.
 """
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -55,8 +59,28 @@ def _opt(config, name, env, cast, default):
     return default if value is None else value
 
 
+def _prepare_json_path(config) -> None:
+    """Create the folder of ``--benchmark-json`` and check that the file can be written, before the (minutes of)
+    benchmarks run: pytest-benchmark opens it only at the very end."""
+    path = config.getoption("benchmark_json", None)
+    if path is None:
+        return
+    path = pathlib.Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "ab"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        raise pytest.UsageError(f"--benchmark-json {path}: cannot write the results there "
+                                f"({exc.strerror or type(exc).__name__})") from None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "bench_path(path): benchmark path, one of linear / logits / logprob")
+    _prepare_json_path(config)
     cuda = torch.cuda.is_available()
     interpret = bool(_opt(config, "--bench-interpret", "GRPO_BENCH_INTERPRET", lambda v: v not in ("0", ""),
                           False)) and not cuda
@@ -128,6 +152,23 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
                                             padded_fraction=harness.PADDED_FRACTION)
 
 
+def pytest_sessionstart(session):
+    """A results file that cannot be written at the end (the folder removed meanwhile, a full disk) is reported in
+    one line and fails the run, instead of pytest-benchmark's traceback through pytest's hooks."""
+    bench_session = getattr(session.config, "_benchmarksession", None)
+    if bench_session is None or not getattr(bench_session, "json", None):
+        return
+    save_json = bench_session.save_json
+
+    def guarded(output_json):
+        try:
+            save_json(output_json)
+        except OSError as exc:
+            session.config._grpo_json_error = (f"--benchmark-json {bench_session.json}: results not written "
+                                               f"({exc.strerror or type(exc).__name__})")
+    bench_session.save_json = guarded
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
     """Drop a benchmark interrupted before it finished (Ctrl-C, ``timeout -s INT``), so that pytest-benchmark
@@ -138,3 +179,7 @@ def pytest_sessionfinish(session, exitstatus):
                                        if getattr(getattr(b, "stats", None), "data", None)
                                        and "path" in (getattr(b, "extra_info", None) or {})]
     yield
+    error = getattr(session.config, "_grpo_json_error", None)
+    if error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

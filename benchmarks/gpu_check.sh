@@ -6,7 +6,8 @@
 #   3. the benchmark set (pytest benchmarks/ --benchmark-only), headline cases first;
 #   4. the end-to-end GRPO step (benchmarks/e2e_step.py: TRL's GRPOTrainer stock, with patch_trl(), and
 #      grpo.train on a random Qwen2.5-0.5B-shaped model), in the last E2E_S seconds (90 s; 0 skips it);
-#   5. the report: all tables into the output folder; one summary table printed last.
+#   5. the report: all tables into the output folder (with the trainer and end-to-end tables); the summary table
+#      printed last, after one line saying whether the fp32-output GEMM path of the fused head was taken.
 #
 # The wheel folder, .whl/ at the repo root, is filled once on a machine with network access (pure-Python wheels,
 # about 2.7 MB; versions as in constraints.txt):
@@ -149,10 +150,16 @@ echo "## Summary"
 echo
 grep '^Tests:' "$OUT_DIR/tests_summary.md"
 echo
+# Whether the fused head's logits GEMM wrote fp32 directly (mm with out_dtype=float32) or took the fallback
+# (bf16-rounded logits, slower blocks): decided once per device on a small real CUDA call, so a fresh process
+# reaches the same decision as the benchmark run did.
+timeout 60 $PY -m benchmarks.fp32_gemm_check 2>&1 | tee "$OUT_DIR/fp32_gemm.txt"
+echo
 if [ -s "$OUT_DIR/bench.json" ]; then
+    # also prints the trainer-vs-TRL and end-to-end tables (e2e_step.json of step 4 is read from the same folder)
     timeout 15 $PY -m benchmarks.report "$OUT_DIR/bench.json" --out "$OUT_DIR" --no-plots --print summary \
         2> "$OUT_DIR/report.log" | tee "$OUT_DIR/summary.md" || cat "$OUT_DIR/report.log"
 else
     echo "no $OUT_DIR/bench.json: see $OUT_DIR/bench.log"; tail -n 40 "$OUT_DIR/bench.log"
+    [ -s "$OUT_DIR/e2e_step.md" ] && { echo; cat "$OUT_DIR/e2e_step.md"; }
 fi
-[ -s "$OUT_DIR/e2e_step.md" ] && { echo; cat "$OUT_DIR/e2e_step.md"; }

@@ -7,11 +7,14 @@ Every benchmark is one (path, variant, mode, shape, provider):
 - variant "valid" (every token valid: the headline tables), "padded" (a third of the tokens right-padded, as in
   a GRPO batch), "frozen" (the lm_head weight does not require grad), "longrow" (one row of T = 131072 tokens
   at V = 32768 on the logits path; a scaled-down row on CPU);
-- mode "fwd", "bwd" (backward only; the forward runs untimed in the round's setup), "fwdbwd", "nograd".
+- mode "fwd", "bwd" (backward only; the forward runs untimed in the round's setup), "fwdbwd", "nograd" (under
+  ``torch.no_grad()``: log-probs on the logprob path; log-probs + entropy from the logits on the logits path, the
+  forward an old / reference policy or a metrics pass needs, so no provider runs a gradient-in-forward kernel).
 
 ``CASES`` lists the (path, variant, mode) triples in the order they run (most important first, so that a time
 budget cuts the breakdown, not the headline). Each run records in ``benchmark.extra_info`` the shape, the rows
-valid and computed, the peak memory above the inputs, the work of the call from the provider's declared work
+valid and computed, the peak memory above the inputs (for forward + backward also the forward's and the
+backward's own peaks), the work of the call from the provider's declared work
 model (``work.py``), the ceiling measured in the same session (``probes.py``) and the achieved rate against it,
 and the loss / mean log-prob value, so the report can show that every provider computed the same number.
 Benchmarks that do not run (no CUDA, a peer that fails or runs out of memory, a warm-up over its time limit, the
@@ -46,11 +49,12 @@ VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens
                   "longrow": "one long row, every token valid"}
 
 # (path, variant, mode) in run order: headline first, then the padded batch, the frozen head, the long row, and
-# the forward / backward breakdown last.
+# the forward / backward breakdown last (on the logits path the forward case is the no-grad pass: log-probs +
+# entropy, which is what a forward-only target is measured on; the loss forward there writes the gradient).
 CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
          ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),
          ("linear", "frozen", "fwdbwd"), ("logits", "longrow", "fwdbwd"),
-         ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "fwd"),
+         ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "nograd"),
          ("logits", "valid", "bwd"))
 PADDED_FRACTION = 1 / 3
 
@@ -310,15 +314,16 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
     case = get_case(path, shape, variant)
     benchmark.group = f"{path} {variant} {mode} {shape.id}"
 
-    key = (provider.name, path)
-    builder, note = provider.builders[path], provider.notes.get(path, "")
+    bkey = builder_key(path, mode)
+    key = (provider.name, bkey)
+    builder, note = provider.builders[bkey], provider.notes.get(bkey, "")
     if key in _FELL_BACK:  # the provider's first choice failed earlier in this run: straight to its fallback
-        _, builder, fallback_note = provider.fallbacks[path]
+        _, builder, fallback_note = provider.fallbacks[bkey]
         note = f"{fallback_note} ({_FELL_BACK[key]})"
     try:
         fn, value = _attempt(builder, case, mode, s, provider)
     except _NotRunnable as primary:
-        fallback = None if key in _FELL_BACK else provider.fallbacks.get(path)
+        fallback = None if key in _FELL_BACK else provider.fallbacks.get(bkey)
         if fallback is None:
             not_run(primary.status, primary.reason)
         label, builder, fallback_note = fallback
@@ -334,7 +339,7 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
     setup, target = _mode_functions(case, fn, mode)
     try:
         benchmark.pedantic(target, setup=setup, rounds=s.rounds, warmup_rounds=s.warmup, iterations=1)
-        peak = _peak_of_mode(case, fn, mode)
+        peaks = _peak_of_mode(case, fn, mode)
     except torch.cuda.OutOfMemoryError as exc:
         _release(case)
         not_run("out of memory", _describe(exc))
@@ -343,8 +348,8 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
         if provider.kind == "ours":
             _record(spec, "failed", _describe(exc))
             raise
-        if key not in _FELL_BACK and path in provider.fallbacks:  # later benchmarks of it use the fallback
-            _FELL_BACK[key] = f"{provider.fallbacks[path][0]} failed in its timed rounds: {_describe(exc)}"
+        if key not in _FELL_BACK and bkey in provider.fallbacks:  # later benchmarks of it use the fallback
+            _FELL_BACK[key] = f"{provider.fallbacks[bkey][0]} failed in its timed rounds: {_describe(exc)}"
         not_run("failed", _describe(exc))
     finally:
         case.clear_grads()
@@ -357,14 +362,21 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
     info.update(B=shape.B, dtype=str(case.dtype).replace("torch.", ""), valid_rows=case.valid_rows, rows=w.rows,
                 device=torch.cuda.get_device_name(s.device) if s.cuda else "cpu", torch=torch.__version__,
                 triton=_version("triton"), threads=None if s.cuda else torch.get_num_threads(),
-                peak_mem_bytes=peak, mem_method=probes.memory_method(s.device), value=value, note=note,
-                grads_in_forward=provider.computes_grads_in_forward(path, s), work=w.amount, work_unit=w.unit,
+                mem_method=probes.memory_method(s.device), value=value, note=note,
+                grads_in_forward=mode != "nograd" and provider.computes_grads_in_forward(path, s), work=w.amount, work_unit=w.unit,
                 work_formula=w.formula, work_exact=w.exact, work_source=provider.work.source)
+    info.update(peaks)
     info.update(probes.ceiling(case))
     stats = getattr(getattr(benchmark, "stats", None), "stats", None)
     if stats is not None and stats.median > 0 and w.amount > 0:
         info["achieved"] = w.amount / stats.median / (1e12 if w.unit == "FLOP" else 1e9)
         info["frac_of_ceiling"] = info["achieved"] / info["ceiling"]
+
+
+def builder_key(path: str, mode: str) -> str:
+    """The key of a provider's builder: the path, except the logits path's no-grad forward (log-probs + entropy,
+    no loss), which is ``"logits_nograd"``."""
+    return "logits_nograd" if (path, mode) == ("logits", "nograd") else path
 
 
 def _version(dist: str) -> str | None:
@@ -469,13 +481,28 @@ def _mode_functions(case: Case, fn, mode: str):
     return clear, target
 
 
-def _peak_of_mode(case: Case, fn, mode: str):
-    """One more call under the memory probe: fwd / fwdbwd / nograd from the inputs alone; bwd from the state
-    after the forward (whose saved tensors are counted in the fwd figure)."""
+def _peak_of_mode(case: Case, fn, mode: str) -> dict:
+    """Peak memory of one more call under the probe: ``peak_mem_bytes`` of the benchmarked mode (fwd / fwdbwd /
+    nograd from the inputs alone; bwd from the state after the forward, whose saved tensors are counted in the fwd
+    figure); forward + backward also gets ``peak_fwd_bytes`` (the forward, holding what it saves for the backward)
+    and ``peak_bwd_bytes`` (the backward, above the state after the forward) from a second, split call."""
     case.clear_grads()
     _prepare(fn)
     if mode == "bwd":
         loss = fn()
-        return probes.measure_peak(case.device, loss.backward)
+        peak = probes.measure_peak(case.device, loss.backward)
+        return {"peak_mem_bytes": peak, "peak_bwd_bytes": peak}
     _, target = _mode_functions(case, fn, mode)
-    return probes.measure_peak(case.device, target)
+    peak = probes.measure_peak(case.device, target)
+    if mode == "fwd":
+        return {"peak_mem_bytes": peak, "peak_fwd_bytes": peak}
+    if mode != "fwdbwd":
+        return {"peak_mem_bytes": peak}
+    case.clear_grads()
+    _prepare(fn)
+    held: list = []
+    peak_fwd = probes.measure_peak(case.device, lambda: held.append(fn()))
+    peak_bwd = probes.measure_peak(case.device, held[0].backward)
+    held.clear()
+    case.clear_grads()
+    return {"peak_mem_bytes": peak, "peak_fwd_bytes": peak_fwd, "peak_bwd_bytes": peak_bwd}

@@ -1,12 +1,14 @@
-"""PNG plots of a benchmark run (optional: needs matplotlib): median time and peak memory against N.
+"""PNG plots of a benchmark run (optional: needs matplotlib).
 
-One figure per (path, H, V) of the "every token valid" benchmarks that ran at two or more N (the full grid); a row
-of two panels per mode, one line per provider.
+- Bar charts, every run: one figure per path, a row per case (variant, mode) with two panels, median time and peak
+  memory per provider, at the case's largest shape.
+- Line plots against N: one figure per (path, H, V) of the "every token valid" benchmarks that ran at two or more N
+  (the full grid); a row of two panels per mode, one line per provider. A run without such a shape (the quick grid)
+  gets a note saying so instead.
 """
 from __future__ import annotations
 
 import pathlib
-import sys
 from collections import defaultdict
 
 _COLORS = {"ours": "tab:blue", "ours-atomic": "tab:olive", "ours-triton-interp": "tab:cyan", "eager": "tab:green",
@@ -14,7 +16,71 @@ _COLORS = {"ours": "tab:blue", "ours-atomic": "tab:olive", "ours-triton-interp":
            "trl-chunked": "tab:purple", "trl-triton": "tab:brown"}
 
 
-def plots(rows: list[dict], out_dir: pathlib.Path, stem: str) -> list[pathlib.Path]:
+NEED_FULL_GRID = ("line plots against N need a shape run at two or more N: run the full grid "
+                  "(--bench-grid full or GRPO_BENCH_GRID=full), then the report again")
+
+
+def plots(rows: list[dict], out_dir: pathlib.Path, stem: str) -> tuple[list[pathlib.Path], list[str]]:
+    """(PNG files written, notes for the report): bar charts per case and, where the grid allows, line plots."""
+    from .report import PATH_TITLES
+
+    if not any(r.get("path") in PATH_TITLES for r in rows):
+        return [], []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], ["matplotlib not installed: no plots (the tables are complete; pip install matplotlib)"]
+    written = _bar_charts(plt, rows, out_dir, stem)
+    lines = _line_plots(plt, rows, out_dir, stem)
+    return written + lines, ([] if lines else [NEED_FULL_GRID])
+
+
+def _bar_charts(plt, rows: list[dict], out_dir: pathlib.Path, stem: str) -> list[pathlib.Path]:
+    from .report import CASES, MODE_TITLES, PATH_TITLES, VARIANT_TITLES, excluded_from_best, shape_id
+
+    cases = defaultdict(list)
+    for r in rows:
+        if r.get("path") in PATH_TITLES:
+            cases[(r["path"], r.get("variant", "valid"), r["mode"])].append(r)
+    order = {c: i for i, c in enumerate(CASES)}
+    written = []
+    for path in PATH_TITLES:
+        keys = sorted((c for c in cases if c[0] == path), key=lambda c: (order.get(c, len(order)), c))
+        if not keys:
+            continue
+        fig, axes = plt.subplots(len(keys), 2, figsize=(11, 2.6 * len(keys) + 0.8), squeeze=False)
+        for i, key in enumerate(keys):
+            largest = max((r["N"] * max(r["H"], 1) * r["V"], r["N"]) for r in cases[key])
+            rs = sorted((r for r in cases[key] if (r["N"] * max(r["H"], 1) * r["V"], r["N"]) == largest),
+                        key=lambda r: (not r["provider"].startswith("ours"), r["provider"]))
+            names = [r["provider"] + (" †" if excluded_from_best(r) else "") for r in rs]
+            colors = [_COLORS.get(r["provider"], "tab:gray") for r in rs]
+            times = [r["median_s"] * 1e3 for r in rs]
+            mems = [(r.get("peak_mem_bytes") or 0) / (1 << 20) for r in rs]
+            for j, (values, label) in enumerate(((times, "median time (ms)"), (mems, "peak memory above inputs (MiB)"))):
+                ax = axes[i][j]
+                ax.barh(range(len(rs)), values, color=colors)
+                ax.set_yticks(range(len(rs)), names, fontsize=8)
+                ax.invert_yaxis()
+                ax.set_xlabel(label, fontsize=8)
+                ax.set_title(f"{path}, {VARIANT_TITLES.get(key[1], key[1])}: {MODE_TITLES.get(key[2], key[2])}, "
+                             f"{shape_id(rs[0])}", fontsize=9)
+                ax.grid(True, axis="x", alpha=0.3)
+        dev = rows[0].get("device", "?")
+        fig.suptitle(f"{PATH_TITLES[path]}\n{dev} {rows[0].get('dtype', '')} (shorter is better; "
+                     "† gradients computed in the forward)", fontsize=10)
+        fig.tight_layout()
+        name = f"{stem}_bars_{path}.png"
+        fig.savefig(out_dir / name, dpi=90)
+        plt.close(fig)
+        written.append(out_dir / name)
+    return written
+
+
+def _line_plots(plt, rows: list[dict], out_dir: pathlib.Path, stem: str) -> list[pathlib.Path]:
     from .report import MODE_ORDER, MODE_TITLES, PATH_TITLES, excluded_from_best
 
     groups = defaultdict(list)
@@ -22,16 +88,6 @@ def plots(rows: list[dict], out_dir: pathlib.Path, stem: str) -> list[pathlib.Pa
         if r.get("path") in PATH_TITLES and r.get("variant", "valid") == "valid":
             groups[(r["path"], r["H"], r["V"])].append(r)
     groups = {k: rs for k, rs in groups.items() if len({r["N"] for r in rs}) > 1}
-    if not groups:
-        return []
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plots (the tables are complete)", file=sys.stderr)
-        return []
     written = []
     for (path, H, V), rs in sorted(groups.items()):
         modes = [m for m in MODE_ORDER if any(r["mode"] == m for r in rs)]

@@ -1,7 +1,8 @@
 """Who is benchmarked: grpo-kernels and its peers, each a builder of a zero-argument callable per path.
 
 A builder takes a ``harness.Case`` and returns ``fn()`` giving the scalar loss (paths "linear" and "logits") or the
-(B, T) log-probs (path "logprob", called under ``torch.no_grad()``). All providers use ``harness.CONFIG``
+(B, T) log-probs (path "logprob", and key "logits_nograd": the logits path's no-grad forward, which computes
+log-probs and entropy from the logits; both called under ``torch.no_grad()``). All providers use ``harness.CONFIG``
 (dapo, beta 0.04 with reference log-probs, eps 0.2/0.2, bias-corrected KL, temperature 1) and get the case's mask;
 each declares the work it does (``work.WorkDecl``: how its lm_head runs, which rows it computes), read from its
 own code, so the report's rates count what each one really computes. Providers that can skip padded rows are
@@ -25,7 +26,7 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.reference import logprobs_and_entropy, loss_from_logps, reference_grpo_loss
 
-from .harness import CONFIG, Case, Settings, Shape
+from .harness import CONFIG, Case, Settings, Shape, builder_key
 from .work import WorkDecl
 
 # trl 1.16 trainer/utils.py: _CHUNKED_LOGPROB_CHUNK_SIZE, the vocabulary width of TRL's projection tiles.
@@ -62,7 +63,7 @@ class Provider:
                 return f"needs {module.split('.')[0]}: {type(exc).__name__}: {exc}"
         if path in self.triton and not s.cuda:
             if not s.interpret:
-                return (f"needs CUDA: {self.name} runs Triton kernels and there is no CUDA device "
+                return ("needs CUDA: runs Triton kernels and there is no CUDA device "
                         "(--bench-interpret runs them on the Triton CPU interpreter at the smallest shape)")
             if not shape.interp:
                 return "Triton CPU interpreter: only at the smallest (interp) shape"
@@ -93,6 +94,11 @@ def _eager_logprob(hidden, weight, ids):
     return logprobs_and_entropy(hidden @ weight.T, ids, CONFIG.temperature)[0]
 
 
+def _eager_logits_nograd(logits, ids):
+    logp, entropy = logprobs_and_entropy(logits, ids, CONFIG.temperature)
+    return logp, entropy
+
+
 def _loss_args(case: Case):
     return case.ids, case.advantages, case.mask, case.old_logps, case.ref_logps
 
@@ -110,7 +116,11 @@ def _eager_builders(wrap):
     def logprob(c):
         f = wrap("logprob", _eager_logprob)
         return lambda: f(c.hidden, c.weight, c.ids)
-    return {"linear": linear, "logits": logits, "logprob": logprob}
+
+    def logits_nograd(c):
+        f = wrap("logits_nograd", _eager_logits_nograd)
+        return lambda: f(c.logits, c.ids)[0]
+    return {"linear": linear, "logits": logits, "logprob": logprob, "logits_nograd": logits_nograd}
 
 
 _COMPILED: dict = {}
@@ -134,6 +144,9 @@ def _ours_builders(impl: str, **overrides):
         "logits": lambda c: lambda: gk.grpo_loss(c.logits, c.ids, c.advantages, impl=impl, **_cfg_args(c),
                                                  **overrides)[0],
         "logprob": lambda c: lambda: gk.linear_token_logprobs(c.hidden, c.weight, c.ids, impl=impl, mask=c.mask),
+        # under no_grad: the plain forward sweep (log-probs + entropy), never the gradient-in-forward kernel
+        "logits_nograd": lambda c: lambda: gk.token_logprobs(c.logits, c.ids, CONFIG.temperature,
+                                                             return_entropy=True, impl=impl)[0],
     }
 
 
@@ -192,6 +205,26 @@ def _liger_triton_logits(case: Case):
     return fn
 
 
+def _liger_triton_logits_nograd(case: Case):
+    from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+
+    B, T, V = case.logits.shape
+    if "liger_logits" not in case.extra:  # shared with the loss above: (B, T+1, V), the last position unread
+        buf = torch.zeros(B, T + 1, V, dtype=case.dtype, device=case.device)
+        case.extra["liger_logits"] = buf.requires_grad_(True)
+    logits = case.extra["liger_logits"]
+
+    def fn():
+        return fused_selective_log_softmax(logits.detach(), case.ids, temperature=CONFIG.temperature,
+                                           mask=case.mask)
+
+    def prepare():  # untimed: the buffer may hold d logits of an in-place backward of the loss benchmark
+        with torch.no_grad():
+            logits[:, :T].copy_(case.logits)
+    fn.prepare = prepare
+    return fn
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # TRL
 
@@ -232,6 +265,13 @@ def _trl_chunked_logprob(case: Case):
                            TRL_VOCAB_CHUNK, None, 1.0, ())[0].view(B, T)
 
 
+def _trl_triton_logits_nograd(case: Case):
+    from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
+
+    return lambda: selective_log_softmax_and_entropy(case.logits, case.ids, temperature=CONFIG.temperature,
+                                                     row_mask=case.mask)[0]
+
+
 def _trl_triton_logits(case: Case):
     from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
 
@@ -257,9 +297,12 @@ OURS = Provider("ours", "ours", _ours_builders("auto"), triton_on_cuda=("linear"
                 notes={"linear": "impl=auto: Triton on CUDA (gradients in the forward, 6NHV), chunked torch on CPU",
                        "logits": "impl=auto: Triton on CUDA (d logits written by the forward kernel), chunked torch "
                                  "on CPU",
-                       "logprob": "impl=auto under no_grad, mask= (valid rows only)"})
-OURS_LIGHT = Provider("ours-light", "ours", _ours_builders("triton", grad_in_forward=False), triton=("linear",
-                                                                                                     "logits"),
+                       "logprob": "impl=auto under no_grad, mask= (valid rows only)",
+                       "logits_nograd": "token_logprobs(return_entropy=True) under no_grad: the plain forward "
+                                        "sweep (Triton on CUDA, chunked torch on CPU)"})
+# Under no_grad the light path is ours (no gradient anywhere): no "logits_nograd" entry.
+OURS_LIGHT = Provider("ours-light", "ours", {k: b for k, b in _ours_builders("triton", grad_in_forward=False).items()
+                                            if k != "logits_nograd"}, triton=("linear", "logits"),
                       work=WorkDecl("recompute", {"linear": "always", "logits": "triton"},
                                     exact_logits_traffic="triton", source=_OURS_SRC),
                       only=(("valid", "fwdbwd"), ("valid", "fwd"), ("valid", "bwd"), ("padded", "fwdbwd")),
@@ -277,15 +320,17 @@ OURS_INTERP = Provider("ours-triton-interp", "ours", _ours_builders("triton"), t
                                      linear_triton="gemm-in-forward", logits_in_forward="triton",
                                      exact_logits_traffic="triton", source=_OURS_SRC),
                        grads_in_forward_on_triton=("linear", "logits"),
-                       notes={p: "impl=triton under TRITON_INTERPRET=1" for p in ("linear", "logits", "logprob")})
+                       notes={p: "impl=triton under TRITON_INTERPRET=1"
+                              for p in ("linear", "logits", "logprob", "logits_nograd")})
 _EAGER_WORK = WorkDecl("materialize", exact_logits_traffic="never",
                        source="hidden @ W.T kept for autograd (no recompute); several passes over the logits")
 EAGER = Provider("eager", "peer", _eager_builders(lambda path, f: f), work=_EAGER_WORK,
                  notes={"linear": "reference_grpo_loss(hidden @ W.T): full logits",
-                        "logits": "reference_grpo_loss", "logprob": "logprobs_and_entropy(hidden @ W.T)"})
+                        "logits": "reference_grpo_loss", "logprob": "logprobs_and_entropy(hidden @ W.T)",
+                        "logits_nograd": "logprobs_and_entropy(logits)"})
 COMPILE = Provider("compile", "peer", _eager_builders(_compiled), work=_EAGER_WORK,
                    notes={p: "torch.compile of the eager provider (compilation untimed)"
-                          for p in ("linear", "logits", "logprob")})
+                          for p in ("linear", "logits", "logprob", "logits_nograd")})
 LIGER_CHUNKED = Provider(
     "liger-chunked", "peer", {"linear": _liger_chunked_linear, "logprob": _liger_chunked_logprob},
     requires=("liger_kernel.chunked_loss",), grads_in_forward=("linear",),
@@ -297,13 +342,16 @@ LIGER_CHUNKED = Provider(
     notes={"linear": "LigerFusedLinearGRPOLoss (chunk_size=1, compiled on CUDA only); computes the gradients "
                      "inside its forward",
            "logprob": "LigerFusedLinearPPOBase.chunk_forward (log-probs only)"})
-LIGER_TRITON = Provider("liger-triton", "peer", {"logits": _liger_triton_logits},
+LIGER_TRITON = Provider("liger-triton", "peer", {"logits": _liger_triton_logits,
+                                                 "logits_nograd": _liger_triton_logits_nograd},
                         requires=("liger_kernel.transformers.grpo_loss",), triton=("logits",),
                         work=WorkDecl(skips_padded={"logits": "always"},
                                       source="liger_kernel/ops/grpo_loss.py: one read per valid row forward; "
                                              "backward reads valid rows, writes d logits (zeros at padding) "
                                              "in place"),
-                        notes={"logits": "triton_grpo_loss(inplace=True, reduce=True) on (B, T+1, V) logits"})
+                        notes={"logits": "triton_grpo_loss(inplace=True, reduce=True) on (B, T+1, V) logits",
+                               "logits_nograd": "fused_selective_log_softmax on (B, T+1, V) logits: log-probs only "
+                                                "(Liger has no no-grad entropy kernel)"})
 TRL_CHUNKED = Provider("trl-chunked", "peer", {"linear": _trl_chunked_linear, "logprob": _trl_chunked_logprob},
                        requires=("trl.kernels.chunked_logprob",),
                        work=WorkDecl("recompute", source="trl/kernels/chunked_logprob.py: forward GEMM per "
@@ -311,12 +359,14 @@ TRL_CHUNKED = Provider("trl-chunked", "peer", {"linear": _trl_chunked_linear, "l
                                      "(dW skipped for a frozen head); no mask: all rows"),
                        notes={"linear": "ChunkedLogProbFunction(outputs=('entropy',)) + loss_from_logps",
                               "logprob": "ChunkedLogProbFunction(outputs=()) (log-probs only)"})
-TRL_TRITON = Provider("trl-triton", "peer", {"logits": _trl_triton_logits},
+TRL_TRITON = Provider("trl-triton", "peer", {"logits": _trl_triton_logits,
+                                             "logits_nograd": _trl_triton_logits_nograd},
                       requires=("trl.kernels.logprob_entropy",), triton=("logits",),
                       work=WorkDecl(skips_padded={"logits": "always"},
                                     source="trl/kernels/logprob_entropy.py: one read per valid row (row_mask) "
                                            "forward; backward reads valid rows, writes a new d logits buffer"),
-                      notes={"logits": "selective_log_softmax_and_entropy(row_mask=mask) + loss_from_logps"})
+                      notes={"logits": "selective_log_softmax_and_entropy(row_mask=mask) + loss_from_logps",
+                             "logits_nograd": "selective_log_softmax_and_entropy(row_mask=mask)"})
 
 PROVIDERS = (OURS, OURS_LIGHT, OURS_ATOMIC, OURS_INTERP, EAGER, COMPILE, LIGER_CHUNKED, LIGER_TRITON, TRL_CHUNKED, TRL_TRITON)
 
@@ -325,7 +375,7 @@ def providers_for(path: str, variant: str, mode: str, s: Settings) -> list[Provi
     """Providers benchmarked on this case here; ``ours-triton-interp`` only with --bench-interpret on CPU."""
     out = []
     for p in PROVIDERS:
-        if path not in p.builders:
+        if builder_key(path, mode) not in p.builders:
             continue
         if p is OURS_INTERP and (s.cuda or not s.interpret):
             continue

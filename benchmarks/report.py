@@ -1,15 +1,19 @@
 """Markdown tables (and optional plots) from a pytest-benchmark JSON file of this suite.
 
-    python -m benchmarks.report RESULTS.json [--out DIR] [--no-plots] [--print all|summary]
+    python -m benchmarks.report RESULTS.json [--out DIR] [--no-plots] [--print all|summary] [--e2e E2E.json]
 
-Writes DIR/<stem>.md (DIR defaults to bench-out/, git-ignored) with every table, and prints it (``--print
-summary``: only the summary table, one row per case). One section per (path, variant, mode) of
+Writes DIR/<stem>.md (DIR defaults to the folder of RESULTS.json) with every table, and prints it (``--print
+summary``: only the summary table, one row per case, and the trainer tables). One section per (path, variant, mode) of
 ``harness.CASES``: median time; peak memory above the inputs; both as a ratio to the best *peer* (the fastest /
 leanest provider that is not ours) at the same shape; the rows each provider computed; its work per call from its
 declared work model (``work.py``: matmul FLOPs as a multiple of R*H*V, or logits bytes); the achieved rate and its
 fraction of the ceiling measured in the same run (a bare matmul of the same shape; a device copy of the logits);
 and the loss (or mean log-prob) relative to the eager reference's. Then the benchmarks that did not run, with the
-reason (no CUDA, a peer that failed or ran out of memory, a warm-up over its limit, the time budget).
+reason (no CUDA, a peer that failed or ran out of memory, a warm-up over its limit, the time budget), one line per
+reason. Two trainer tables when their results exist: the time per optimizer step of ``grpo.train`` against TRL's
+GRPOTrainer (``benchmarks/test_trainer_speed.py``, in the same JSON) and the end-to-end GRPO step of
+``benchmarks/e2e_step.py`` (``e2e_step.json`` next to RESULTS.json, or ``--e2e``). Plots (matplotlib): a bar chart
+per case of every run; line plots against N where a shape ran at two or more N (``--bench-grid full``).
 """
 from __future__ import annotations
 
@@ -19,13 +23,15 @@ import pathlib
 import sys
 from collections import defaultdict
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench-out"
 PATH_TITLES = {"linear": "Fused linear head: GRPO loss from hidden (B,T,H) and the lm_head (V,H)",
                "logits": "Logits path: GRPO loss from given (B,T,V) logits",
                "logprob": "Old / reference policy: log-probs from hidden and lm_head under no_grad"}
 MODE_TITLES = {"fwdbwd": "forward + backward", "fwd": "forward", "bwd": "backward (forward untimed)",
                "nograd": "no-grad forward"}
+# what a (path, mode) computes, where it is not the path's title
+CASE_TITLES = {("logits", "nograd"): "Logits path, no-grad forward: per-token log-probs + entropy from given (B,T,V) "
+                                     "logits under torch.no_grad() (an old / reference policy pass; no loss, no "
+                                     "gradient-in-forward kernel)"}
 MODE_ORDER = ("fwdbwd", "fwd", "bwd", "nograd")
 VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens padded",
                   "frozen": "frozen lm_head, every token valid", "longrow": "one long row, every token valid"}
@@ -33,7 +39,7 @@ VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens
 CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
          ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),
          ("linear", "frozen", "fwdbwd"), ("logits", "longrow", "fwdbwd"),
-         ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "fwd"),
+         ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "nograd"),
          ("logits", "valid", "bwd"))
 MEM_RATIO_FLOOR = 1 << 20  # below 1 MiB the best peer's figure is allocator noise, not a denominator
 
@@ -124,11 +130,13 @@ def _rate(r: dict) -> tuple[str, str, bool]:
 
 def section(path: str, variant: str, mode: str, rs: list[dict]) -> list[str]:
     unit = "TFLOP/s" if rs[0]["work_unit"] == "FLOP" else "GB/s"
+    split = mode == "fwdbwd"  # forward and backward peaks of their own
     out = [f"### {path}, {VARIANT_TITLES.get(variant, variant)}: {MODE_TITLES[mode]}", "",
-           f"{PATH_TITLES[path]}.", "",
-           f"| shape | provider | median ms | time / best peer | peak mem | mem / best peer | rows computed | "
-           f"work / call | {unit} | % of ceiling | {'mean log-prob' if path == 'logprob' else 'loss'} check |",
-           "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+           f"{CASE_TITLES.get((path, mode), PATH_TITLES[path])}.", "",
+           f"| shape | provider | median ms | time / best peer | peak mem | mem / best peer | "
+           + ("peak fwd / bwd | " if split else "") + f"rows computed | work / call | {unit} | % of ceiling | "
+           f"{'mean log-prob' if mode == 'nograd' else 'loss'} check |",
+           "|---|---|---:|---:|---:|---:|" + ("---:|" if split else "") + "---:|---|---:|---:|---:|"]
     by_shape = defaultdict(list)
     for r in rs:
         by_shape[(r["N"], r["H"], r["V"])].append(r)
@@ -149,12 +157,16 @@ def section(path: str, variant: str, mode: str, rs: list[dict]) -> list[str]:
             above |= over
             t_ratio = "—" if dagger else _ratio(r["median_s"], best["median_s"] if best else None)
             m_ratio = "—" if dagger else _ratio(r.get("peak_mem_bytes"), best_m, MEM_RATIO_FLOOR)
+            fb = (f"{_mem(r.get('peak_fwd_bytes'))} / {_mem(r.get('peak_bwd_bytes'))} | " if split else "")
             out.append(f"| {shape_id(r)} | {name} | {_ms(r['median_s'])} | {t_ratio} | "
-                       f"{_mem(r.get('peak_mem_bytes'))} | {m_ratio} | {_rows(r)} | {r.get('work_formula', '?')} | "
-                       f"{rate} | {frac} | {_value_check(r, eager)} |")
+                       f"{_mem(r.get('peak_mem_bytes'))} | {m_ratio} | {fb}{_rows(r)} | "
+                       f"{r.get('work_formula', '?')} | {rate} | {frac} | {_value_check(r, eager)} |")
     ceilings = {(shape_id(r), r["ceiling_what"], r["ceiling"]) for r in rs if r.get("ceiling")}
     out += ["", "Ceilings measured in this run: " + "; ".join(
         f"{s}: {w} = {c:.3g} {rs[0]['ceiling_unit']}" for s, w, c in sorted(ceilings)) + "."]
+    if split:
+        out.append("\nPeak fwd / bwd: the forward alone (holding what it saves for the backward) and the backward "
+                   "alone (above the state after the forward), from a separate call.")
     if daggers:
         out.append("\n† computes its gradients inside the forward; its backward only scales them (not counted as a "
                    "peer here).")
@@ -221,17 +233,68 @@ def summary(rows: list[dict], not_run: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _compact_cases(ns: list[dict]) -> str:
+    """"14 (linear 8, logits 6)": how many benchmarks, and how many on each path, instead of listing them."""
+    per_path = defaultdict(int)
+    for n in ns:
+        per_path[n.get("path", "?")] += 1
+    return f"{len(ns)} (" + ", ".join(f"{p} {k}" for p, k in sorted(per_path.items())) + ")"
+
+
 def not_run_table(not_run: list[dict]) -> str:
-    """Benchmarks that did not run, grouped by (provider, status, reason)."""
+    """Benchmarks that did not run: one line per (status, reason), with the providers it hit and a count of cases."""
     if not not_run:
         return "Every benchmark of the run finished.\n"
     groups = defaultdict(list)
     for n in not_run:
-        groups[(n["provider"], n["status"], n["reason"])].append(n)
-    out = ["| provider | status | cases | reason |", "|---|---|---|---|"]
-    for (provider, status, reason), ns in sorted(groups.items()):
-        cases = ", ".join(sorted({f"{n['path']} {n['variant']} {n['mode']} {shape_id(n)}" for n in ns}))
-        out.append(f"| {provider} | {status} | {cases} | {reason.replace('|', '/')} |")
+        groups[(n["status"], n["reason"])].append(n)
+    out = ["| status | reason | providers | benchmarks |", "|---|---|---|---:|"]
+    for (status, reason), ns in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        providers = ", ".join(sorted({n["provider"] for n in ns}))
+        out.append(f"| {status} | {reason.replace('|', '/')} | {providers} | {_compact_cases(ns)} |")
+    return "\n".join(out) + "\n"
+
+
+def trainer_table(rows: list[dict]) -> str:
+    """grpo.train against TRL's GRPOTrainer per optimizer step (benchmarks/test_trainer_speed.py), or ""."""
+    trs = [r for r in rows if r.get("path") == "trainer" and r.get("ours_step_s") and r.get("trl_step_s")]
+    if not trs:
+        return ""
+    out = ["### Trainer step: grpo.train against TRL's GRPOTrainer", "",
+           "Same tiny Llama, task, batch (16 prompts x G = 8, 6 completion tokens), loss (dapo, beta 0.02) and "
+           "optimizer; a step is generation, rewards, reference log-probs, loss forward/backward and the optimizer "
+           "(median over the timed steps; `benchmarks/test_trainer_speed.py`).", "",
+           "| trainer | median step (ms) | / TRL | steps timed | CPU threads |", "|---|---:|---:|---:|---:|"]
+    for r in trs:
+        out.append(f"| grpo.train | {1e3 * r['ours_step_s']:.1f} | {r['ours_step_s'] / r['trl_step_s']:.2f}x | "
+                   f"{r.get('steps_timed', '?')} | {r.get('threads') or '?'} |")
+        out.append(f"| TRL GRPOTrainer | {1e3 * r['trl_step_s']:.1f} | 1.00x | {r.get('steps_timed', '?')} | "
+                   f"{r.get('threads') or '?'} |")
+    return "\n".join(out) + "\n"
+
+
+def e2e_table(e2e: dict | None) -> str:
+    """The end-to-end GRPO step of benchmarks/e2e_step.py (its JSON), or "" when there is none."""
+    if not e2e or not e2e.get("results"):
+        return ""
+    setup, results = e2e.get("setup", {}), e2e["results"]
+    stock = results.get("trl", {}).get("step_s")
+    out = ["### End-to-end GRPO step (`benchmarks/e2e_step.py`)", "",
+           f"{setup.get('model', '?')}, V={setup.get('vocab', '?')}, {setup.get('prompts', '?')} prompts x "
+           f"G={setup.get('G', '?')}, {setup.get('completion_length', '?')} completion tokens, "
+           f"{setup.get('steps', '?')} steps (the first is warm-up); a step is generation, rewards, loss and "
+           "optimizer.", "",
+           "| variant | median step (s) | / TRL stock | peak memory (GiB) |", "|---|---:|---:|---:|"]
+    titles = {"trl": "TRL GRPOTrainer", "trl_patched": "TRL + grpo_kernels.patch_trl()", "grpo_train": "grpo.train"}
+    for variant, r in results.items():
+        name = titles.get(variant, variant)
+        if "skipped" in r:
+            out.append(f"| {name} | not run: {str(r['skipped']).splitlines()[0][:200].replace('|', '/')} | | |")
+            continue
+        ratio = f"{r['step_s'] / stock:.2f}x" if stock else "n/a"
+        peak = r.get("peak_gib")
+        peak = "n/a" if peak is None or peak != peak else f"{peak:.2f}"  # NaN on CPU smoke runs
+        out.append(f"| {name} | {r['step_s']:.3f} | {ratio} | {peak} |")
     return "\n".join(out) + "\n"
 
 
@@ -277,42 +340,87 @@ def header(data: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(data: dict, rows: list[dict], not_run: list[dict]) -> str:
+def trainers(rows: list[dict], e2e: dict | None) -> str:
+    parts = [t for t in (trainer_table(rows), e2e_table(e2e)) if t]
+    return "\n".join(parts)
+
+
+def render(data: dict, rows: list[dict], not_run: list[dict], e2e: dict | None = None) -> str:
+    extra = trainers(rows, e2e)
     return (header(data, rows) + "\n### Summary: ours against the fastest peer\n\n" + summary(rows, not_run)
-            + "\n" + tables(rows) + "\n### Not run\n\n" + not_run_table(not_run))
+            + ("\n" + extra if extra else "") + "\n" + tables(rows) + "\n### Not run\n\n"
+            + not_run_table(not_run))
+
+
+def load_e2e(results: pathlib.Path, explicit: pathlib.Path | None) -> dict | None:
+    """benchmarks/e2e_step.py's JSON: ``explicit``, else e2e_step.json next to the results; None when absent."""
+    path = explicit if explicit is not None else results.parent / "e2e_step.json"
+    if not path.is_file():
+        if explicit is not None:
+            raise SystemExit(f"--e2e {path}: no such file")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--e2e {path}: not a JSON file of benchmarks/e2e_step.py ({exc})")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", type=pathlib.Path, help="pytest-benchmark --benchmark-json output")
-    ap.add_argument("--out", type=pathlib.Path, default=OUT, help="output folder (default bench-out/)")
-    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--out", type=pathlib.Path, default=None,
+                    help="output folder (default: the folder of the results file)")
+    ap.add_argument("--no-plots", action="store_true", help="write no PNG (the tables are complete without them)")
     ap.add_argument("--print", dest="show", choices=("all", "summary"), default="all",
                     help="what to print (the file always has everything)")
+    ap.add_argument("--e2e", type=pathlib.Path, default=None,
+                    help="results of benchmarks/e2e_step.py (default: e2e_step.json next to the results, if any)")
     args = ap.parse_args(argv)
-    data, rows, not_run = load(args.results)
-    if not any(r.get("path") in PATH_TITLES for r in rows) and not not_run:
+    try:
+        data, rows, not_run = load(args.results)
+    except OSError as exc:
+        print(f"{args.results}: cannot read ({exc.strerror or type(exc).__name__})", file=sys.stderr)
+        return 1
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"{args.results}: not a pytest-benchmark JSON file ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 1
+    e2e = load_e2e(args.results, args.e2e)
+    if not any(r.get("path") in PATH_TITLES or r.get("path") == "trainer" for r in rows) and not not_run:
         print(f"{args.results}: no benchmark of this suite in the file", file=sys.stderr)
         return 1
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.results.parent if args.out is None else args.out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"--out {out}: cannot create the folder ({exc.strerror or type(exc).__name__})", file=sys.stderr)
+        return 1
     stem = args.results.stem
-    md = render(data, rows, not_run)
-    pngs = []
+    md = render(data, rows, not_run, e2e)
+    pngs, plot_notes = [], []
     if not args.no_plots:
         from .plots import plots
-        pngs = plots(rows, args.out, stem)
-    if pngs:
-        md += "\nPlots: " + ", ".join(f"`{p.name}`" for p in pngs) + "\n"
-    (args.out / f"{stem}.md").write_text(md)
+        pngs, plot_notes = plots(rows, out, stem)
+    if pngs or plot_notes:
+        md += "\n### Plots\n\n" + "".join(f"- `{p.name}`\n" for p in pngs) + "".join(f"- {n}\n" for n in plot_notes)
+    try:
+        (out / f"{stem}.md").write_text(md)
+    except OSError as exc:
+        print(f"--out {out}: cannot write {stem}.md ({exc.strerror or type(exc).__name__})", file=sys.stderr)
+        return 1
     if args.show == "summary":
         first = next((r for r in rows if r.get("path") in PATH_TITLES), {})
         print(f"Benchmark summary: {first.get('device', '?')} ({first.get('dtype', '?')}), torch "
               f"{first.get('torch', '?')}, triton {first.get('triton', '?')}; all tables in "
-              f"{args.out / (stem + '.md')}\n")
+              f"{out / (stem + '.md')}\n")
         print(summary(rows, not_run))
+        extra = trainers(rows, e2e)
+        if extra:
+            print(extra)
     else:
         print(md)
-    print(f"wrote {args.out / (stem + '.md')}" + "".join(f"\nwrote {p}" for p in pngs), file=sys.stderr)
+    for note in plot_notes:
+        print(note, file=sys.stderr)
+    print(f"wrote {out / (stem + '.md')}" + "".join(f"\nwrote {p}" for p in pngs), file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Logits path: GRPO loss from given (B, T, V) logits: forward + backward, forward, backward, a padded batch and
-one long row (cases in ``harness.CASES``)."""
+"""Logits path: GRPO loss from given (B, T, V) logits: forward + backward, backward, a padded batch and one long
+row; and the no-grad forward (log-probs + entropy under ``torch.no_grad()``, no loss) (cases in ``harness.CASES``)."""
 import pytest
 
 from . import harness

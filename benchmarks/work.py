@@ -13,7 +13,8 @@ Every provider declares (``providers.py``, field ``work``) how it runs the lm_he
   | ``gemm-in-forward`` (ours on Triton: per chunk logits, then dH and dW from the same chunk) | 6 | 0 | 6 | 4 |
 
   and 2 for the no-grad log-probs (one GEMM) whatever the strategy.
-- logits path: **bytes of B x T x V traffic**: forward reads each computed row once; backward reads each computed
+- logits path: **bytes of B x T x V traffic**: forward (and the no-grad forward: log-probs + entropy under
+  ``torch.no_grad()``, no gradient-in-forward kernel for anyone) reads each computed row once; backward reads each computed
   row once and writes d logits for every row (zeros at skipped rows). That is exactly what the one-sweep Triton
   kernels (Liger's, TRL's, ours with ``grad_in_forward=False``) do; for eager, torch.compile and our chunked CPU
   path, which make several passes, it is a lower bound (``exact=False``), so their rate and "% of ceiling" are
@@ -105,7 +106,9 @@ def work(decl: WorkDecl, path: str, mode: str, *, N: int, H: int, V: int, valid_
     """The work of one call of ``mode`` ("fwd", "bwd", "fwdbwd", "nograd") on ``path``."""
     R = rows_computed(decl, path, N, valid_rows, triton)
     if path == "logits":
-        if _holds(decl.logits_in_forward, triton):
+        if mode == "nograd":  # one read per computed row; no gradient, so no d logits written by anyone
+            reads, writes, exact = 1, 0, _holds(decl.exact_logits_traffic, triton)
+        elif _holds(decl.logits_in_forward, triton):
             reads, writes = (0, 0) if mode == "bwd" else (1, 1)
             exact = False
         else:

@@ -1,11 +1,39 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install grpo-kernels with its train, test and bench extras.
-# torch is installed first and pinned (constraints.txt), so a CPU machine gets the CPU build and never the
-# multi-GB CUDA one. Idempotent: a second run only checks what is installed.
+# torch first, from where scripts/torch_source.sh decides (docs/install.md):
+#   - no NVIDIA driver: the CPU build from PyTorch's CPU wheel index ($TORCH_CPU_INDEX, ~190 MB); if that index
+#     cannot be reached (10 s timeout, no retries) the default index, where a configured local wheel folder may
+#     serve it;
+#   - an NVIDIA driver: a CUDA build of torch already installed is left alone (and torch / triton are then not
+#     pinned by constraints.txt); otherwise torch==2.13.0 from the default index (the CUDA build on Linux);
+#   - the pinned torch already installed: nothing.
+# Then `pip install -e ".[train,test,bench]"` pinned by constraints.txt. Idempotent: a second run only checks.
+# Knobs: PYTHON (python3, for the venv), TORCH_CPU_INDEX, SETUP_PIP (the pip command; tests replace it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.13.0
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[train,test,bench]"
+PIP=${SETUP_PIP:-.venv/bin/python -m pip}
+read -r action reason < <(bash scripts/torch_source.sh .venv/bin/python "$TORCH_VERSION")
+echo "torch: $reason"
+constraints=constraints.txt
+case $action in
+    keep) ;;
+    keep-cuda)
+        constraints=$(mktemp)
+        trap 'rm -f "$constraints"' EXIT
+        grep -vE '^(torch|triton)==' constraints.txt > "$constraints" ;;
+    cpu)
+        mkdir -p .venv/logs
+        if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --index-url "$TORCH_CPU_INDEX" \
+                "torch==$TORCH_VERSION" > .venv/logs/torch-cpu-index.log 2>&1; then
+            echo "torch: $TORCH_CPU_INDEX not reachable (.venv/logs/torch-cpu-index.log); trying the default index"
+            $PIP install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+        fi ;;
+    default) $PIP install -q --disable-pip-version-check "torch==$TORCH_VERSION" ;;
+    *) echo "scripts/torch_source.sh: unexpected answer '$action $reason'" >&2; exit 1 ;;
+esac
+$PIP install -q --disable-pip-version-check -c "$constraints" -e ".[train,test,bench]"
 .venv/bin/python -c "import torch, triton, trl, liger_kernel, grpo_kernels; print('grpo-kernels ready: torch', torch.__version__, 'triton', triton.__version__, 'trl', trl.__version__)"

@@ -236,3 +236,189 @@ def test_a_failing_first_choice_falls_back_and_says_so(monkeypatch):
                                            "GuardOnDataDependentSymNode: compiled loss failed)"
         assert bench.extra_info["work_formula"] == "6RHV" and bench.extra_info["rows"] == SHAPE.N
     assert [(n["provider"], n["status"]) for n in harness.NOT_RUN] == [("flaky [compiled=True]", "failed")]
+
+
+def test_not_run_is_one_line_per_reason():
+    cuda = "needs CUDA: runs Triton kernels and there is no CUDA device"
+    not_run = [dict(path=p, variant=v, mode=m, provider=prov, provider_kind="peer", N=24, H=16 if p != "logits" else 0,
+                    V=96, T=8, status="cannot run here", reason=cuda)
+               for prov in ("liger-triton", "trl-triton", "ours-light") for p, v, m in report.CASES]
+    not_run.append(dict(not_run[0], provider="compile", status="timed out", reason="warm-up exceeded its 60 s limit"))
+    table = report.not_run_table(not_run).splitlines()
+    assert len(table) == 4, table  # header, rule, one line per (status, reason)
+    assert table[2] == (f"| cannot run here | {cuda} | liger-triton, ours-light, trl-triton | "
+                        f"{3 * len(report.CASES)} (linear 15, logits 15, logprob 6) |")
+    assert table[3] == "| timed out | warm-up exceeded its 60 s limit | compile | 1 (linear 1) |"
+
+
+def _trainer_bench():
+    return {"stats": {"median": 30.0, "min": 30.0, "rounds": 1},
+            "extra_info": dict(path="trainer", provider="grpo.train vs trl.GRPOTrainer", mode="train_step",
+                               ours_step_s=0.125, trl_step_s=0.5, ratio=0.25, threads=1, steps_timed=24)}
+
+
+E2E = {"setup": {"model": "tiny-shaped Qwen2, random init", "vocab": 512, "G": 8, "prompts": 2,
+                 "completion_length": 16, "steps": 3},
+       "results": {"trl": {"step_s": 2.0, "steps": [3.0, 2.0, 2.0], "peak_gib": 10.0},
+                   "trl_patched": {"step_s": 1.5, "steps": [2.5, 1.5, 1.5], "peak_gib": 8.0},
+                   "grpo_train": {"skipped": "timed out after 80 s"}}}
+
+
+def test_report_has_the_trainer_and_end_to_end_tables(tmp_path, capsys):
+    """The trainer-vs-TRL step (benchmarks/test_trainer_speed.py) and e2e_step.json next to the results."""
+    benches = [_bench("linear", "valid", "fwdbwd", OURS, 8e-3, ceiling=1.0), _trainer_bench()]
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps({"benchmarks": benches, "grpo_not_run": []}))
+    assert report.main([str(src), "--no-plots"]) == 0  # output next to the JSON by default
+    md = (tmp_path / "run.md").read_text()
+    assert "| grpo.train | 125.0 | 0.25x | 24 | 1 |" in md and "| TRL GRPOTrainer | 500.0 | 1.00x | 24 | 1 |" in md
+    assert "End-to-end" not in md  # no e2e_step.json yet
+    (tmp_path / "e2e_step.json").write_text(json.dumps(E2E))
+    capsys.readouterr()
+    assert report.main([str(src), "--no-plots", "--print", "summary"]) == 0
+    printed = capsys.readouterr().out
+    for text in (printed, (tmp_path / "run.md").read_text()):
+        assert "| TRL GRPOTrainer | 2.000 | 1.00x | 10.00 |" in text
+        assert "| TRL + grpo_kernels.patch_trl() | 1.500 | 0.75x | 8.00 |" in text
+        assert "| grpo.train | not run: timed out after 80 s | | |" in text
+        assert "| grpo.train | 125.0 | 0.25x |" in text
+    with pytest.raises(SystemExit, match="--e2e .*missing.json: no such file"):
+        report.main([str(src), "--no-plots", "--e2e", str(tmp_path / "missing.json")])
+
+
+def test_report_errors_are_one_line(tmp_path, capsys):
+    assert report.main([str(tmp_path / "absent.json")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"{tmp_path / 'absent.json'}: cannot read (No such file "
+                                                            "or directory)"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert report.main([str(bad)]) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_quick_grid_draws_bar_charts_and_says_line_plots_need_the_full_grid(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plots import NEED_FULL_GRID, plots
+
+    benches = [_bench("linear", "valid", "fwdbwd", p, t, ceiling=1.0) for p, t in ((OURS, 8e-3), (EAGER, 9e-3))]
+    benches += [_bench("logits", "valid", "nograd", p, t, ceiling=1.0) for p, t in ((OURS, 1e-3), (EAGER, 2e-3))]
+    rows = report.load(_write(tmp_path / "q.json", benches))[1]
+    written, notes = plots(rows, tmp_path, "q")
+    assert sorted(p.name for p in written) == ["q_bars_linear.png", "q_bars_logits.png"]
+    assert all(p.stat().st_size > 5000 for p in written) and notes == [NEED_FULL_GRID]
+    # two N for one shape: the line plot appears and the note goes away
+    more = [dict(b, extra_info=dict(b["extra_info"], N=48, B=6)) for b in benches[:2]]
+    written, notes = plots(report.load(_write(tmp_path / "f.json", benches + more))[1], tmp_path, "f")
+    assert "f_linear_H16_V96.png" in [p.name for p in written] and notes == []
+
+
+def _write(path, benches):
+    path.write_text(json.dumps({"benchmarks": benches, "grpo_not_run": []}))
+    return path
+
+
+def test_logits_forward_case_is_the_no_grad_pass_for_every_provider(monkeypatch):
+    """("logits", "valid", "nograd") replaces the old forward case: log-probs + entropy under no_grad, the same
+    mean log-prob for every provider, one read of the logits as its work, no gradient anywhere."""
+    assert ("logits", "valid", "nograd") in harness.CASES and ("logits", "valid", "fwd") not in harness.CASES
+    assert report.CASES == harness.CASES
+    s = harness.Settings(device=torch.device("cpu"), dtype=torch.float32, grid="quick", rounds=1, warmup=0,
+                         interpret=False, budget_s=None, warmup_limit_s=60)
+    from benchmarks.providers import providers_for
+    names = [p.name for p in providers_for("logits", "valid", "nograd", s)]
+    assert names == ["ours", "eager", "compile", "liger-triton", "trl-triton"]  # ours-light is ours under no_grad
+    monkeypatch.setattr(harness, "SETTINGS", s)
+    monkeypatch.setattr(harness, "NOT_RUN", [])
+    shape = harness.Shape(SHAPE.N, 0, SHAPE.V, SHAPE.T)
+    values = {}
+    for provider in (OURS, EAGER):
+        bench = _FakeBenchmark()
+        harness.run(bench, "logits", "valid", shape, provider, "nograd")
+        info = bench.extra_info
+        assert info["mode"] == "nograd" and not info["grads_in_forward"]
+        assert info["work_formula"].startswith("RV read") and info["work"] == 4 * SHAPE.V * SHAPE.N
+        assert harness.get_case("logits", shape).logits.grad is None
+        values[provider.name] = info["value"]
+    assert values["ours"] == pytest.approx(values["eager"], rel=1e-6) and values["ours"] < 0
+
+
+def test_forward_and_backward_peaks_are_recorded(monkeypatch):
+    monkeypatch.setattr(harness, "SETTINGS", harness.Settings(
+        device=torch.device("cpu"), dtype=torch.float32, grid="quick", rounds=1, warmup=0, interpret=False,
+        budget_s=None, warmup_limit_s=60))
+    monkeypatch.setattr(harness, "NOT_RUN", [])
+    for mode, keys in (("fwdbwd", {"peak_mem_bytes", "peak_fwd_bytes", "peak_bwd_bytes"}),
+                       ("fwd", {"peak_mem_bytes", "peak_fwd_bytes"}), ("bwd", {"peak_mem_bytes", "peak_bwd_bytes"})):
+        bench = _FakeBenchmark()
+        harness.run(bench, "linear", "valid", SHAPE, EAGER, mode)
+        got = {k for k in bench.extra_info if k.startswith("peak_")}
+        assert got == keys, (mode, got)
+        if harness.probes.memory_method(torch.device("cpu")) != "unavailable":
+            assert all(isinstance(bench.extra_info[k], int) for k in keys)
+
+
+def test_a_results_file_that_cannot_be_written_at_the_end_is_one_line(capsys):
+    """pytest-benchmark writes the JSON at the very end; a failure there is one ERROR line and exit status 1."""
+    from benchmarks import conftest as bench_conftest
+
+    class BenchSession:
+        json, benchmarks = "gone/run.json", []
+
+        def save_json(self, output_json):
+            raise FileNotFoundError(2, "No such file or directory", self.json)
+
+    class Config:
+        _benchmarksession = BenchSession()
+
+    class Session:
+        config, exitstatus = Config(), 0
+
+    session = Session()
+    bench_conftest.pytest_sessionstart(session)
+    session.config._benchmarksession.save_json({})  # what pytest-benchmark's finish() calls
+    wrapper = bench_conftest.pytest_sessionfinish(session, 0)
+    next(wrapper)
+    with pytest.raises(StopIteration):
+        wrapper.send(None)
+    assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
+    assert capsys.readouterr().err == ("ERROR: --benchmark-json gone/run.json: results not written (No such file or "
+                                       "directory)\n")
+
+
+@pytest.mark.interpreter
+def test_no_grad_logits_builders_agree_on_the_triton_kernels():
+    """The no-grad logits builders of the Triton providers (ours with impl=triton, Liger's, TRL's: the CUDA providers
+    of that case) give the eager reference's log-probs, here on the Triton CPU interpreter."""
+    from benchmarks.providers import OURS_INTERP
+
+    shape = harness.Shape(N=16, H=0, V=100, T=8)
+    case = harness._build_case("logits", shape, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        want = EAGER.builders["logits_nograd"](case)()
+        assert want.shape == (2, 8) and torch.isfinite(want).all()
+        for provider in (OURS_INTERP, LIGER_TRITON, TRL_TRITON):
+            for module in provider.requires:
+                pytest.importorskip(module)
+            fn = provider.builders["logits_nograd"](case)
+            harness._prepare(fn)
+            torch.testing.assert_close(fn(), want, rtol=1e-5, atol=1e-5, msg=provider.name)
+
+
+def test_fp32_gemm_line_of_the_gpu_check():
+    """benchmarks/fp32_gemm_check.py: one line whatever the probe answers, or when its module is missing."""
+    from benchmarks.fp32_gemm_check import describe
+
+    seen = []
+
+    def probe(device):
+        seen.append(device)
+        return {"supported": False, "reason": "TypeError: out_dtype"}
+
+    assert describe(probe, cuda=True) == ("fp32-output GEMM path: NOT taken (fallback); supported=False, "
+                                          "reason=TypeError: out_dtype")
+    assert seen == [torch.device("cuda")]
+    assert describe(lambda d: {"taken": True}, cuda=True) == "fp32-output GEMM path: taken; taken=True"
+    assert describe(lambda d: {"x": 1}, cuda=True).startswith("fp32-output GEMM path: unknown (no verdict key")
+    assert describe(probe, cuda=False) == "fp32-output GEMM path: not applicable (no CUDA device)"
+    line = describe()  # the real module: present (this machine's verdict) or not yet in the tree
+    assert line.startswith("fp32-output GEMM path: ") and "\n" not in line

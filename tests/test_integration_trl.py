@@ -284,3 +284,37 @@ def test_bf16_autocast_at_least_as_accurate_as_trl():
     assert ours.dtype == torch.float32 and z.shape[0] == ours.shape[0]
     err_ours, err_theirs = (ours.double() - truth).abs().max(), (theirs.double() - truth).abs().max()
     assert err_ours <= err_theirs + 1e-6 and err_ours < 1e-4
+
+
+def test_patch_returns_a_report_and_logs_one_line(caplog):
+    with caplog.at_level("INFO", logger="grpo_kernels"):
+        report = grpo_kernels.patch_trl()
+    assert isinstance(report, gk_trl.TRLPatchReport) and report.newly_patched and not report.strict
+    assert report.trl_version == trl.__version__
+    assert report.patched == ("trl.trainer.utils._ChunkedLogProbFunction",
+                              "trl.trainer.grpo_trainer.add_fused_lm_head")
+    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 3
+    assert any("final_logit_softcapping" in r.calls and "warned once" in r.why for r in report.fallbacks)
+    text = str(report).splitlines()
+    assert text[0] == (f"grpo_kernels.patch_trl: TRL {trl.__version__} patched (strict=False); swapped: "
+                       "trl.trainer.utils._ChunkedLogProbFunction, trl.trainer.grpo_trainer.add_fused_lm_head")
+    assert len(text) == 3 + len(report.routes) <= 12
+    assert text[3].split()[:2] == ["GRPO/RLOO", "policy"] and "grpo_kernels" in text[3]
+    records = [r for r in caplog.records if r.name == "grpo_kernels"]
+    assert len(records) == 1 and records[0].levelname == "INFO" and "\n" not in records[0].getMessage()
+    assert f"TRL {trl.__version__} patched" in records[0].getMessage()
+    strict = grpo_kernels.patch_trl(strict=True)  # already patched: nothing swapped again, strict reported
+    assert not strict.newly_patched and strict.strict and "ValueError at trainer setup" in str(strict)
+    assert "already patched (strict=True)" in str(strict)
+
+
+def test_patch_as_a_context_manager_restores_trl():
+    before = (trl_utils._ChunkedLogProbFunction, trl_grpo.add_fused_lm_head)
+    with grpo_kernels.patch_trl() as report:
+        assert is_trl_patched() and trl_utils._ChunkedLogProbFunction is TRLLogProbFunction
+        assert report.newly_patched
+        with grpo_kernels.patch_trl() as inner:  # nested: the inner exit keeps the outer patch
+            assert not inner.newly_patched
+        assert is_trl_patched()
+    assert not is_trl_patched()
+    assert (trl_utils._ChunkedLogProbFunction, trl_grpo.add_fused_lm_head) == before

@@ -2,9 +2,13 @@
 
 Usage (before the trainer is built)::
 
-    from grpo_kernels.integrations import patch_trl
-    patch_trl()
+    import grpo_kernels
+    report = grpo_kernels.patch_trl()   # logs one info line; print(report) shows what runs where
     trainer = trl.GRPOTrainer(...)
+    grpo_kernels.unpatch_trl()          # TRL exactly as it was
+
+or scoped: ``with grpo_kernels.patch_trl() as report: ...`` unpatches on exit (unless it was already patched
+before the ``with``). ``patch_trl(strict=True)`` raises where the default warns and falls back (below).
 
 The hook. TRL 1.16's trainers call ``model(..., labels=labels, fused_lm_head=True)`` after
 ``trl.trainer.utils.add_fused_lm_head``; that forward runs the backbone, selects the positions to score, handles
@@ -51,13 +55,18 @@ Sharded heads stay on our kernels:
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import warnings
 
 import torch
 
 from .transformers import _zero3_enabled, cast_to, fused_head_blocker, logit_scale_of
 
-__all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction"]
+__all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction",
+           "TRLPatchReport"]
+
+logger = logging.getLogger("grpo_kernels")
 
 # TRL release series (major.minor) whose fused-LM-head seam this module was written against and tested with.
 SUPPORTED_TRL_VERSIONS = ("1.16",)
@@ -181,13 +190,90 @@ def _targets():
             (grpo, "add_fused_lm_head", _checked_add_fused_lm_head)]
 
 
-def patch_trl(strict: bool = False) -> None:
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One kind of call TRL makes through its fused LM head: where it runs after ``patch_trl`` and why."""
+
+    calls: str
+    runs_on: str  # "grpo_kernels" or "TRL"
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TRLPatchReport:
+    """What ``patch_trl`` did: the TRL version, the names it swapped, and which calls use grpo_kernels and which
+    fall back to TRL's own kernel (and why). ``print(report)`` shows it as a short table.
+
+    Also a context manager: ``with grpo_kernels.patch_trl() as report:`` unpatches TRL on exit, unless it was
+    already patched before this call (``newly_patched`` False), so nested uses keep the outer patch.
+    """
+
+    trl_version: str
+    strict: bool
+    patched: tuple[str, ...]
+    routes: tuple[Route, ...]
+    newly_patched: bool
+
+    @property
+    def kernel_calls(self) -> tuple[Route, ...]:
+        return tuple(r for r in self.routes if r.runs_on == "grpo_kernels")
+
+    @property
+    def fallbacks(self) -> tuple[Route, ...]:
+        return tuple(r for r in self.routes if r.runs_on != "grpo_kernels")
+
+    def __str__(self) -> str:
+        head = (f"grpo_kernels.patch_trl: TRL {self.trl_version} "
+                f"{'patched' if self.newly_patched else 'already patched'} (strict={self.strict}); swapped: "
+                + ", ".join(self.patched))
+        w1 = max(len("calls"), *(len(r.calls) for r in self.routes))
+        w2 = max(len("runs on"), *(len(r.runs_on) for r in self.routes))
+        lines = [head, f"  {'calls':<{w1}}  {'runs on':<{w2}}  why", f"  {'-' * w1}  {'-' * w2}  ---"]
+        lines += [f"  {r.calls:<{w1}}  {r.runs_on:<{w2}}  {r.why}" for r in self.routes]
+        return "\n".join(lines)
+
+    def __enter__(self) -> "TRLPatchReport":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.newly_patched:
+            unpatch_trl()
+
+
+def _backend() -> str:
+    """Which grpo_kernels path the routed calls take on this machine (``resolve_impl``'s rule for impl="auto")."""
+    import os
+
+    forced = os.environ.get("GRPO_KERNELS_IMPL", "")
+    if forced in ("triton", "torch"):
+        return f"impl={forced} (GRPO_KERNELS_IMPL)"
+    here = "CUDA available here" if torch.cuda.is_available() else "no CUDA here"
+    return f"Triton kernels on CUDA tensors, chunked PyTorch on CPU ({here})"
+
+
+def _routes(strict: bool) -> tuple[Route, ...]:
+    refused = "strict: ValueError at trainer setup" if strict else "warned once"
+    return (
+        Route("GRPO/RLOO policy log-probs + entropy", "grpo_kernels", _backend()),
+        Route("reference model log-probs (beta > 0)", "grpo_kernels", "same fused head, no gradient"),
+        Route("ZeRO-3 / FSDP2 sharded lm_head", "grpo_kernels", "TRL gathers the head around the call"),
+        Route("final_logit_softcapping (Gemma 2/3)", "TRL", f"nonlinear, cannot fold into the head; {refused}"),
+        Route("logit scale not a finite number > 0", "TRL", f"cannot fold into the temperature; {refused}"),
+        Route("other outputs (SFT is_top1, DPO mean_logits)", "TRL", "not computed by grpo_kernels; silent"),
+        Route("float64 on a GPU", "TRL", "the Triton kernels take fp32/bf16/fp16; silent"),
+        Route("an empty batch of scored positions", "TRL", "TRL's kernel keeps the graph connected; silent"),
+    )
+
+
+def patch_trl(strict: bool = False) -> TRLPatchReport:
     """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``.
 
     Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
-    do not). Idempotent; ``unpatch_trl()`` restores TRL exactly.
+    do not). Idempotent; ``unpatch_trl()`` restores TRL exactly, as does leaving ``with patch_trl():``.
     strict: raise a ValueError naming the option (soft-capped logits, a logit scale that is not > 0)
         instead of warning and running TRL's own kernel for those calls.
+    Returns a ``TRLPatchReport`` (printable table of what was patched and what runs where) and logs one INFO line
+    on the ``grpo_kernels`` logger.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.
     """
     if not isinstance(strict, bool):
@@ -201,11 +287,19 @@ def patch_trl(strict: bool = False) -> None:
                            f", found TRL {version}; nothing was patched")
     targets = _targets()  # resolve everything before changing anything
     _STATE["strict"] = strict
-    if _ORIGINALS:
-        return
-    for module, name, replacement in targets:
-        _ORIGINALS[(module.__name__, name)] = getattr(module, name)
-        setattr(module, name, replacement)
+    newly = not _ORIGINALS
+    if newly:
+        for module, name, replacement in targets:
+            _ORIGINALS[(module.__name__, name)] = getattr(module, name)
+            setattr(module, name, replacement)
+    report = TRLPatchReport(trl_version=version, strict=strict,
+                            patched=tuple(f"{module.__name__}.{name}" for module, name, _ in targets),
+                            routes=_routes(strict), newly_patched=newly)
+    fallbacks = "; ".join(r.calls for r in report.fallbacks)
+    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s): policy and reference log-probs run on grpo_kernels "
+                "[%s]; TRL's own kernel for: %s", version, "patched" if newly else "already patched", strict,
+                _backend(), fallbacks)
+    return report
 
 
 def unpatch_trl() -> None:
