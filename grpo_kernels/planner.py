@@ -162,7 +162,8 @@ def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool
         return Plan(path=LOGITS_TORCH, reason="impl torch (CPU tensors, or impl='torch')", chunk_rows=rows,
                     token_stage=stage, transient=items, **common)
     if cfg is not None and cfg.grad_in_forward and per_token_gradient_known(cfg) and wants_grad and N > 0:
-        items = (("per-token terms and weights", _per_token_bytes(N, 10)),)
+        # the float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14)
+        items = (("per-token terms and weights", _per_token_bytes(N, 23)),)
         notes = () if inplace else (f"d logits ({_size(grad_copy)}) is the returned gradient; "
                                     "inplace_backward=True writes it into the logits buffer",)
         return Plan(path=LOGITS_FAST, reason="Triton, a token-level configuration (each token's gradient is known "
@@ -178,7 +179,8 @@ def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool
         why = "the loss needs a cross-token statistic before any token's gradient (sequence ratio, vespo, " \
               "off-policy or top-entropy mask)"
     stage = None if cfg is None else ("triton" if per_token_gradient_known(cfg) and N > 0 else "reference")
-    items = (("per-token values", _per_token_bytes(N, 6)),)
+    # log-prob, logsumexp, entropy, and the per-token stage's mask, weights and gradient
+    items = (("per-token values", _per_token_bytes(N, 7)),)
     return Plan(path=LOGITS_SWEEP, reason=f"Triton; {why}", token_stage=stage, transient=items, **common)
 
 

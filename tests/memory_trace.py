@@ -1,8 +1,8 @@
 """Transient memory of a call, traced on CPU from the torch profiler's memory events (allocation address and size).
 
-``transient_peak(fn)``: the largest number of bytes, at any moment while ``fn()`` runs, held by allocations that are
-freed again before it returns. What outlives the call (returned gradients, outputs) is not transient, and
-allocations made before the call (inputs) are not seen: this is exactly ``Plan.transient`` 's definition.
+``transient_peak(fn)``: the largest number of bytes, at any moment while ``fn()`` runs, held by allocations other than
+the tensors the call hands back (outputs, returned gradients); allocations made before the call (inputs) are not
+seen. This is ``Plan.transient``'s definition.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -30,19 +31,25 @@ def memory_events(fn) -> list:
     return [(e["args"]["Addr"], e["args"]["Bytes"]) for e in events]
 
 
-def transient_peak(fn) -> int:
-    """Peak bytes held by allocations made and freed within ``fn()``."""
-    events = memory_events(fn)
-    open_at, freed = {}, set()
+def transient_peak(fn, kept=()) -> int:
+    """Peak bytes held, while ``fn()`` runs, by allocations other than those of the tensors ``fn`` returns or leaves
+    behind on purpose: ``fn()`` returns an iterable of such tensors (outputs, gradients), and ``kept`` adds more.
+    An allocation still alive at the end that is none of them counts as held until the end."""
+    result = []
+    events = memory_events(lambda: result.extend(fn() or ()))
+    keep = {t.untyped_storage().data_ptr() for t in list(result) + list(kept)
+            if isinstance(t, torch.Tensor) and t.numel()}
+    open_at, survivors = {}, set()
     for i, (addr, n) in enumerate(events):
         if n > 0:
             open_at[addr] = i
         elif addr in open_at:
-            freed.add(open_at.pop(addr))
+            open_at.pop(addr)
+    survivors = {i for addr, i in open_at.items() if addr in keep}
     live = peak = 0
     sizes = {}
     for i, (addr, n) in enumerate(events):
-        if n > 0 and i in freed:
+        if n > 0 and i not in survivors:
             sizes[addr] = n
             live += n
             peak = max(peak, live)

@@ -1,0 +1,66 @@
+"""The planner's transient-memory figure (``Plan.transient``) against the allocations traced on CPU with the torch
+profiler's memory events (tests/memory_trace.py), on every path, at two shapes: within 10%.
+
+The Triton paths run on the interpreter with fp32 inputs: for bf16 inputs the CPU stand-ins of the fp32-output
+GEMMs upcast their operands (copies a CUDA run does not make), so a bf16 trace on CPU measures another program. The
+PyTorch paths run in bf16 too (the same code on every device).
+"""
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels.explain import plan_call
+
+from .memory_trace import transient_peak
+
+SHAPES = {"small": (4, 16, 1024, 32), "wide": (2, 24, 1536, 48)}
+PATHS = {  # path: (function, impl, options)
+    "head.fast": ("fused_linear_grpo_loss", "triton", {}),
+    "head.fast_sequence": ("fused_linear_grpo_loss", "triton", {"importance_sampling_level": "sequence"}),
+    "head.light": ("fused_linear_grpo_loss", "triton", {"grad_in_forward": False}),
+    "head.torch": ("fused_linear_grpo_loss", "torch", {}),
+    "head.no_grad": ("linear_token_logprobs", "triton", {}),
+    "logits.fast": ("grpo_loss", "triton", {}),
+    "logits.sweep": ("grpo_loss", "triton", {"grad_in_forward": False}),
+    "logits.torch": ("grpo_loss", "torch", {}),
+}
+
+
+def _args(fn, B, T, V, H, dtype):
+    g = torch.Generator().manual_seed(0)
+    ids, adv = torch.randint(0, V, (B, T), generator=g), torch.randn(B, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, T // 2:] = False
+    if fn == "grpo_loss":
+        return (torch.randn(B, T, V, generator=g).to(dtype).requires_grad_(True), ids, adv, mask)
+    hidden = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) / 4).to(dtype).requires_grad_(True)
+    return (hidden, weight, ids) if fn == "linear_token_logprobs" else (hidden, weight, ids, adv, mask)
+
+
+CASES = [(p, torch.float32) for p in PATHS] + [(p, torch.bfloat16) for p in PATHS if PATHS[p][1] == "torch"]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("path,dtype", CASES, ids=[f"{p}-{str(d)[6:]}" for p, d in CASES])
+def test_planned_transient_memory_matches_the_traced_allocations(path, shape, dtype):
+    name, impl, options = PATHS[path]
+    fn = getattr(gk, name)
+    args = _args(name, *SHAPES[shape], dtype)
+    grad = name != "linear_token_logprobs"
+    with torch.set_grad_enabled(grad):
+        plan = plan_call(fn, *args, impl=impl, **options)
+
+    def run():
+        with torch.set_grad_enabled(grad):
+            if not grad:
+                return [fn(*args, impl=impl)]
+            loss, metrics = fn(*args, impl=impl, **options)
+            loss.backward()
+            return [loss, *metrics.values(), *(a.grad for a in args if isinstance(a, torch.Tensor))]
+
+    traced = transient_peak(run)
+    assert plan.path == path
+    assert traced > 0 and abs(traced - plan.transient_bytes) <= 0.10 * plan.transient_bytes, \
+        f"planned {plan.transient_bytes} B ({plan.transient}), traced {traced} B"
