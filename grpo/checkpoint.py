@@ -173,22 +173,28 @@ def save_checkpoint(output_dir: str, step: int, *, counters: dict, model, tokeni
 
 def _seal(folder: str, step: int, run_settings: dict) -> None:
     """run_settings.json and COMPLETE, fsync of every file and folder, then manifest.json (fsynced) last."""
-    with open(os.path.join(folder, SETTINGS), "w") as f:
-        json.dump(run_settings, f, indent=2, default=str)
-    with open(os.path.join(folder, "COMPLETE"), "w") as f:
-        f.write(f"{step}\n")
+    _write_text(os.path.join(folder, SETTINGS), json.dumps(run_settings, indent=2, default=str))
+    _write_text(os.path.join(folder, "COMPLETE"), f"{step}\n")
     files = {}
     for rel in _files(folder):
         path = os.path.join(folder, rel)
-        fsync_file(path)
+        with writing(path):
+            fsync_file(path)
         files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
     for root, _, _ in os.walk(folder):
-        fsync_dir(root)
-    with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump({"format": 1, "step": step, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(folder)
+        with writing(root):
+            fsync_dir(root)
+    _write_text(os.path.join(folder, MANIFEST), json.dumps({"format": 1, "step": step, "files": files}, indent=1))
+    with writing(folder):
+        fsync_dir(folder)
+
+
+def _write_text(path: str, text: str) -> None:
+    with writing(path):
+        with open(path, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _raise_together(failure: OutputError | None, env: DistEnv, tmp: str, step: int) -> None:

@@ -98,8 +98,8 @@ def compare(saved: dict | None, current: dict, checkpoint: str) -> dict[str, tup
     if saved.get("world_size") not in (None, current["world_size"]):
         allowed["world_size"] = (saved["world_size"], current["world_size"])
     if refused:
-        raise UsageError(f"--resume {checkpoint!r} was saved by another run setup: {'; '.join(refused)}. Resume "
-                         "with the saved values, or start a new run in another --output-dir (safe to change on "
-                         "resume: " + ", ".join("--" + k.replace("_", "-") for k in sorted(SAFE_TO_CHANGE)
-                                                if k not in ("output_dir", "resume", "overwrite")) + ")")
+        raise UsageError(f"--resume {checkpoint!r} was saved by another run setup: {'; '.join(refused)}; resume "
+                         "with the saved values (only --max-steps, --eval-every, --save-steps, --save-total-limit "
+                         "and how it runs, e.g. --device or --micro-batch-size, may change), or start a new run "
+                         "in another --output-dir")
     return allowed
