@@ -140,6 +140,41 @@ def test_second_run_refused_while_the_first_holds_the_folder(tmp_path, capsys):
     assert [r["step"] for r in _metrics(out)] == [1, 2] and verify_checkpoint(str(out / "checkpoint-2")) is None
 
 
+def test_two_runs_started_together_into_one_folder(tmp_path):
+    """Two processes started at the same moment: one trains, the other is refused (in use, or, when it starts
+    after the first ended, not empty); the folder holds one run's metrics."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "grpo.train"] + TINY + ["--output-dir", str(out), "--max-steps", "2"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = sorted((p.wait(timeout=120), p.stderr.read()) for p in procs)
+    assert [code for code, _ in results] == [0, 2], results
+    line = _one_error_line(results[1][1])
+    assert "is in use by another run" in line or "is not empty" in line, line
+    assert [r["step"] for r in _metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_torchrun_job_refused_while_the_folder_is_locked(tmp_path):
+    """Under torchrun rank 0 takes the lock and tells the other ranks: the whole job stops (rank 0 says why,
+    once), the folder is untouched."""
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        _wait_for(holder, "LOCKED")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               "2", "-m", "grpo.train"] + TINY + ["--output-dir", str(out), "--max-steps", "2"],
+                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0
+    assert proc.stderr.count("is in use by another run") == 1, proc.stderr[-4000:]
+    assert sorted(os.listdir(out)) == [LOCK_FILE]
+
+
 HOLD_LOCK = """
 import sys
 from grpo.distributed import DistEnv
