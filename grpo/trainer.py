@@ -345,7 +345,8 @@ class Trainer:
             metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
             records = read_metrics(metrics) if os.path.isfile(metrics) else []
             records = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= self.step]
-            history = [r for r in records if "reward_mean" in r]
+            history = [dict(r, reward_mean=_number(r["reward_mean"]), kl=_number(r.get("kl")))
+                       for r in records if "reward_mean" in r]
             evals = [r for r in records if "eval/accuracy" in r]
             if history:
                 summary = self._summary_dict(history, evals, None, checksums, shards)
@@ -362,7 +363,7 @@ class Trainer:
         k = max(1, min(10, len(history) // 4))
         first = sum(r["reward_mean"] for r in history[:k]) / k
         last = sum(r["reward_mean"] for r in history[-k:]) / k
-        summary = {"steps": self.step, "steps_this_run": len(history) if seconds is not None else 0,
+        summary = {"steps": self.step, "steps_this_run": len(history) if seconds is not None else None,
                    "seconds": seconds,
                    "world_size": self.env.world_size, "reward_first_steps": first, "reward_last_steps": last,
                    "reward_window": k, "final_kl": history[-1]["kl"], "param_checksums": checksums}
@@ -395,6 +396,11 @@ class Trainer:
             for prompt, completion, reward in self.evaluator.samples[:4]:
                 print(f"[grpo.train] greedy: {prompt!r} -> {completion!r} (reward {reward:.2f})", flush=True)
         return summary
+
+
+def _number(value) -> float:
+    """A metrics.jsonl value back to a float (the file stores a non-finite one as null)."""
+    return float("nan") if value is None else float(value)
 
 
 def _prompt_text(prompt) -> str:
