@@ -76,13 +76,16 @@ def _wait_for(proc, word: str) -> None:
                          f"{proc.stderr.read() if proc.stderr else ''}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """``two``: a finished 2-step run (checkpoint-1, checkpoint-2); ``three``: the same run to 3 steps (the
-    reference that every resume from checkpoint-1 or -2 must reproduce)."""
-    base = tmp_path_factory.mktemp("runs")
-    assert _main(base / "two", 2) == 0
-    assert _main(base / "three", 3) == 0
+    reference that every resume from checkpoint-1 or -2 must reproduce). Tests copy them before changing them.
+    Made once per session: tests/test_train_faults_io.py imports this fixture, and pytest would otherwise run it
+    again for that module."""
+    base = tmp_path_factory.getbasetemp() / "fault-runs"
+    if not (base / "three" / "run_summary.json").is_file():
+        assert _main(base / "two", 2) == 0
+        assert _main(base / "three", 3) == 0
     return base
 
 
