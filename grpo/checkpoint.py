@@ -24,7 +24,7 @@ import shutil
 
 import torch
 
-from .distributed import DistEnv, all_reduce_sum, barrier
+from .distributed import DistEnv, all_reduce_sum
 from .errors import OutputError, UsageError
 from .run_folder import LOCK_FILE, describe_os_error, fsync_dir, fsync_file, warn, writing
 

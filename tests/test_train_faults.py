@@ -1,24 +1,22 @@
-"""Runs of ``python -m grpo.train`` under faults (docs/training-runs.md): a second run into a locked folder, kill -9
-while a checkpoint is written, damaged checkpoint files, a torn metrics line, write failures (disk full, file too
-large) on every writer, and a resume with another run setup. Tiny model, 2-3 steps per run: seconds each.
+"""Runs of ``python -m grpo.train`` under faults (docs/training-runs.md): a second run into a locked folder (a real
+second process), kill -9 while a checkpoint is written, damaged checkpoint files falling back to the newest intact
+one, pruning next to a damaged checkpoint. Tiny model, 2-3 steps per run: seconds each. Write failures, torn metrics
+lines and changed settings: tests/test_train_faults_io.py.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from grpo import train
 from grpo.checkpoint import MANIFEST, verify_checkpoint
 from grpo.distributed import DistEnv
-from grpo.errors import UsageError
 from grpo.run_folder import LOCK_FILE, RunLock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,6 @@ import pytest
 import grpo.checkpoint
 import grpo.metrics
 import grpo.run_folder
-from grpo import train
 from grpo.checkpoint import verify_checkpoint
 
 from .test_train_faults import (REPO, SAME, TINY, _env, _main, _metrics, _one_error_line, _snapshot,
