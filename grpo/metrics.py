@@ -81,12 +81,12 @@ def read_metrics(path: str, warn_torn: bool = False) -> list[dict]:
     return records
 
 
-def plot_curves_best_effort(metrics_path: str, png_path: str, **options) -> None:
-    """``plot_curves`` (``options`` passed on), written atomically; any failure is a warning line, never the end of
-    the run."""
+def plot_curves_best_effort(metrics_path: str, png_path: str, plot=None, **options) -> None:
+    """``plot(metrics_path, png_path, **options)`` (default ``plot_curves``), written atomically; any failure is a
+    warning line, never the end of the run."""
     tmp = os.path.join(os.path.dirname(png_path) or ".", ".curves.tmp.png")
     try:
-        plot_curves(metrics_path, tmp, **options)
+        (plot or plot_curves)(metrics_path, tmp, **options)
         if os.path.exists(tmp):
             os.replace(tmp, png_path)
     except Exception as exc:  # noqa: BLE001 - a plot is not worth a training run

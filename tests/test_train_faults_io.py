@@ -133,10 +133,12 @@ def test_write_failure_of_args_or_summary(name, error, cause, runs, tmp_path, mo
 
 
 def test_plot_failure_is_a_warning(tmp_path, monkeypatch, capsys):
-    def broken_plot(metrics_path, png_path):
+    import grpo.trainer
+
+    def broken_plot(metrics_path, png_path, **options):
         raise ENOSPC
 
-    monkeypatch.setattr(grpo.metrics, "plot_curves", broken_plot)
+    monkeypatch.setattr(grpo.trainer, "plot_curves", broken_plot)
     out = tmp_path / "run"
     assert _main(out, 2) == 0
     err = capsys.readouterr().err
