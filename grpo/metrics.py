@@ -6,29 +6,50 @@ import math
 import os
 import sys
 
+from .errors import OutputError
+from .run_folder import describe_os_error, warn, write_atomic
+
 PROGRESS_KEYS = (("reward", "reward_mean", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("clip", "clip_ratio", "{:.3f}"),
                  ("tok/s", "tokens_per_s", "{:.0f}"))
 
 
 class MetricsLog:
-    """Appends one JSON line per step; on resume, drops lines past the resumed step first."""
+    """Appends one JSON line per step, each with a single ``write`` to an unbuffered file: a line is in the file
+    whole, or (the write failed midway, e.g. disk full) cut off at the end, where it is removed again when possible
+    and dropped by the next resume otherwise. On resume, drops lines past the resumed step first (the file is
+    rewritten atomically)."""
 
     def __init__(self, output_dir: str, resume_step: int | None = None):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         if resume_step is None:
-            open(self.path, "w").close()
+            write_atomic(self.path, b"")
         elif os.path.isfile(self.path):
-            kept = [line for line in open(self.path) if line.strip() and json.loads(line)["step"] <= resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-        self._file = open(self.path, "a")
+            records = read_metrics(self.path, warn_torn=True)
+            kept = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= resume_step]
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.path}: {describe_os_error(exc)}") from exc
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
+        data = (json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            written = os.write(self._fd, data)
+            while written < len(data):  # a short write (the disk filled up in between): the rest, or the error
+                written += os.write(self._fd, data[written:])
+        except OSError as exc:
+            try:  # take the torn line back out, so the file holds whole lines only
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+            raise OutputError(f"cannot write {self.path}: {describe_os_error(exc)}") from exc
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _jsonable(v):
@@ -37,9 +58,44 @@ def _jsonable(v):
     return v
 
 
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_metrics(path: str, warn_torn: bool = False) -> list[dict]:
+    """The records of a metrics.jsonl. A line that is not a JSON object (a torn last line left by a full disk or
+    a crash, or a damaged one) is skipped; with ``warn_torn`` each one is named in a warning line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            if warn_torn:
+                what = "a torn last line" if lineno == len(lines) else f"line {lineno}, not valid JSON"
+                warn(f"{path}: dropped {what} ({len(line)} bytes)")
+            continue
+        records.append(record)
+    return records
+
+
+def plot_curves_best_effort(metrics_path: str, png_path: str, plot=None, **options) -> None:
+    """``plot(metrics_path, png_path, **options)`` (default ``plot_curves``), written atomically; any failure is a
+    warning line, never the end of the run."""
+    tmp = os.path.join(os.path.dirname(png_path) or ".", ".curves.tmp.png")
+    try:
+        (plot or plot_curves)(metrics_path, tmp, **options)
+        if os.path.exists(tmp):
+            os.replace(tmp, png_path)
+    except Exception as exc:  # noqa: BLE001 - a plot is not worth a training run
+        warn(f"could not draw {png_path}: {describe_os_error(exc)}; training goes on")
+    finally:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def plot_curves(metrics_path: str, png_path: str, window: int = 10, eval_label: str | None = None) -> None:

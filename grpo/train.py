@@ -2,7 +2,8 @@
 ``grpo.train.train(TrainConfig(...))`` from Python.
 
 Every bad argument or input file ends the command with one line ``grpo.train: error: ...`` and exit status 2
-(argparse's own errors included).
+(argparse's own errors included); so does a run folder in use by another run (see grpo/run_folder.py). A file of the
+run that cannot be written (disk full, read-only, no permission) ends it with one line and exit status 1.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import warnings
 
 from .config import TrainConfig, quiet_unused_deepspeed
-from .errors import UsageError
+from .errors import OutputError, UsageError
 
 
 def train(config: TrainConfig) -> dict:
@@ -25,12 +26,14 @@ def train(config: TrainConfig) -> dict:
     warnings.filterwarnings("ignore", message=".*generation_config.*")
     quiet_unused_deepspeed()
     from .distributed import barrier, cleanup_distributed, init_distributed
+    from .run_folder import RunLock
     from .trainer import Trainer
 
     try:
         env = init_distributed(config.device, group_for_one=config.fsdp)
-        result = Trainer(config, env).train()
-        barrier(env)  # leave together: no rank tears down its connections while another still uses them
+        with RunLock(config.output_dir, env):  # one run per folder, taken before anything is written into it
+            result = Trainer(config, env).train()
+            barrier(env)  # leave together: no rank tears down its connections while another still uses them
     finally:
         cleanup_distributed()
     return result
@@ -46,6 +49,10 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"grpo.train: error: {exc}", file=sys.stderr)
         return 2
+    except OutputError as exc:
+        if rank == 0:
+            print(f"grpo.train: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("grpo.train: interrupted", file=sys.stderr)
         return 130

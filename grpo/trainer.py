@@ -9,7 +9,6 @@ every ``eval_every`` steps (and at the start and the end) a greedy evaluation on
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
 
@@ -19,17 +18,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import grpo_kernels as gk
 
 from . import checkpoint as ckpt
-from . import sharding
+from . import run_settings, sharding
 from .config import TrainConfig
 from .data import (BUILTIN_TASKS, PRINTABLE_ASCII, TRAIN_ROW_WEIGHTING, PromptSampler, check_completion_chars,
                    fit_to_context, format_prompt, load_jsonl, split_eval, training_overlap)
 from .distributed import DistEnv, barrier, reduce_mean_dict
 from .errors import UsageError
 from .evaluation import Evaluator, describe_evals, step_span, summary_fields
-from .metrics import MetricsLog, Progress, plot_curves
+from .metrics import MetricsLog, Progress, plot_curves, plot_curves_best_effort, read_metrics
 from .modeling import (DTYPES, apply_liger_layers, build_char_tokenizer, build_tiny_model,
                        choose_attn_implementation, disable_dropout, eos_token_ids, load_pretrained)
 from .policy import GRPOPolicy
+from .run_folder import write_json
 from .rollout import GenerationSettings, Rollout, Sampler, suppressed_token_ids
 from .update import optimizer_step, rollout_logprobs
 
@@ -52,6 +52,9 @@ class Trainer:
         train_rows, eval_rows = self._load_rows()
         set_seed(cfg.seed)  # identical initial weights on every rank
         self.lm, self.tokenizer = self._build_model(train_rows + eval_rows)
+        self.run_settings = run_settings.describe(cfg.to_dict(), weights=self._initial_weights,
+                                                  tokenizer=self.tokenizer, train_rows=train_rows,
+                                                  eval_rows=eval_rows, world_size=env.world_size)
         self.eos_ids = eos_token_ids(self.lm, self.tokenizer)
         banned = suppressed_token_ids(self.tokenizer, self.lm.get_output_embeddings().weight.shape[0], self.eos_ids,
                                       cfg.completion_chars)
@@ -114,9 +117,12 @@ class Trainer:
                             and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
         # Sampling streams differ per rank (each rank generates its own groups); restored on resume.
         torch.manual_seed(cfg.seed * 7919 + 104729 * (env.rank + 1))
-        self.step, self.rollout_index, self.resumed_from = 0, 0, None
+        self.step, self.rollout_index, self.resumed_from, self.changed_on_resume = 0, 0, None, {}
         if cfg.resume is not None:
-            self.resumed_from = ckpt.resolve_resume_path(cfg.resume, cfg.output_dir)
+            # verified (or a fallback to the newest intact one) and the same run setup, before loading anything
+            self.resumed_from = ckpt.select_resume_checkpoint(cfg.resume, cfg.output_dir, env)
+            self.changed_on_resume = run_settings.compare(ckpt.read_run_settings(self.resumed_from),
+                                                          self.run_settings, self.resumed_from)
             counters = ckpt.load_checkpoint(self.resumed_from, model=self.lm, optimizer=self.optimizer,
                                             scheduler=self.scheduler, sampler=self.prompts, env=env,
                                             fsdp_root=self.policy if cfg.fsdp else None)
@@ -154,6 +160,7 @@ class Trainer:
         else:
             attn = choose_attn_implementation(cfg.attn_implementation, self.device)
             lm, tokenizer = load_pretrained(cfg.model, dtype, attn, cfg.trust_remote_code)
+        self._initial_weights = run_settings.weights_fingerprint(lm)  # the run's identity, see run_settings.py
         disable_dropout(lm)
         if not cfg.fsdp:  # --fsdp: the model (and the reference copy) stay on the CPU until sharding.shard
             lm.to(self.device)
@@ -198,13 +205,28 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict:
         cfg, env = self.cfg, self.env
+        if self.resumed_from is not None and self.step >= cfg.max_steps:
+            return self._nothing_to_do()
         barrier(env)  # every rank has checked the output folder before rank 0 writes into it
+        log = None
         if env.is_main:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-            with open(os.path.join(cfg.output_dir, "args.json"), "w") as f:
-                json.dump(cfg.to_dict(), f, indent=2, default=str)
-        log = MetricsLog(cfg.output_dir, resume_step=self.step if self.resumed_from else None) \
-            if env.is_main else None
+            ckpt.remove_partial_checkpoints(cfg.output_dir)  # left by a save that was interrupted
+            args = cfg.to_dict()
+            if self.resumed_from is not None:
+                args["resumed"] = {"from": self.resumed_from, "step": self.step,
+                                   "changed": {k: list(v) for k, v in self.changed_on_resume.items()}}
+                for key, (old, new) in self.changed_on_resume.items():
+                    print(f"[grpo.train] resume: {key} changed from {old!r} to {new!r}", flush=True)
+            write_json(os.path.join(cfg.output_dir, "args.json"), args)
+            log = MetricsLog(cfg.output_dir, resume_step=self.step if self.resumed_from else None)
+        try:
+            return self._train_loop(log)
+        finally:
+            if log is not None:
+                log.close()
+
+    def _train_loop(self, log: MetricsLog | None) -> dict:
+        cfg, env = self.cfg, self.env
         progress = Progress(cfg.max_steps, self.step, enabled=env.is_main and cfg.progress)
         if self.resumed_from and env.is_main:
             progress.write(f"resumed from {self.resumed_from} at step {self.step} (rollout {self.rollout_index})")
@@ -248,9 +270,7 @@ class Trainer:
         shards = self.shard_checksums() if cfg.fsdp else None
         summary = self._summary(history, evals, time.time() - start_time, checksums, shards)
         if env.is_main:
-            log.close()
-            plot_curves(log.path, os.path.join(cfg.output_dir, "curves.png"),
-                        eval_label=getattr(self.evaluator, "label", None))
+            self._plot()
         return {"history": history, "evals": evals, "summary": summary, "param_checksums": checksums}
 
     def _evaluate(self, log: MetricsLog | None, record: dict) -> dict:
@@ -306,33 +326,56 @@ class Trainer:
 
     def save(self, progress: Progress | None) -> None:
         cfg = self.cfg
-        path = ckpt.checkpoint_dir(cfg.output_dir, self.step)
-        ckpt.save_checkpoint(path, counters={"step": self.step, "rollout": self.rollout_index}, model=self.lm,
-                             tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
-                             sampler=self.prompts, config=cfg.to_dict(), env=self.env,
-                             fsdp_root=self.policy if cfg.fsdp else None)
+        path = ckpt.save_checkpoint(cfg.output_dir, self.step, counters={"step": self.step,
+                                                                         "rollout": self.rollout_index},
+                                    model=self.lm, tokenizer=self.tokenizer, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, sampler=self.prompts, config=cfg.to_dict(),
+                                    run_settings=self.run_settings, env=self.env,
+                                    fsdp_root=self.policy if cfg.fsdp else None)
         if self.env.is_main:
-            ckpt.prune_checkpoints(cfg.output_dir, cfg.save_total_limit)
-            plot_curves(os.path.join(cfg.output_dir, "metrics.jsonl"), os.path.join(cfg.output_dir, "curves.png"),
-                        eval_label=getattr(self.evaluator, "label", None))
+            ckpt.prune_checkpoints(cfg.output_dir, cfg.save_total_limit, self.step)
+            self._plot()
             if progress is not None:
                 progress.write(f"step {self.step}: saved {path}")
 
-    def _summary(self, history: list[dict], evals: list[dict], seconds: float, checksums: list[float],
-                 shard_checksums: list[float] | None = None) -> dict:
-        """run_summary.json and the closing lines on stdout (main rank)."""
-        cfg, say = self.cfg, self.env.is_main
-        if len(set(checksums)) > 1 and say:  # DDP: replicas that drifted apart (under FSDP the entries are equal)
-            print(f"[grpo.train] WARNING: ranks' parameters differ: {checksums}", flush=True)
-        if not history:
-            if say:
-                print(f"[grpo.train] nothing to do: {self.resumed_from} is at step {self.step} and --max-steps is "
-                      f"{cfg.max_steps}; raise --max-steps to train further", flush=True)
-            return {}
+    def _plot(self) -> None:
+        # plot_curves as this module's name: the one place to replace it (tests do) for the trainer's plots
+        plot_curves_best_effort(os.path.join(self.cfg.output_dir, "metrics.jsonl"),
+                                os.path.join(self.cfg.output_dir, "curves.png"), plot=plot_curves,
+                                eval_label=getattr(self.evaluator, "label", None))
+
+    def _nothing_to_do(self) -> dict:
+        """A resume of a finished run: no file changes, except that a run killed after its last checkpoint (before
+        its run_summary.json) gets the summary now, from its metrics.jsonl."""
+        cfg, env = self.cfg, self.env
+        checksums = self.param_checksums()
+        shards = self.shard_checksums() if cfg.fsdp else None
+        summary = {}
+        path = os.path.join(cfg.output_dir, "run_summary.json")
+        if env.is_main and not os.path.isfile(path):
+            metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
+            records = read_metrics(metrics) if os.path.isfile(metrics) else []
+            records = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= self.step]
+            history = [dict(r, reward_mean=_number(r["reward_mean"]), kl=_number(r.get("kl")))
+                       for r in records if "reward_mean" in r]
+            evals = [r for r in records if "eval/accuracy" in r]
+            if history:
+                summary = self._summary_dict(history, evals, None, checksums, shards)
+                summary["written_on_resume"] = True  # "seconds" unknown: the run that trained was killed
+                write_json(path, summary)
+        if env.is_main:
+            print(f"[grpo.train] nothing to do: {self.resumed_from} is at step {self.step} and --max-steps is "
+                  f"{cfg.max_steps}; raise --max-steps to train further"
+                  + (f"; wrote the missing {path}" if summary else ""), flush=True)
+        return {"history": [], "evals": [], "summary": summary, "param_checksums": checksums}
+
+    def _summary_dict(self, history: list[dict], evals: list[dict], seconds: float | None, checksums: list[float],
+                      shard_checksums: list[float] | None) -> dict:
         k = max(1, min(10, len(history) // 4))
         first = sum(r["reward_mean"] for r in history[:k]) / k
         last = sum(r["reward_mean"] for r in history[-k:]) / k
-        summary = {"steps": self.step, "steps_this_run": len(history), "seconds": seconds,
+        summary = {"steps": self.step, "steps_this_run": len(history) if seconds is not None else None,
+                   "seconds": seconds,
                    "world_size": self.env.world_size, "reward_first_steps": first, "reward_last_steps": last,
                    "reward_window": k, "final_kl": history[-1]["kl"], "param_checksums": checksums}
         if shard_checksums is not None:  # FSDP: per rank, over its own shards (they differ; see shard_checksums)
@@ -342,10 +385,19 @@ class Trainer:
             summary.update({f"final_{key[5:]}": evals[-1][key] for key in ("eval/accuracy", "eval/reward")})
             summary["eval_size"] = len(self.evaluator)
             summary.update(summary_fields(evals, self.evaluator))
+        return summary
+
+    def _summary(self, history: list[dict], evals: list[dict], seconds: float, checksums: list[float],
+                 shard_checksums: list[float] | None = None) -> dict:
+        """run_summary.json and the closing lines on stdout (main rank)."""
+        cfg, say = self.cfg, self.env.is_main
+        if len(set(checksums)) > 1 and say:  # DDP: replicas that drifted apart (under FSDP the entries are equal)
+            print(f"[grpo.train] WARNING: ranks' parameters differ: {checksums}", flush=True)
+        summary = self._summary_dict(history, evals, seconds, checksums, shard_checksums)
         if not say:
             return summary
-        with open(os.path.join(cfg.output_dir, "run_summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(os.path.join(cfg.output_dir, "run_summary.json"), summary)
+        k, first, last = summary["reward_window"], summary["reward_first_steps"], summary["reward_last_steps"]
         print(f"[grpo.train] {len(history)} steps in {seconds:.1f}s; reward {first:.3f} (mean of "
               f"{step_span(history[:k])}) -> {last:.3f} (mean of {step_span(history[-k:])}); kl "
               f"{history[-1]['kl']:.4f}; outputs in {cfg.output_dir}", flush=True)
@@ -356,6 +408,11 @@ class Trainer:
             for prompt, completion, reward in self.evaluator.samples[:4]:
                 print(f"[grpo.train] greedy: {prompt!r} -> {completion!r} (reward {reward:.2f})", flush=True)
         return summary
+
+
+def _number(value) -> float:
+    """A metrics.jsonl value back to a float (the file stores a non-finite one as null)."""
+    return float("nan") if value is None else float(value)
 
 
 def _prompt_text(prompt) -> str:
