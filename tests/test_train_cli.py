@@ -82,7 +82,7 @@ def test_docs_reference_every_flag():
 
 # ------------------------------------------------------------------------------------------------- numbers
 @pytest.mark.parametrize("argv, message", [
-    (["--beta", "-1"], "--beta must be >= 0"),
+    (["--beta", "-1"], "--beta: beta must be >= 0"),
     (["--save-total-limit", "-3"], "--save-total-limit must be >= 0"),
     (["--lr", "-1e-3"], "--lr must be > 0, got -0.001"),
     (["--lr=-1e-3"], "--lr must be > 0, got -0.001"),
