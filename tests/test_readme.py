@@ -132,3 +132,11 @@ def test_explain_output_is_what_explain_prints():
          {"print": lambda *a: printed.append(" ".join(map(str, a)))})
     lines = [line for line in "\n".join(printed).splitlines() if "fp32-output GEMM" not in line]
     assert "\n".join(lines) == shown
+
+
+def test_benchmark_commands_are_the_documented_ones():
+    """README's benchmark commands are docs/benchmarks.md's, which tests/test_bench_commands.py runs verbatim."""
+    block = _blocks(_section(README.read_text(), "## Benchmarks"), "bash")[0]
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    documented = _blocks((ROOT / "docs" / "benchmarks.md").read_text(), "bash")[0].splitlines()
+    assert commands and all(c in documented for c in commands), (commands, documented)
