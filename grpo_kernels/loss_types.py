@@ -2,8 +2,8 @@
 
 Every consumer reads it: ``config.GRPOLossConfig`` (the valid names), ``reference.loss_from_logps`` (policy term and
 reduction), the per-token Triton stage (the ``KIND`` constexpr of its kernel and the reduction weights), and the
-trainer in ``grpo/`` (which loss types normalize by ``num_items_in_batch``). ``tests/test_loss_types.py`` checks
-that each of them agrees with the table.
+trainer in ``grpo/`` (which loss types normalize by ``num_items_in_batch``). The tests check that each of them
+agrees with the table (docs/numerics.md, "One definition").
 
 Policy terms (``A`` the advantage broadcast over the row, ``rho`` the importance ratio):
 - ``clipped``: ``-min(rho' A, clamp(rho, 1 - eps_low, 1 + eps_high) A)``, ``rho' = min(rho, delta)`` when delta is set;

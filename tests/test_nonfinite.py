@@ -1,6 +1,6 @@
 """Non-finite inputs: a NaN or an Inf at a valid position is never hidden; at a padded position it is neutral.
 
-Contract (README "Numerics and guarantees"):
+Contract (docs/numerics.md, "Non-finite inputs"):
 - NaN at a valid position of logits, hidden, weight, bias, old / ref log-probs, advantages or is_ratio makes the
   loss NaN, on every path (logits and fused-linear, torch and Triton), on-policy (no ``old_logps``) included.
 - +-Inf at a valid position gives a non-finite loss whenever the float64 reference formula does (IEEE arithmetic
@@ -222,7 +222,7 @@ PADDED_CONFIGS = {
 
 
 # vespo folds is_ratio of every position into its gamma weights, as TRL's get_gamma_weights does: padded is_ratio
-# entries are inputs there, not padding (README, "Numerics and guarantees"), so that pair is not a padding case.
+# entries are inputs there, not padding (docs/numerics.md, "Non-finite inputs"), so that pair is not a padding case.
 # The Triton paths run the same reference stage for vespo as for dapo-sequence: vespo runs on torch only here.
 PADDED_CASES = [(i, c, p) for i in IMPLS for c in PADDED_CONFIGS for p in PADDED_POISONS
                 if not (c == "vespo" and (p.startswith("is_ratio") or i == "triton"))]

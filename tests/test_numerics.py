@@ -1,4 +1,4 @@
-"""Numerical edge cases, limits, determinism and input integrity (README "Numerics and guarantees").
+"""Numerical edge cases, limits, determinism and input integrity (docs/numerics.md).
 
 Every comparison is against the float64 reference (grpo_kernels.reference) on the same rounded inputs; the Triton
 variants run under TRITON_INTERPRET=1 on CPU (tests/conftest.py) at small shapes.

@@ -6,7 +6,7 @@ tensor values come from a seeded torch generator, so examples stay cheap and rea
 tests/conftest.py makes the runs deterministic (derandomize) and bounded; the Triton (interpreter) variants use
 tiny shapes and fewer examples.
 
-Pass rules (README "Numerics and guarantees"), against float64 ground truth computed on the same rounded inputs:
+Pass rules (docs/numerics.md, "Accuracy against float64"), against float64 ground truth computed on the same rounded inputs:
 - per-token outputs and the loss are fp32 for every input dtype: ``|ours - truth| <= LOSS_RTOL * max(1, |truth|)``;
 - gradients come back in the input dtype: ``err(ours) <= K * err(truth rounded to the dtype) + ATOL[dtype]``,
   errors relative to max |truth| (the three-way rule of tests/tolerances.py with the best possible result in

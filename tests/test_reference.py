@@ -74,7 +74,7 @@ LIGER_CASES = [c for c in CASES if c.config.loss_type != "luspo" and c.config.to
 
 @pytest.mark.parametrize("case", LIGER_CASES, ids=lambda c: c.id)
 def test_matches_liger_fused_linear(case):
-    """Liger's chunked loss agrees where it implements the contract (see README: documented divergences)."""
+    """Liger's chunked loss agrees where it implements the contract (docs/numerics.md: known divergences of the peers)."""
     inputs = make_inputs(case, hidden_size=16, seed=3)
     rest = {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "ids", "advantages", "mask")}
     rest.pop("sampling_logps", None)

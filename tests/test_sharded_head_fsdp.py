@@ -16,7 +16,7 @@ Layouts (``LAYOUTS``), each run on 2 ranks in float64 (torch impl) and compared 
   unsharded parameter there, and FSDP2 reduces its gradient itself.
 - ``trl_root`` / ``trl_separate``: TRL's fused forward (``add_fused_lm_head``) with ``patch_trl()`` on a tiny
   Llama; TRL calls ``full_tensor()`` itself before our function. ``trl_separate`` shows TRL's unreduced gradient
-  (the README documents it); ``trl_root`` is right.
+  (docs/distributed.md documents it); ``trl_root`` is right.
 - ``hf_separate``: ``causal_lm_token_logprobs`` (``get_lm_head``) with the backbone and lm_head wrapped separately.
 The launch (all layouts, one process per rank) is bounded by ``LAUNCH_TIMEOUT`` of tests/test_vocab_parallel.py.
 """

@@ -86,7 +86,7 @@ def test_held_out_split_is_over_distinct_prompts_even_with_duplicate_rows():
 
 
 def test_split_of_distinct_rows_is_the_row_split_of_before():
-    """Datasets without duplicates (the built-in task) keep the split they always had (README's numbers)."""
+    """Datasets without duplicates (the built-in task) keep the split they always had (the numbers in docs/training.md)."""
     rows = builtin_copy_task()
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED)).tolist()
     assert split_eval(rows, None)[1] == [rows[i] for i in sorted(order[:58])]

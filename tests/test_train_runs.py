@@ -171,7 +171,7 @@ def test_arithmetic_jsonl_with_the_builtin_tokenizer(tmp_path):
 def test_default_run_learns_to_copy_held_out_strings(tmp_path):
     """The default job (3-layer tiny Llama, copy task), shortened to 300 of its 800 steps: the held-out greedy
     exact-copy accuracy (string + EOS) must rise from 0 to a real level; the full default run reaches >= 0.9
-    (README). Also checks the outputs of a run: metrics keys, eval records, curves, final checkpoint, summary."""
+    (docs/training.md). Also checks the outputs of a run: metrics keys, eval records, curves, final checkpoint, summary."""
     out = tmp_path / "run"
     proc = _run([sys.executable, "-m", "grpo.train", "--max-steps", "300", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -308,9 +308,9 @@ def test_bad_shard_raises_on_every_rank(sharded_results, name):
 
 
 def test_readme_example_runs_on_two_ranks(tmp_path):
-    """README's Distributed example, as written, on 2 ranks with the environment torchrun would set."""
-    text = (ROOT / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text[text.index("## Distributed"):], re.S).group(1)
+    """docs/distributed.md's vocab-parallel example, as written, on 2 ranks with the environment torchrun would set."""
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Vocab-parallel head"):], re.S).group(1)
     script = tmp_path / "vocab_parallel_example.py"
     script.write_text(code)
     with socket.socket() as sock:

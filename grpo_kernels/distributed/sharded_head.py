@@ -11,13 +11,13 @@ across ranks like every other parameter's. Tensor-parallel vocabulary shards tak
   can be empty again. ``gather_head`` is a zero-argument callable returning a context manager under which weight
   and bias hold their full values (``zero3_gather_head``); the head enters it around its forward and again around
   every backward use of weight / bias. ZeRO-3's own hooks then reduce-scatter the gradient, when the call ran
-  inside the model's forward (measured in tests/test_sharded_head_deepspeed.py).
+  inside the model's forward (measured with DeepSpeed 0.19.8; docs/distributed.md, "DeepSpeed ZeRO-3").
 - FSDP2 (``gathered_dtensor_head``): a weight that arrives as a sharded DTensor is all-gathered for the call by
   ``_GatherDataParallel``, whose backward reduce-scatters the full gradient back to the local shard, averaged
   over the mesh and reduced in fp32 (a bf16 head's gradient is cast back to bf16 after the sum). FSDP2 averages
   every gradient it reduces; ``DTensor.full_tensor()``'s default backward would only slice this rank's own
-  gradient (each rank would keep the gradient of its own tokens). Measured in tests/test_sharded_head_fsdp.py
-  against DDP's mean over ranks.
+  gradient (each rank would keep the gradient of its own tokens). Measured against DDP's mean over ranks
+  (docs/distributed.md, "FSDP2 (a DTensor weight)").
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ Refused with a ValueError (there is no fallback here, since a fallback would hav
   DeepSpeed ZeRO-3 partitioned ``lm_head`` (``zero3_blocker``): gathering it would be easy (``gather_head=``), but
   ``causal_lm_token_logprobs`` and ``grpo``'s policy call the backbone and the head outside the model's own
   forward, where ZeRO-3 cannot take the head's gradient (the contract of TRL's ``maybe_gather_lm_head_ctx``;
-  measured with DeepSpeed 0.19.8 in tests/test_sharded_head_deepspeed.py: gathered in the forward and the
+  measured with DeepSpeed 0.19.8, docs/distributed.md "DeepSpeed ZeRO-3": gathered in the forward and the
   backward, the head's full gradient still fails to accumulate into its emptied partition). Under ZeRO-3 use TRL
   with ``patch_trl()``, whose fused head runs inside the model's forward and gathers the head through
   ``gather_head``.

@@ -36,7 +36,7 @@ Calls the fused path cannot express are served by TRL's own ``ChunkedLogProbFunc
   since those trainers are not what this patch targets;
 - an empty batch of scored positions (TRL's compact path): silent, TRL's function keeps the graph connected;
 - float64 on a GPU (the Triton kernels take fp32 / bf16 / fp16): silent.
-Numbers: in fp32 the patched trainer matches TRL to float rounding (tests/test_integration_trl.py). Under bf16
+Numbers: in fp32 the patched trainer matches TRL to float rounding (docs/api.md, "TRL"). Under bf16
 autocast both cast hidden and head to bf16, but TRL also rounds every logits tile to bf16 while grpo_kernels keeps
 the logits in fp32, so the two differ at bf16 precision, grpo_kernels being the closer to the exact value.
 ``patch_trl(strict=True)`` turns the warned fallbacks into ValueErrors, raised at trainer setup where TRL calls
@@ -51,7 +51,7 @@ Sharded heads stay on our kernels:
   sees a plain tensor. When ``lm_head`` is in the root ``fully_shard`` group (the usual layout) the head is already
   unsharded during the root's forward and FSDP2 averages its gradient. When ``lm_head`` is wrapped in its own
   ``fully_shard`` unit, ``full_tensor()``'s backward keeps only this rank's own gradient (no reduction across ranks),
-  which is TRL's behaviour with or without this patch (see README, "Sharded lm_head without tensor parallelism").
+  which is TRL's behaviour with or without this patch (docs/distributed.md, "TRL under FSDP2 and ZeRO-3").
 """
 from __future__ import annotations
 
