@@ -161,9 +161,16 @@ class LossInputs:
             if tuple(is_ratio.shape) not in ((B,), (B, 1), (B, T)):
                 raise ValueError(f"is_ratio must have shape ({B},), ({B}, 1) or ({B}, {T}), "
                                  f"got {tuple(is_ratio.shape)}")
-        if is_ratio is not None and is_ratio.device.type != "meta" and is_ratio.numel() \
-                and bool((is_ratio < 0).any()):  # one host sync, only when is_ratio is given
-            raise ValueError(f"is_ratio must be >= 0 (an importance weight), got a minimum of {is_ratio.min().item()}")
+        if is_ratio is not None and is_ratio.device.type != "meta" and is_ratio.numel():
+            # finite negative weights at valid positions are refused; non-finite ones propagate (NaN/Inf rule) and
+            # padded positions are neutral whatever they hold. One host sync, only when is_ratio is given.
+            bad = (is_ratio < 0) & torch.isfinite(is_ratio)
+            if mask is not None:
+                valid = mask.bool() if is_ratio.dim() == 2 and is_ratio.shape[-1] == T else mask.bool().any(-1)
+                bad = bad & valid.reshape(bad.shape)
+            if bool(bad.any()):
+                raise ValueError(f"is_ratio must be >= 0 (an importance weight), got {is_ratio[bad].min().item()} "
+                                 "at a valid position")
         n = num_items_in_batch
         if n is not None:
             if isinstance(n, torch.Tensor):

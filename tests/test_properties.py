@@ -95,7 +95,7 @@ def loss_batches(draw, impl):
     return dict(config=draw(configs()), B=B, T=T, V=V, dtype=draw(_dtypes(impl)), mask=draw(masks(B, T)),
                 seed=draw(st.integers(0, 2 ** 16)), old=draw(st.booleans()), adv_2d=draw(st.booleans()),
                 is_ratio=draw(st.sampled_from([None, "row", "row-1", "token"])),
-                sampling=draw(st.booleans()), num_items=draw(st.sampled_from([None, 5, 0])),
+                sampling=draw(st.booleans()), num_items=draw(st.sampled_from([None, 5, 1])),
                 zero_adv=draw(st.booleans()))
 
 
