@@ -14,26 +14,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-try:  # property-based tests (tests/test_properties.py): deterministic and bounded so that CI stays fast
+try:  # property-based tests (tests/test_loss_properties.py): deterministic and bounded so that CI stays fast
     from hypothesis import HealthCheck, settings
 
     settings.register_profile("grpo-kernels", deadline=None, derandomize=True, database=None, max_examples=20,
                               print_blob=True, suppress_health_check=[HealthCheck.too_slow,
                                                                       HealthCheck.data_too_large])
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "grpo-kernels"))
-except ImportError:  # hypothesis is in the test extra; without it tests/test_properties.py fails to import
+except ImportError:  # hypothesis is in the test extra; without it tests/test_loss_properties.py fails to import
     pass
 
 
 def pytest_collection_modifyitems(config, items):
     """Without the interpreter (a CUDA machine), tests that run Triton kernels on CPU tensors are skipped: there
-    tests/test_gpu.py runs the compiled kernels on the GPU instead."""
+    tests/test_gpu_kernels.py runs the compiled kernels on the GPU instead."""
     import pytest
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return
     skip = pytest.mark.skip(reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1, set automatically "
-                                   "on machines without CUDA; on CUDA machines tests/test_gpu.py covers the kernels")
+                                   "on machines without CUDA; on CUDA machines tests/test_gpu_kernels.py covers the kernels")
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if item.get_closest_marker("interpreter") or params.get("impl") == "triton":

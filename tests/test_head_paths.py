@@ -17,7 +17,7 @@ from grpo_kernels.explain import plan_call
 from grpo_kernels.loss_types import per_token_gradient_known
 
 from .cases import CASES, make_inputs
-from .test_fused_linear import HIDDEN, _linear_truth, _ours, _rest
+from .test_head_api import HIDDEN, _linear_truth, _ours, _rest
 
 pytestmark = pytest.mark.interpreter
 

@@ -1,6 +1,6 @@
 """Vocab-parallel lm_head (``process_group=``) on CPU with gloo: 2 and 3 ranks against the unsharded call.
 
-Each launch starts ``world`` plain processes running this file (``python tests/test_vocab_parallel.py MODE RANK
+Each launch starts ``world`` plain processes running this file (``python tests/test_dist_vocab_parallel.py MODE RANK
 WORLD STORE OUT``), joined through a file store, bounded by LAUNCH_TIMEOUT (a hang fails the test instead of
 blocking CI). A launch runs all its cases and saves each rank's results; the tests compare them with the
 unsharded call made here: loss, metrics, d hidden, the ranks' dW / dbias shards concatenated, logp and entropy.

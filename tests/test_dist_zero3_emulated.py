@@ -4,7 +4,7 @@
 tensor (``ds_status`` NOT_AVAILABLE), and the gather context, like ``deepspeed.zero.GatheredParameters``, restores
 the full values and empties them again on exit, i.e. before autograd runs the backward. A head that does not
 gather again in its backward then fails (negative controls below). The real DeepSpeed run (2 ranks, gloo, CPU) is
-tests/test_sharded_head_deepspeed.py.
+tests/test_dist_zero3_deepspeed.py.
 """
 import contextlib
 import enum

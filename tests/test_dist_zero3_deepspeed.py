@@ -232,9 +232,9 @@ def _head_model_truth():
 
 def test_zero3_real_deepspeed(tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test]' (it pins "
-                        "deepspeed) runs this test; tests/test_sharded_head_zero3.py emulates ZeRO-3 meanwhile")
+                        "deepspeed) runs this test; tests/test_dist_zero3_emulated.py emulates ZeRO-3 meanwhile")
     pytest.importorskip("trl")
-    from tests.test_vocab_parallel import start_ranks
+    from tests.test_dist_vocab_parallel import start_ranks
     from tests.tolerances import ATOL
 
     import socket

@@ -233,7 +233,7 @@ def test_head_matches_trl_function(logit_scale):
 
 def test_head_falls_back_to_trl():
     """Soft-cap warns once and runs TRL's kernel; extra outputs and empty batches fall back silently. ZeRO-3 no
-    longer falls back (tests/test_sharded_head_zero3.py)."""
+    longer falls back (tests/test_dist_zero3_emulated.py)."""
     patch_trl()
     inputs = _head_inputs()
     cases = [

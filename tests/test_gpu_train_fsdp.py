@@ -1,5 +1,5 @@
 """``grpo.train --fsdp`` on a CUDA GPU: NCCL, bf16 mixed precision, the Triton fused head (skipped elsewhere; the
-CPU tests with gloo are tests/test_fsdp.py). One rank per GPU, at most two ranks.
+CPU tests with gloo are tests/test_train_fsdp.py). One rank per GPU, at most two ranks.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from .test_fsdp import FLAGS, _model_checksum, _worker
+from .test_train_fsdp import FLAGS, _model_checksum, _worker
 from .test_train_runs import _metrics, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
