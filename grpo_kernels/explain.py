@@ -5,9 +5,12 @@ meta copies (``x.to("meta")``), which plan as if on a CUDA device.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import torch
 
-from .config import resolve_config
+from .config import GRPOLossConfig
 from .inputs import LogitsInputs, ValidRows
 from .logprobs import validate_head_logprobs, linear_token_logprobs, plan_linear_token_logprobs, plan_token_logprobs, \
     token_logprobs
@@ -18,7 +21,6 @@ _OPS = {"grpo_loss": grpo_loss, "fused_linear_grpo_loss": fused_linear_grpo_loss
 
 
 def _bind(fn, args, kwargs) -> dict:
-    import inspect
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     named = dict(bound.arguments)
@@ -45,28 +47,26 @@ def plan_call(*args, **kwargs):
     else:
         fn = _infer(args, kwargs)
     a = _bind(fn, args, kwargs)
-    from .config import GRPOLossConfig
-    known = {f for f in GRPOLossConfig.__dataclass_fields__}
     if fn is grpo_loss:
-        overrides = {k: a.pop(k) for k in list(a) if k in known}
-        return validate_logits_loss(a["logits"], a["ids"], a["advantages"], a["mask"], a["old_logps"],
-                                     a["ref_logps"], a["is_ratio"], a["num_items_in_batch"], a["sampling_logps"],
-                                     a["config"], a["impl"], a["inplace_backward"], overrides)[3]
+        return validate_logits_loss(**_split_overrides(a))[3]
     if fn is fused_linear_grpo_loss:
-        overrides = {k: a.pop(k) for k in list(a) if k in known}
-        inputs, batch, cfg, rows, shard = validate_head_loss(
-            a["hidden"], a["weight"], a["ids"], a["advantages"], a["mask"], a["bias"], a["old_logps"], a["ref_logps"],
-            a["is_ratio"], a["num_items_in_batch"], a["config"], a["impl"], a["sampling_logps"], a["process_group"],
-            a["vocab_start"], overrides)
+        inputs, batch, cfg, rows, shard = validate_head_loss(**_split_overrides(a))
         return plan_head_loss(inputs, batch, cfg, rows, shard)
     if fn is token_logprobs:
         inputs = LogitsInputs.validate(a["logits"], a["ids"], a["temperature"], a["impl"],
                                        inplace_backward=a["inplace_backward"])
         return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"])
-    inputs, shard = validate_head_logprobs(a["hidden"], a["weight"], a["ids"], a["bias"], a["temperature"], a["impl"],
-                                   a["mask"], a["process_group"], a["vocab_start"])
+    inputs, shard = validate_head_logprobs(**a)
     return plan_linear_token_logprobs(inputs, ValidRows.of(a["mask"], inputs.ids.numel()), shard,
                                       a["memory_budget"], a["deterministic"])
+
+
+def _split_overrides(arguments: dict) -> dict:
+    """The bound arguments with every GRPOLossConfig field moved into ``config_overrides``."""
+    known = {f.name for f in dataclasses.fields(GRPOLossConfig)}
+    out = {k: v for k, v in arguments.items() if k not in known}
+    out["config_overrides"] = {k: v for k, v in arguments.items() if k in known}
+    return out
 
 
 def explain(*args, **kwargs) -> str:
@@ -97,4 +97,4 @@ def _gemm_note() -> str:
     return f"  fp32-output GEMM: {status}"
 
 
-__all__ = ["explain", "plan_call", "resolve_config"]
+__all__ = ["explain", "plan_call"]

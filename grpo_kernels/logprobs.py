@@ -45,7 +45,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return (logp, entropy) if return_entropy else logp
 
 
-def validate_head_logprobs(hidden, weight, ids, bias, temperature, impl, mask, process_group, vocab_start):
+def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, impl="auto", mask=None,
+                           process_group=None, vocab_start=None, **_ignored):
+    """(inputs, shard | None) of one ``linear_token_logprobs`` call (also what ``explain`` shows)."""
     def local():
         inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl, check_ids=process_group is None)
         _checks.mask_like(mask, tuple(ids.shape), " (the shape of ids)")
@@ -97,8 +99,9 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     sharded_head.check_head_options(weight, bias, process_group, vocab_start, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
-        inputs, shard = validate_head_logprobs(hidden, weight, ids, bias, temperature, impl, mask, process_group,
-                                       vocab_start)
+        inputs, shard = validate_head_logprobs(hidden=hidden, weight=weight, ids=ids, bias=bias,
+                                               temperature=temperature, impl=impl, mask=mask,
+                                               process_group=process_group, vocab_start=vocab_start)
         rows = ValidRows.of(mask, inputs.ids.numel())
         plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic)
         if shard is not None:

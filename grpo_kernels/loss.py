@@ -22,9 +22,11 @@ from .logprobs import linear_token_logprobs
 from .token_stage import loss_from_token_logprobs
 
 
-def validate_logits_loss(logits, ids, advantages, mask, old_logps, ref_logps, is_ratio, num_items_in_batch,
-                          sampling_logps, config, impl, inplace_backward, overrides):
-    cfg = resolve_config(config, overrides)
+def validate_logits_loss(*, logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
+                         num_items_in_batch=None, config=None, impl="auto", sampling_logps=None,
+                         inplace_backward=False, config_overrides=None, **_ignored):
+    """(inputs, batch, cfg, plan) of one ``grpo_loss`` call (also what ``explain`` shows)."""
+    cfg = resolve_config(config, config_overrides or {})
     inputs = LogitsInputs.validate(logits, ids, cfg.temperature, impl, dims=(3,), inplace_backward=inplace_backward)
     B, T = ids.shape
     batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
@@ -47,20 +49,22 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     the buffer holds d logits as soon as this returns. Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a
     dict of detached 0-dim metrics.
     """
-    inputs, batch, cfg, plan = validate_logits_loss(logits, ids, advantages, mask, old_logps, ref_logps, is_ratio,
-                                                     num_items_in_batch, sampling_logps, config, impl,
-                                                     inplace_backward, config_overrides)
+    inputs, batch, cfg, plan = validate_logits_loss(
+        logits=logits, ids=ids, advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
+        is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, impl=impl,
+        sampling_logps=sampling_logps, inplace_backward=inplace_backward, config_overrides=config_overrides)
     if plan.path == planner.LOGITS_FAST:
         return logits_loss_in_forward(inputs, batch, cfg, inplace_backward)
     logps, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward, row_mask=batch.mask)
     return loss_from_token_logprobs(logps, entropy, batch, cfg, plan.token_stage)
 
 
-def validate_head_loss(hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio,
-                        num_items_in_batch, config, impl, sampling_logps, process_group, vocab_start, overrides):
+def validate_head_loss(*, hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
+                       is_ratio=None, num_items_in_batch=None, config=None, impl="auto", sampling_logps=None,
+                       process_group=None, vocab_start=None, config_overrides=None, **_ignored):
     """(inputs, batch, cfg, rows, shard | None): validated on this rank, or agreed by the whole vocab-parallel
     group (``distributed/vocab_parallel.validate``: every rank raises the same error)."""
-    cfg = resolve_config(config, overrides)
+    cfg = resolve_config(config, config_overrides or {})
 
     def local():
         inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,),
@@ -119,8 +123,10 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
         inputs, batch, cfg, rows, shard = validate_head_loss(
-            hidden, weight, ids, advantages, mask, bias, old_logps, ref_logps, is_ratio, num_items_in_batch, config,
-            impl, sampling_logps, process_group, vocab_start, config_overrides)
+            hidden=hidden, weight=weight, ids=ids, advantages=advantages, mask=mask, bias=bias, old_logps=old_logps,
+            ref_logps=ref_logps, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, impl=impl,
+            sampling_logps=sampling_logps, process_group=process_group, vocab_start=vocab_start,
+            config_overrides=config_overrides)
         plan = plan_head_loss(inputs, batch, cfg, rows, shard)
         # the fast paths read weight / bias only here: their backward hands out stored gradients
         if plan.path == planner.HEAD_FAST:
