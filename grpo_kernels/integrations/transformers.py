@@ -78,7 +78,7 @@ def logit_scale_of(config) -> float:
     return 1.0 if scale is None else scale
 
 
-def _zero3_enabled() -> bool:
+def zero3_enabled() -> bool:
     try:
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
     except ImportError:  # pragma: no cover
@@ -106,7 +106,7 @@ def zero3_blocker(weight) -> tuple[str, str] | None:
     """``(option, reason)`` when ``weight`` is (or, with ZeRO-3 enabled, may be) a DeepSpeed ZeRO-3 partition, for
     the callers that run the head outside the model's forward (``get_lm_head``, hence ``causal_lm_token_logprobs``
     and ``grpo``'s policy); TRL's fused head runs inside it and gathers the head itself."""
-    if _zero3_enabled() or hasattr(weight, "ds_id"):
+    if zero3_enabled() or hasattr(weight, "ds_id"):
         return ("DeepSpeed ZeRO-3", "the lm_head is partitioned, and ZeRO-3 takes a gathered parameter's gradient "
                 "only when it was used inside the model's forward, while this helper runs the backbone and the head "
                 "outside it; use TRL with grpo_kernels.patch_trl() (its fused head gathers the partition "

@@ -61,7 +61,7 @@ import warnings
 
 import torch
 
-from .transformers import _zero3_enabled, cast_to, fused_head_blocker, logit_scale_of
+from .transformers import zero3_enabled, cast_to, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction",
            "TRLPatchReport"]
@@ -156,7 +156,7 @@ def _zero3_gather(weight, bias):
     """Under ZeRO-3, TRL's own gather of the head parameters as a ``gather_head`` callable (entered again in the
     backward, where ZeRO-3 has emptied the partition); None otherwise. TRL's context is a no-op for parameters that
     are already gathered (the forward's call, a tied embedding)."""
-    if not _zero3_enabled():
+    if not zero3_enabled():
         return None
     import trl.trainer.utils as trl_utils  # looked up at call time, like TRL's own kernel does
 
