@@ -285,10 +285,10 @@ def _trl_triton_logits(case: Case):
 # ----------------------------------------------------------------------------------------------------------------
 # the registry, in report order
 
-_OURS_SRC = ("grpo_kernels/linear_loss_in_forward.py (Triton default: per chunk of valid rows cuBLAS logits, "
-             "epilogue, dH / dW GEMMs, all in the forward); grpo_kernels/logprobs_from_hidden.py (CPU path and "
-             "grad_in_forward=False: forward sweep, backward recomputes the logit tiles); mask= gathers the valid "
-             "rows first; logits path: the Triton sweep skips padded rows and writes d logits in the forward")
+_OURS_SRC = ("the path grpo_kernels.explain names (docs/DESIGN.md section 5): on CUDA head.fast (per chunk of valid "
+             "rows cuBLAS logits, epilogue, dH / dW GEMMs, all in the forward), head.no_grad without gradients, "
+             "logits.fast for the logits path; on CPU head.torch / logits.torch (tiled PyTorch); mask= gathers the "
+             "valid rows first")
 OURS = Provider("ours", "ours", _ours_builders("auto"), triton_on_cuda=("linear", "logits", "logprob"),
                 work=WorkDecl("recompute", {"linear": "always", "logprob": "always", "logits": "triton"},
                               linear_triton="gemm-in-forward", logits_in_forward="triton",
