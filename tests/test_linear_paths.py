@@ -17,6 +17,7 @@ import grpo_kernels.linear_loss_in_forward as lif
 from grpo_kernels.loss_types import per_token_gradient_known
 
 from .cases import CASES, make_inputs
+from .kernel_overrides import kernel_overrides  # noqa: F401 (fixture)
 from .test_fused_linear import HIDDEN, _linear_truth, _ours, _rest
 
 pytestmark = pytest.mark.interpreter
@@ -51,13 +52,12 @@ def _spy_paths(monkeypatch):
 
 
 @pytest.mark.parametrize("case", TOKEN_LOCAL, ids=lambda c: c.id)
-def test_grad_in_forward_matches_trl_and_light_path(case, monkeypatch):
+def test_grad_in_forward_matches_trl_and_light_path(case, monkeypatch, kernel_overrides):
     """Every token-level configuration, with bias: the fast path equals TRL's loss in float64 and the light
     path (grad_in_forward=False; its d logits from GEMM logits + the row-sweep epilogue, two 32-column chunks),
     loss, gradients and metrics; chunks of 3 rows split sequences (T = 7)."""
-    import grpo_kernels.kernels.linear_backward_kernels as lbk
     monkeypatch.setattr(lif, "FAST_PATH_MIN_ROWS", 1)
-    monkeypatch.setattr(lbk, "DLOGITS_BY_GEMM", True)
+    kernel_overrides(dlogits_by_gemm=True)
     seen = _spy_paths(monkeypatch)
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=21)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(3)) * 0.2

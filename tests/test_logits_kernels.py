@@ -4,7 +4,7 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels import _checks
-from grpo_kernels.kernels import logits_kernels
+from grpo_kernels.kernels.common import testing
 from grpo_kernels.reference import logprobs_and_entropy
 
 from .cases import CASES, make_inputs
@@ -40,12 +40,11 @@ def _naive(logits, ids, temperature, a, b):
     return logp, entropy, grad
 
 
-def _ours(logits, ids, temperature, a, b, impl, block_v=None, monkeypatch=None):
-    if block_v and monkeypatch:
-        monkeypatch.setattr(logits_kernels, "MAX_BLOCK_V", block_v)
-    x = logits.clone().requires_grad_(True)
-    logp, entropy = gk.token_logprobs(x, ids, temperature, return_entropy=True, impl=impl)
-    (grad,) = torch.autograd.grad((a * logp + b * entropy).sum(), x)
+def _ours(logits, ids, temperature, a, b, impl, block_v=None):
+    with testing(max_block_v=block_v):
+        x = logits.clone().requires_grad_(True)
+        logp, entropy = gk.token_logprobs(x, ids, temperature, return_entropy=True, impl=impl)
+        (grad,) = torch.autograd.grad((a * logp + b * entropy).sum(), x)
     return logp, entropy, grad
 
 
@@ -62,7 +61,7 @@ def test_token_logprobs_three_way(shape, dtype, impl, entropy_grad, monkeypatch)
     b = torch.randn(B, T, generator=g) if entropy_grad else torch.zeros(B, T)
     truth = _ground_truth(logits, ids, 0.8, a, b)
     naive = _naive(logits, ids, 0.8, a, b)
-    ours = _ours(logits, ids, 0.8, a, b, impl, block_v, monkeypatch)
+    ours = _ours(logits, ids, 0.8, a, b, impl, block_v)
     assert ours[0].dtype == torch.float32 and ours[2].dtype == dtype
     for name, o, n, t in zip(("logp", "entropy", "d logits"), ours, naive, truth):
         assert_three_way(o, n, t, dtype, f"{impl} {name}")

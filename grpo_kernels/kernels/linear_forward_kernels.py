@@ -14,8 +14,9 @@ import torch
 
 from .._checks import alloc
 from . import linear_tiles as tiles
+from .common import cdiv
 from .launch import launch
-from .linear_tiles import _NEG_BIG, _logits_tile, tl, triton
+from .linear_tiles import NEG_BIG, logits_tile, tl, triton
 
 MERGE_BLOCK_N = 256
 
@@ -38,7 +39,7 @@ def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_c = tl.minimum(rows, N - 1)
     target = tl.load(ids_ptr + rows_c)
-    m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), NEG_BIG, dtype=tl.float32)
     s_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     a_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     t_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -49,11 +50,11 @@ def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
     for v0 in range(v_start, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < V
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
+        z = logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
                          HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
         # Why a finite floor for the padded columns: exp gives exactly 0 there and e * (z - m) stays 0 * finite,
         # so no NaN needs masking.
-        z = tl.where(col_ok[None, :], z, _NEG_BIG)
+        z = tl.where(col_ok[None, :], z, NEG_BIG)
         # Why track a = sum e^(z-m) (z-m) rather than sum e^(z-m) z: entropy = log s - a / s then has no
         # cancellation between two large numbers when |z| is large.
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
@@ -85,7 +86,7 @@ def linear_fwd_merge_kernel(part_ptr, logp_ptr, lse_ptr, ent_ptr, N, n_splits, B
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     plane = N.to(tl.int64) * n_splits
-    m = tl.full((BLOCK_N,), _NEG_BIG, dtype=tl.float32)
+    m = tl.full((BLOCK_N,), NEG_BIG, dtype=tl.float32)
     for sp in range(0, n_splits):
         m = tl.maximum(m, tl.load(part_ptr + sp * N + rows, mask=row_ok, other=0.0))
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -121,18 +122,18 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
     if N == 0:
         return logp, lse, ent
     tile, sms, dot_fp32 = tiles.launch_params("fwd", hidden.dtype, dev)
-    n_m = tiles.cdiv(N, tile.block_m)
-    n_vb = tiles.cdiv(V, tile.block_v)
+    n_m = cdiv(N, tile.block_m)
+    n_vb = cdiv(V, tile.block_v)
     # Why: enough (token block, vocab split) programs for ~tiles.WAVES waves, each split at least one vocab block.
-    v_per_split = tiles.cdiv(n_vb, min(n_vb, max(1, tiles.cdiv(tiles.WAVES * sms, n_m)))) * tile.block_v
-    n_splits = tiles.cdiv(V, v_per_split)
+    v_per_split = cdiv(n_vb, min(n_vb, max(1, cdiv(tiles.WAVES * sms, n_m)))) * tile.block_v
+    n_splits = cdiv(V, v_per_split)
     part = alloc((4, n_splits, N), torch.float32, dev)
     launch(linear_fwd_partial_kernel, (n_m * n_splits,),
         hidden, weight, weight if bias is None else bias, ids, part,
         N, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_m, n_splits, v_per_split,
         HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_V=tile.block_v, BLOCK_K=tile.block_k,
         DOT_FP32=dot_fp32, num_warps=tile.num_warps, num_stages=tile.num_stages)
-    launch(linear_fwd_merge_kernel, (tiles.cdiv(N, MERGE_BLOCK_N),), part, logp, lse, ent, N, n_splits,
+    launch(linear_fwd_merge_kernel, (cdiv(N, MERGE_BLOCK_N),), part, logp, lse, ent, N, n_splits,
            BLOCK_N=MERGE_BLOCK_N, num_warps=4)
     return logp, lse, ent
 
