@@ -97,6 +97,29 @@ def test_inplace_backward_reuses_the_logits_buffer(impl):
     assert torch.equal(x.grad, expected)
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp-grad", "logp+entropy-grad"])
+def test_backward_row_without_gradient_is_zero_despite_nan_statistics(entropy_grad):
+    """A row whose incoming gradients are 0 reads nothing and gets exact zeros, even when its saved lse and
+    entropy are NaN (a NaN row of a token the loss masks out); the other rows match float64."""
+    from grpo_kernels.kernels.logits_kernels import logits_logprobs_backward, logits_logprobs_forward
+
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(1, 3, 100, generator=g)
+    logits[0, 1, 7] = float("nan")
+    ids = torch.tensor([[3, 5, 99]])
+    with testing(max_block_v=32):
+        logp, lse, entropy = logits_logprobs_forward(logits, ids, 0.9)
+        assert torch.isnan(lse[1]) and torch.isnan(entropy[1])
+        grad_logp = torch.tensor([0.5, 0.0, -1.5])
+        grad_ent = torch.tensor([0.25, 0.0, 2.0]) if entropy_grad else None
+        out = logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_ent, 0.9)
+    assert torch.equal(out[0, 1], torch.zeros(100))
+    _, _, truth = _ground_truth(logits[:, ::2], ids[:, ::2], 0.9, grad_logp[::2].view(1, 2),
+                                (grad_ent if entropy_grad else torch.zeros(3))[::2].view(1, 2))
+    assert torch.allclose(out[:, ::2].double(), truth, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.interpreter
 
 def test_large_vocab_triton():
     """V = 262144 (the largest vocab the contract names), one token, under the interpreter."""

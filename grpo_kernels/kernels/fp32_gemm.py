@@ -166,9 +166,14 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         return
     if _use_out_dtype("addmm", a, b, acc):
         return
+    _blocked_addmm(acc, a, b, supported("mm", a, b, acc))
+
+
+def _blocked_addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mm_ok: bool | None) -> None:
+    """The addmm fallback: ``acc += a @ b`` through fp32 products of at most ``FALLBACK_BLOCK_BYTES`` of ``acc``
+    at a time. mm_ok: whether ``mm(out_dtype=float32)`` works (None while tracing: tried on the first block)."""
     rows = max(1, min(acc.shape[0], FALLBACK_BLOCK_BYTES // (4 * max(1, acc.shape[1]))))
     tmp = torch.empty((rows, acc.shape[1]), dtype=torch.float32, device=acc.device)
-    mm_ok = supported("mm", a, b, tmp)
     b32 = None
     for i0 in range(0, acc.shape[0], rows):
         i1 = min(acc.shape[0], i0 + rows)

@@ -1,7 +1,7 @@
 """Fused linear head on cuBLAS GEMMs: row-sweep epilogues over a chunk of fp32 logits, and the chunk loops around
 them (docs/DESIGN.md section 3).
 
-Per chunk of R hidden rows, cuBLAS writes the logits z = h W^T as an fp32 (R, V) buffer (``logits_f32``); one
+Per chunk of R hidden rows, cuBLAS writes the logits z = h W^T as an fp32 (R, V) buffer (``fp32_gemm.logits_f32``); one
 Triton program per row then sweeps that row:
 - ``head_fold_kernel`` (log-probs, no gradient): online logsumexp / entropy over the row, target logit -> logp,
   lse, entropy. ``head_logprobs_chunked`` is the no-grad old / reference-policy pass: GEMM + fold, 2NHV.
@@ -18,8 +18,9 @@ cross-lane reduction inside the loop) and combines the lanes once at the end.
 
 Why d logits in place: a bf16/fp16 d-logits row needs half the bytes of the fp32 logits row, so it is written
 into the first half of the same row (a strided (R, V) view with row stride 2V); block k of the write covers only
-fp32 elements below the end of block k of the read, and a barrier between the block's load and its store orders
-the two across warps. fp32 inputs overwrite each element with its own d logit.
+fp32 elements below the end of block k of the read, and barriers at blocks 0, 2, 6, 14, ... (``_dlogits_row``)
+order every store after the reads it could clobber across warps. fp32 inputs overwrite each element with its own
+d logit. The target's column is written last, by one scalar store (no per-element id compare).
 
 Determinism: every output element is produced by one program or one GEMM per chunk, chunks run in a fixed
 order, metric terms are summed by torch in a fixed order. cuBLAS GEMMs are run-to-run deterministic for a fixed
@@ -45,7 +46,6 @@ ROW_BLOCK = 2048
 ROW_WARPS = 8
 # Under TRITON_INTERPRET: a small block, so that small test rows cross the main-loop / tail boundary.
 INTERPRET_ROW_BLOCK = 16
-VEC = tl.constexpr(4)  # fp32 values per 16-byte vector: one lane of the (lanes, VEC) tiles the sweeps fold (common.lane_fold)
 N_ROW_TERMS = 8  # w*l, kl, clip low, clip high, clip region, cispo clipped, (2 unused: 32-byte rows)
 # Rows per chunk of the no-grad log-prob pass: an fp32 (R, V) chunk of at most this many bytes (256 MiB).
 LOGPROBS_CHUNK_BYTES = 256 << 20
@@ -56,20 +56,25 @@ def _row_block() -> int:
 
 
 @triton.jit
-def _lane_offsets(BLOCK: tl.constexpr):
-    """(BLOCK // VEC, VEC) offsets 0 .. BLOCK - 1: one 16-byte vector of fp32 logits per lane."""
-    return tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+def _lane_offsets(BLOCK: tl.constexpr, LANE: tl.constexpr):
+    """(BLOCK // LANE, LANE) offsets 0 .. BLOCK - 1, row-major: LANE contiguous values per lane."""
+    return tl.arange(0, BLOCK // LANE)[:, None] * LANE + tl.arange(0, LANE)[None, :]
 
 
 @triton.jit
 def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """(logsumexp, entropy) of one row of fp32 logits, z = (x + b) * inv_temperature: per-lane online
-    statistics over unmasked (16-byte vector) full blocks and one masked tail, lanes combined once."""
-    offs = _lane_offsets(BLOCK)
+    statistics over unmasked (16-byte vector) full blocks and one masked tail, lanes combined once.
+
+    Why the lane width: a lane must sit in one thread (common.lane_fold). Four fp32 logits are one 16-byte vector;
+    with a half-precision bias, eight (one 16-byte vector of bias, two of logits), else the bias load alone would
+    be split into 8-byte pieces or the lane across two threads."""
+    LANE: tl.constexpr = 8 if HAS_BIAS and b_ptr.dtype.element_ty.primitive_bitwidth == 16 else 4
+    offs = _lane_offsets(BLOCK, LANE)
     c = inv_temperature * LOG2E
-    m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK // VEC], tl.float32)
-    a = tl.zeros([BLOCK // VEC], tl.float32)
+    m = tl.full([BLOCK // LANE], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK // LANE], tl.float32)
+    a = tl.zeros([BLOCK // LANE], tl.float32)
     v_main = (V // BLOCK) * BLOCK
     # Why an unmasked main loop: full blocks need no predicate, so the loads vectorize to 16 bytes.
     for v0 in range(0, v_main, BLOCK):

@@ -120,8 +120,8 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
         launch(logits_logprobs_bwd, (N,), x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
                grad_entropy.contiguous() if has_h else grad_logp, out,
                T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
-               HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v, VEC=vec_for(cfg.block_v, x.dtype), num_warps=cfg.num_warps,
-               num_stages=cfg.num_stages)
+               HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v, VEC=vec_for(cfg.block_v, x.dtype),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
 
 

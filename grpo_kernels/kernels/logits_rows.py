@@ -123,13 +123,16 @@ def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr,
 
 
 @triton.jit
-def dlogits_coefficients(lse, h, g, g_h, inv_temperature):
+def dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature):
     """(c, lse2, A, B, g') of a row's d logits: with ``u = x c - lse2`` (log2 p of a raw logit x),
-    ``d z = 2^u (B + A max(u, floor)) + g' onehot`` equals ``(g (onehot - p) - g_h p (log p + H)) / temperature``."""
+    ``d z = 2^u (B + A max(u, floor)) + g' onehot`` equals ``(g (onehot - p) - g_h p (log p + H)) / temperature``.
+    Why the selects: a row that is not kept reads -inf everywhere and must get exact zeros even when its saved
+    lse / entropy are NaN (0 * NaN is NaN)."""
     c = inv_temperature * LOG2E
-    g_t = g * inv_temperature
-    gh_t = g_h * inv_temperature
-    return c, lse * LOG2E, -gh_t * 0.6931471805599453, -g_t - gh_t * h, g_t
+    g_t = tl.where(keep, g * inv_temperature, 0.0)
+    gh_t = tl.where(keep, g_h * inv_temperature, 0.0)
+    coef_b = tl.where(keep, -g_t - gh_t * h, 0.0)
+    return c, tl.where(keep, lse * LOG2E, 0.0), -gh_t * 0.6931471805599453, coef_b, g_t
 
 
 @triton.jit
@@ -156,7 +159,7 @@ def write_row_dlogits(base, out, V, keep, target, z_target, lse, h, g, g_h, inv_
     Why backwards (tail first, then the full blocks from the last): right after a forward sweep of the same row
     the blocks read last are the likeliest to still be in L2."""
     offs = _block_offsets(BLOCK_V, VEC)
-    c, lse2, coef_a, coef_b, g_t = dlogits_coefficients(lse, h, g, g_h, inv_temperature)
+    c, lse2, coef_a, coef_b, g_t = dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature)
     n_full = (V // BLOCK_V) * BLOCK_V
     if n_full < V:
         v = n_full + offs
