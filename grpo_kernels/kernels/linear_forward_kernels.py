@@ -14,7 +14,7 @@ import torch
 
 from .._checks import alloc
 from . import linear_tiles as tiles
-from .common import cdiv
+from .common import LN2, LOG2E, cdiv, lane_fold
 from .launch import launch
 from .linear_tiles import NEG_BIG, logits_tile, tl, triton
 
@@ -55,24 +55,18 @@ def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
         # Why a finite floor for the padded columns: exp gives exactly 0 there and e * (z - m) stays 0 * finite,
         # so no NaN needs masking.
         z = tl.where(col_ok[None, :], z, NEG_BIG)
-        # Why track a = sum e^(z-m) (z-m) rather than sum e^(z-m) z: entropy = log s - a / s then has no
-        # cancellation between two large numbers when |z| is large.
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        u = z - m_new[:, None]
-        e = tl.exp(u)
-        # Why the guard: a -inf logit (a banned token's -inf bias) has e = 0 but u = -inf, and 0 * -inf is NaN.
-        a_i = alpha * (a_i - (m_new - m_i) * s_i) + tl.sum(tl.where(e > 0.0, e * u, 0.0), axis=1)
-        s_i = alpha * s_i + tl.sum(e, axis=1)
+        # The online logsumexp of the row sweeps (common.lane_fold), a tile row being a lane: running max m,
+        # s = sum e^(z-m) and a = sum 2^u u with u = (z - m) log2(e) (z already includes 1 / temperature). Why
+        # track (z - m) rather than z: entropy = log s - a / s then has no cancellation when |z| is large.
+        m_i, s_i, a_i = lane_fold(z, m_i, s_i, a_i, LOG2E)
         # Why gather in the tile: the target logit is already on chip; exactly one split adds a non-zero.
         t_i += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        m_i = m_new
     row_ok = rows < N
     plane = N.to(tl.int64) * n_splits
     out = part_ptr + pid_s.to(tl.int64) * N + rows
     tl.store(out, m_i, mask=row_ok)
     tl.store(out + plane, s_i, mask=row_ok)
-    tl.store(out + 2 * plane, a_i, mask=row_ok)
+    tl.store(out + 2 * plane, a_i * LN2, mask=row_ok)  # natural-log units for the merge
     tl.store(out + 3 * plane, t_i, mask=row_ok)
 
 
