@@ -41,8 +41,8 @@ class Generation:
     """A GPU generation as the kernels see it.
 
     tiles: the key of the tile tables it uses, 90 (Hopper-class tiles: up to ~161 KiB of shared memory per block,
-    8192-wide row blocks) or 80 (Ampere-class tiles that fit ~99 KiB); sms: the SM count assumed when recording
-    launches for ahead-of-time compilation (a real device reports its own)."""
+    8192-wide row blocks) or 80 (Ampere-class tiles that fit ~99 KiB); sms: the SM count of a representative part,
+    assumed when recording launches for ahead-of-time compilation (a real device reports its own)."""
 
     name: str
     tiles: int
