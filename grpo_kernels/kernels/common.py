@@ -9,7 +9,7 @@ online logsumexp of the row sweeps, and the testing override (docs/kernels.md).
   logsumexp (the row maximum contributes 1 to the sum).
 - ``lane_fold`` / ``lanes_to_row``: the online logsumexp + entropy statistics in base-2 units, kept per lane
   (one running max, sum and entropy sum per row of a ``(lanes, k)`` tile, all inside one thread) and combined
-  across lanes once per row.
+  across lanes once per row. Used by the logits sweeps, the head epilogue and the fused-linear forward's tiles.
 - ``Overrides`` / ``testing(...)`` / ``overrides()``: knobs that only tests turn (small vocab blocks, forced
   chunking, a forced d-logits route, the interpreter's pretend SM count). Production code reads them through
   ``overrides()``; nothing else in ``kernels/`` is a module-level flag.
@@ -158,14 +158,16 @@ def lane_fold(x, m, s, a, c):
     ``s = sum 2^u`` and ``a = sum 2^u u`` with ``u = (x - m) c`` (``c = log2(e) / temperature > 0``).
 
     Why per lane: a lane's k values sit in one thread, so the max and sums here are register ops; the lanes are
-    combined once per row (``lanes_to_row``), never per block. Per element: max, FFMA, MUFU, add, clamp, FFMA.
+    combined once per row (``lanes_to_row``), never per block. Per element: max, subtract, multiply, MUFU, add,
+    clamp, FFMA. Why ``(x - m) c`` and not one FFMA ``x c - m c``: the difference is exact near the maximum (the
+    maximum itself gets weight exactly 1), whatever the magnitude of x / temperature.
     Masked-out entries must hold -inf (weight 0); a NaN in x makes s NaN. Start from m = -inf, s = a = 0."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
     # Why the reference point: a lane that has seen only -inf keeps weight 0 with no -inf - -inf = NaN.
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new) * c
-    shift = m * c - ref  # -inf for a lane that was empty: alpha = 0, and its s, a are 0
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    shift = (m - ref) * c  # -inf for a lane that was empty: alpha = 0, and its s, a are 0
     alpha = exp2(shift)
-    u = x * c - ref[:, None]
+    u = (x - ref[:, None]) * c
     e = exp2(u)
     a = alpha * (a + tl.where(s > 0.0, shift * s, 0.0)) + tl.sum(e * tl.maximum(u, EXP2_FLOOR), axis=1)
     s = alpha * s + tl.sum(e, axis=1)
@@ -176,8 +178,8 @@ def lane_fold(x, m, s, a, c):
 def lanes_to_row(m, s, a, c):
     """(max, sum, entropy sum) of a row from its lanes' ``lane_fold`` statistics, re-centred on the row max."""
     m_row = tl.max(m, axis=0)
-    ref = tl.where(m_row == float("-inf"), 0.0, m_row) * c
-    shift = m * c - ref
+    ref = tl.where(m_row == float("-inf"), 0.0, m_row)
+    shift = (m - ref) * c
     w = exp2(shift)
     s_row = tl.sum(w * s, axis=0)
     a_row = tl.sum(w * (a + tl.where(s > 0.0, shift * s, 0.0)), axis=0)

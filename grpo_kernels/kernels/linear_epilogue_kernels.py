@@ -102,9 +102,10 @@ def _target_logit(z_row, b_ptr, target, ok, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _dlogits_values(x, c, lse2, coef_a, coef_b, HAS_ENTROPY_GRAD: tl.constexpr):
-    """d logits off the target column from raw logits x: 2^u (B + A max(u, floor)), u = x c - lse2 = log2 p."""
-    u = x * c - lse2
+def _dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD: tl.constexpr):
+    """d logits off the target column from raw logits x: 2^u (B + A max(u, floor)), u = (x / T - lse) log2(e) =
+    log2 p (the difference first: it cancels exactly at the row maximum, see logits_rows.dlogits_values)."""
+    u = (x * inv_temperature - lse) * LOG2E
     p = exp2(u)
     if HAS_ENTROPY_GRAD:
         # Why the clamp: p = 0 at a -inf logit, and 0 * -inf would be NaN.
@@ -129,8 +130,6 @@ def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, i
     thread that read them and need none. Why a flat block here (no lanes): nothing is reduced, and eight
     contiguous values per thread store as one 16-byte half-precision vector."""
     offs = tl.arange(0, BLOCK)
-    c = inv_temperature * LOG2E
-    lse2 = lse * LOG2E
     g_t = g * inv_temperature
     gh_t = g_h * inv_temperature
     coef_a = -gh_t * 0.6931471805599453
@@ -141,7 +140,7 @@ def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, i
         x = tl.load(z_row + v0 + offs)
         if HAS_BIAS:
             x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-        dz = to_input_dtype(_dlogits_values(x, c, lse2, coef_a, coef_b, HAS_ENTROPY_GRAD),
+        dz = to_input_dtype(_dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
                             out_row.dtype.element_ty, ROUND_BY_HAND)
         if HALF:
             k = v0 // BLOCK
@@ -153,14 +152,14 @@ def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, i
     x = tl.load(z_row + cols, mask=ok, other=0.0)
     if HAS_BIAS:
         x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    dz = to_input_dtype(_dlogits_values(x, c, lse2, coef_a, coef_b, HAS_ENTROPY_GRAD), out_row.dtype.element_ty,
-                        ROUND_BY_HAND)
+    dz = to_input_dtype(_dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+                        out_row.dtype.element_ty, ROUND_BY_HAND)
     # Why a barrier here too: the tail's block index may be due one, and the target's column below was stored
     # by whichever thread held it.
     tl.debug_barrier()
     tl.store(out_row + cols, dz, mask=ok)
     tl.debug_barrier()
-    dz_t = g_t + _dlogits_values(x_target, c, lse2, coef_a, coef_b, HAS_ENTROPY_GRAD)
+    dz_t = g_t + _dlogits_values(x_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
     tl.store(out_row + target, to_input_dtype(dz_t, out_row.dtype.element_ty, ROUND_BY_HAND),
              mask=(target >= 0) & (target < V))
 

@@ -124,22 +124,25 @@ def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr,
 
 @triton.jit
 def dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature):
-    """(c, lse2, A, B, g') of a row's d logits: with ``u = x c - lse2`` (log2 p of a raw logit x),
+    """(lse, A, B, g') of a row's d logits: with ``u = (x / temperature - lse) log2(e)`` (log2 p of a raw logit x),
     ``d z = 2^u (B + A max(u, floor)) + g' onehot`` equals ``(g (onehot - p) - g_h p (log p + H)) / temperature``.
     Why the selects: a row that is not kept reads -inf everywhere and must get exact zeros even when its saved
     lse / entropy are NaN (0 * NaN is NaN)."""
-    c = inv_temperature * LOG2E
     g_t = tl.where(keep, g * inv_temperature, 0.0)
     gh_t = tl.where(keep, g_h * inv_temperature, 0.0)
     coef_b = tl.where(keep, -g_t - gh_t * h, 0.0)
-    return c, tl.where(keep, lse * LOG2E, 0.0), -gh_t * 0.6931471805599453, coef_b, g_t
+    return tl.where(keep, lse, 0.0), -gh_t * 0.6931471805599453, coef_b, g_t
 
 
 @triton.jit
-def dlogits_values(x, c, lse2, coef_a, coef_b, HAS_ENTROPY_GRAD: tl.constexpr):
+def dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD: tl.constexpr):
     """d logits (fp32) of raw logits ``x`` off the target column: -g' p, minus the entropy term when present.
-    Per element: FFMA, MUFU, FMUL (+ clamp and FFMA for the entropy term)."""
-    u = x * c - lse2
+    Per element: FFMA, FMUL, MUFU, FMUL (+ clamp and FFMA for the entropy term).
+
+    Why ``x / T - lse`` before the base-2 scale, not ``x c - lse log2(e)`` in one FFMA: lse holds the rounded
+    ``max / T``, so the difference cancels exactly at the row maximum (p = 1 where only the target is finite, and
+    no 1e-4 relative error at temperature 1e-3, where x / T is in the thousands)."""
+    u = (x * inv_temperature - lse) * LOG2E
     p = exp2(u)
     if HAS_ENTROPY_GRAD:
         # Why the clamp: p = 0 at a -inf logit, and 0 * -inf would be NaN.
@@ -159,12 +162,12 @@ def write_row_dlogits(base, out, V, keep, target, z_target, lse, h, g, g_h, inv_
     Why backwards (tail first, then the full blocks from the last): right after a forward sweep of the same row
     the blocks read last are the likeliest to still be in L2."""
     offs = _block_offsets(BLOCK_V, VEC)
-    c, lse2, coef_a, coef_b, g_t = dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature)
+    lse, coef_a, coef_b, g_t = dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature)
     n_full = (V // BLOCK_V) * BLOCK_V
     if n_full < V:
         v = n_full + offs
         x = tl.load(base + v, mask=v < tl.where(keep, V, 0), other=float("-inf")).to(tl.float32)
-        dz = dlogits_values(x, c, lse2, coef_a, coef_b, HAS_ENTROPY_GRAD)
+        dz = dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
         tl.store(out + v, dz.to(out.dtype.element_ty), mask=v < V)
     # Why these masks: constant over the block (all or nothing), so loads stay predicated 16-byte vectors; and
     # as in the first sweep the next block's load is issued before the current block is computed and stored.
@@ -178,12 +181,12 @@ def write_row_dlogits(base, out, V, keep, target, z_target, lse, h, g, g_h, inv_
         more = keep & (i + 1 < n_blocks)
         x_next = tl.load(base + start - BLOCK_V + offs, mask=offs < tl.where(more, BLOCK_V, 0),
                          other=float("-inf"), eviction_policy="evict_first")
-        dz = dlogits_values(x, c, lse2, coef_a, coef_b, HAS_ENTROPY_GRAD)
+        dz = dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
         tl.store(out + start + offs, dz.to(out.dtype.element_ty))
     # The target's column: g' (onehot) on top of its -g' p value, computed from the logit read before the sweep.
     # Why the barrier: another thread stored the block holding it; one barrier per row orders the two stores.
     tl.debug_barrier()
-    dz_t = g_t + dlogits_values(z_target, c, lse2, coef_a, coef_b, HAS_ENTROPY_GRAD)
+    dz_t = g_t + dlogits_values(z_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
     tl.store(out + target, dz_t.to(out.dtype.element_ty), mask=keep & (target >= 0) & (target < V))
 
 
