@@ -12,7 +12,8 @@ online logsumexp of the row sweeps, and the testing override (docs/kernels.md).
   across lanes once per row. Used by the logits sweeps, the head epilogue and the fused-linear forward's tiles.
 - ``Overrides`` / ``testing(...)`` / ``overrides()``: knobs that only tests turn (small vocab blocks, forced
   chunking, a forced d-logits route, the interpreter's pretend SM count). Production code reads them through
-  ``overrides()``; nothing else in ``kernels/`` is a module-level flag.
+  ``overrides()``; no module-level flag in ``kernels/`` exists for tests alone (the remaining constants are
+  production settings, e.g. chunk sizes).
 """
 from __future__ import annotations
 

@@ -98,8 +98,9 @@ def per_token(t, n: int) -> torch.Tensor:
     return t.contiguous()
 
 
-# Why -1e30 and not -inf as the empty running max: the rescale `alpha * (a - (m_new - m) * s)` would turn into
-# 0 * inf = NaN on the first block; with a finite floor it is exactly 0 * 0.
+# The value of padded tile columns and the fused-linear forward's empty running max: finite, so that a padded
+# column's weight 2^((-1e30 - m) c) is exactly 0 and its entropy product 0 * finite stays 0 (the merge kernel's
+# rescaling likewise never meets inf - inf).
 NEG_BIG = tl.constexpr(-1e30)
 
 
