@@ -24,10 +24,15 @@ def describe(support=None, cuda: bool | None = None) -> str:
     if not (torch.cuda.is_available() if cuda is None else cuda):
         return "fp32-output GEMM path: not applicable (no CUDA device)"
     info = dict(support(torch.device("cuda")))
-    # the probe's dict names its verdict; accept the likely spellings rather than guess one
-    flag = next((info[k] for k in ("taken", "supported", "fp32_output", "ok") if k in info), None)
-    verdict = "unknown (no verdict key in the probe's answer)" if flag is None else \
-        "taken" if flag else "NOT taken (fallback)"
+    if info.get("mm") is None and cuda is None:  # this process ran no fused-head GEMM yet: make the decision now
+        from grpo_kernels.kernels.fp32_gemm import addmm_f32_, logits_f32
+        a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+        logits_f32(a, a, torch.empty(64, 64, device="cuda"))
+        addmm_f32_(torch.zeros(64, 64, device="cuda"), a, a)
+        info = dict(support(torch.device("cuda")))
+    # {"mm", "addmm": bool | None, "fallback": bool, "reason": str} (grpo_kernels.kernels.fp32_gemm)
+    verdict = "not decided" if info.get("mm") is None else \
+        "NOT taken (fallback)" if info.get("fallback") else "taken"
     return f"fp32-output GEMM path: {verdict}; " + ", ".join(f"{k}={v}" for k, v in info.items())
 
 

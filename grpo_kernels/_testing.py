@@ -10,13 +10,20 @@ from dataclasses import dataclass, fields, replace
 
 @dataclass(frozen=True)
 class Knobs:
-    """fast_path_min_rows: the fast head path's minimum rows per chunk; no_grad_chunk_cap: bytes cap of the no-grad
-    head chunk; dlogits_by_gemm: force the light backward's d-logits route (True: cuBLAS + epilogue, False: the
-    Triton tile kernel)."""
+    """Planner: fast_path_min_rows (the fast head path's minimum rows per chunk), no_grad_chunk_cap (bytes cap of the
+    no-grad head chunk). Kernels: max_block_v (cap on the logits path's vocab block, so small rows cross block and
+    tail boundaries), chunk_bytes (cap on the light backward's d-logits chunk: several vocab chunks),
+    dlogits_by_gemm (force (True) or forbid (False) the cuBLAS + row-epilogue route of that backward),
+    interpret_sms (the SM count the interpreter pretends to have), interpret_tile (the fused-linear tile used
+    under the interpreter, a ``kernels.linear_tiles.Tile``)."""
 
     fast_path_min_rows: int | None = None
     no_grad_chunk_cap: int | None = None
+    max_block_v: int | None = None
+    chunk_bytes: int | None = None
     dlogits_by_gemm: bool | None = None
+    interpret_sms: int | None = None
+    interpret_tile: object = None
 
 
 _CURRENT = [Knobs()]
@@ -32,7 +39,7 @@ def override(**values):
     known = {f.name for f in fields(Knobs)}
     unknown = set(values) - known
     if unknown:
-        raise ValueError(f"unknown testing knob(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise TypeError(f"unknown override(s) {sorted(unknown)} (testing knobs: {sorted(known)})")
     _CURRENT.append(replace(_CURRENT[-1], **values))
     try:
         yield _CURRENT[-1]

@@ -412,13 +412,15 @@ def test_fp32_gemm_line_of_the_gpu_check():
 
     def probe(device):
         seen.append(device)
-        return {"supported": False, "reason": "TypeError: out_dtype"}
+        return {"mm": False, "addmm": False, "fallback": True, "reason": "TypeError: out_dtype"}
 
-    assert describe(probe, cuda=True) == ("fp32-output GEMM path: NOT taken (fallback); supported=False, "
-                                          "reason=TypeError: out_dtype")
+    assert describe(probe, cuda=True) == ("fp32-output GEMM path: NOT taken (fallback); mm=False, addmm=False, "
+                                          "fallback=True, reason=TypeError: out_dtype")
     assert seen == [torch.device("cuda")]
-    assert describe(lambda d: {"taken": True}, cuda=True) == "fp32-output GEMM path: taken; taken=True"
-    assert describe(lambda d: {"x": 1}, cuda=True).startswith("fp32-output GEMM path: unknown (no verdict key")
+    taken = {"mm": True, "addmm": True, "fallback": False, "reason": "probed"}
+    assert describe(lambda d: taken, cuda=True).startswith("fp32-output GEMM path: taken; mm=True")
+    assert describe(lambda d: {"mm": None, "fallback": False}, cuda=True).startswith(
+        "fp32-output GEMM path: not decided")
     assert describe(probe, cuda=False) == "fp32-output GEMM path: not applicable (no CUDA device)"
     line = describe()  # the real module: present (this machine's verdict) or not yet in the tree
     assert line.startswith("fp32-output GEMM path: ") and "\n" not in line

@@ -188,7 +188,6 @@ def test_fused_linear_grad_in_forward_on_gpu(dtype, frozen):
     """The gradient-in-forward path (cuBLAS fp32 logits + row-sweep epilogue + cuBLAS dH / fp32 dW) with bias,
     entropy bonus, temperature, KL and is_ratio, in chunks of 700 rows: loss and gradients against fp64 full
     logits, bitwise reproducible, the same as the light path, and on bf16 fp32-output logits GEMMs (no fallback)."""
-    import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
     case = next(c for c in CASES if c.id == "is-ratio-token")
     from grpo_kernels.planner import head_accumulator_bytes
     # room for ~700 rows of fp32 logits beside the fp32 dW / dbias accumulators (the budget counts them too)
@@ -217,8 +216,10 @@ def test_fused_linear_grad_in_forward_on_gpu(dtype, frozen):
     for name, o, t in zip(("loss", "d hidden", "d weight", "d bias"), ours, light):
         assert _rel(o, t) <= (1e-5 if dtype == torch.float32 else 1e-2), name
     if dtype == torch.bfloat16:
-        assert epilogue._DTYPE_OUT["mm"] is True, "torch.mm(out_dtype=float32) unavailable: bf16 logits fallback"
-        if not frozen and epilogue._DTYPE_OUT["addmm"] is not True:
+        from grpo_kernels.kernels.fp32_gemm import fp32_output_gemm_support
+        support = fp32_output_gemm_support(hidden.device)
+        assert support["mm"] is True, f"torch.mm(out_dtype=float32) unavailable: bf16 logits fallback ({support})"
+        if not frozen and support["addmm"] is not True:
             import warnings
             warnings.warn("torch.addmm(fp32 acc, bf16, bf16, out_dtype=float32) unavailable: dW accumulates through "
                           "blocked fp32 temporaries (exact, slower)")

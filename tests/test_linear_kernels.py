@@ -25,6 +25,8 @@ if not torch.cuda.is_available():
 from grpo_kernels.kernels import linear_backward_kernels as lbk  # noqa: E402
 from grpo_kernels.kernels import linear_forward_kernels as lfk  # noqa: E402
 from grpo_kernels.kernels import linear_tiles as tiles  # noqa: E402
+from grpo_kernels.kernels.common import testing  # noqa: E402
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -180,16 +182,16 @@ def test_backward_nothing_needed():
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_deterministic_several_chunks(dtype, monkeypatch):
+def test_deterministic_several_chunks(dtype, kernel_overrides):
     """A tiny chunk budget forces one BLOCK_V-wide vocab chunk per step: dh accumulates over 4 chunks."""
-    monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_BYTES", 1)
+    kernel_overrides(chunk_bytes=1)
     check_backward(*make_inputs(37, 100, 40, dtype), deterministic=True)
 
 
 @pytest.mark.parametrize("chunks", ["one-chunk", "several-chunks"])
-def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch):
+def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch, kernel_overrides):
     if chunks == "several-chunks":
-        monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_BYTES", 1)
+        kernel_overrides(chunk_bytes=1)
     else:
         monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_FRACTION", 1.0)
     h, w, b, ids = make_inputs(37, 100, 40, torch.bfloat16)
@@ -214,19 +216,17 @@ def test_swizzle_with_several_groups(monkeypatch):
         check_backward(*make_inputs(50, 100, 24, torch.float32), deterministic=deterministic)
 
 
-def test_one_vocab_split(monkeypatch):
+def test_one_vocab_split():
     """Many SMs per token block: the split heuristic must still cover the vocab exactly once."""
-    monkeypatch.setattr(tiles, "INTERPRET_SMS", 1)
-    check_forward(*make_inputs(37, 300, 40, torch.float32))
-    monkeypatch.setattr(tiles, "INTERPRET_SMS", 1000)
-    check_forward(*make_inputs(37, 300, 40, torch.float32))
+    for sms in (1, 1000):
+        with testing(interpret_sms=sms):
+            check_forward(*make_inputs(37, 300, 40, torch.float32))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile only exists on CPU")
-def test_gpu_sized_tile_under_interpreter(monkeypatch):
+def test_gpu_sized_tile_under_interpreter(kernel_overrides):
     """The sm_90 block sizes (128 x 128 x 64) on a shape smaller than one tile, forward and backward."""
-    t = tiles.TILES[(90, "fwd", "half")]
-    monkeypatch.setattr(tiles, "INTERPRET_TILE", t)
+    kernel_overrides(interpret_tile=tiles.TILES[(90, "fwd", "half")])
     for deterministic in (False, True):
         check_backward(*make_inputs(20, 150, 72, torch.bfloat16), deterministic=deterministic)
 
@@ -246,11 +246,10 @@ def test_only_block_sizes_and_flags_are_constexpr():
 
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy-grad", "no-entropy-grad"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_deterministic_dlogits_by_gemm_several_chunks(dtype, entropy, monkeypatch):
+def test_deterministic_dlogits_by_gemm_several_chunks(dtype, entropy, kernel_overrides):
     """The deterministic backward with d logits from fp32 GEMM logits + the row-sweep epilogue (the CUDA bf16/fp16
     choice), forced here on CPU: 4 vocab chunks, written in place as half-precision rows; bitwise reproducible."""
-    monkeypatch.setattr(lbk, "DLOGITS_BY_GEMM", True)
-    monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_BYTES", 1)
+    kernel_overrides(dlogits_by_gemm=True, chunk_bytes=1)
     h, w, b, ids = make_inputs(37, 100, 40, dtype)
     first = check_backward(h, w, b, ids, entropy=entropy, deterministic=True)
     _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
@@ -261,7 +260,7 @@ def test_deterministic_dlogits_by_gemm_several_chunks(dtype, entropy, monkeypatc
 
 def test_fp32_accumulating_gemm_helpers():
     """logits_f32 / addmm_f32_ (the cuBLAS steps of the cuBLAS-based paths) against float64, bf16 and fp32."""
-    from grpo_kernels.kernels import linear_epilogue_kernels as epi
+    from grpo_kernels.kernels import fp32_gemm as epi
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.bfloat16, torch.float32):
         a, b = torch.randn(9, 20, generator=g).to(dtype), torch.randn(20, 7, generator=g).to(dtype)

@@ -4,7 +4,7 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels import _checks
-from grpo_kernels.kernels import logits_kernels
+from grpo_kernels.kernels.common import testing
 from grpo_kernels.reference import logprobs_and_entropy
 
 from .cases import CASES, make_inputs
@@ -40,12 +40,11 @@ def _naive(logits, ids, temperature, a, b):
     return logp, entropy, grad
 
 
-def _ours(logits, ids, temperature, a, b, impl, block_v=None, monkeypatch=None):
-    if block_v and monkeypatch:
-        monkeypatch.setattr(logits_kernels, "MAX_BLOCK_V", block_v)
-    x = logits.clone().requires_grad_(True)
-    logp, entropy = gk.token_logprobs(x, ids, temperature, return_entropy=True, impl=impl)
-    (grad,) = torch.autograd.grad((a * logp + b * entropy).sum(), x)
+def _ours(logits, ids, temperature, a, b, impl, block_v=None):
+    with testing(max_block_v=block_v):
+        x = logits.clone().requires_grad_(True)
+        logp, entropy = gk.token_logprobs(x, ids, temperature, return_entropy=True, impl=impl)
+        (grad,) = torch.autograd.grad((a * logp + b * entropy).sum(), x)
     return logp, entropy, grad
 
 
@@ -62,7 +61,7 @@ def test_token_logprobs_three_way(shape, dtype, impl, entropy_grad, monkeypatch)
     b = torch.randn(B, T, generator=g) if entropy_grad else torch.zeros(B, T)
     truth = _ground_truth(logits, ids, 0.8, a, b)
     naive = _naive(logits, ids, 0.8, a, b)
-    ours = _ours(logits, ids, 0.8, a, b, impl, block_v, monkeypatch)
+    ours = _ours(logits, ids, 0.8, a, b, impl, block_v)
     assert ours[0].dtype == torch.float32 and ours[2].dtype == dtype
     for name, o, n, t in zip(("logp", "entropy", "d logits"), ours, naive, truth):
         assert_three_way(o, n, t, dtype, f"{impl} {name}")
@@ -96,6 +95,29 @@ def test_inplace_backward_reuses_the_logits_buffer(impl):
     logp.sum().backward()
     assert x.grad.data_ptr() == x.data_ptr(), "in-place backward must reuse the logits storage"
     assert torch.equal(x.grad, expected)
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp-grad", "logp+entropy-grad"])
+def test_backward_row_without_gradient_is_zero_despite_nan_statistics(entropy_grad):
+    """A row whose incoming gradients are 0 reads nothing and gets exact zeros, even when its saved lse and
+    entropy are NaN (a NaN row of a token the loss masks out); the other rows match float64."""
+    from grpo_kernels.kernels.logits_kernels import logits_logprobs_backward, logits_logprobs_forward
+
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(1, 3, 100, generator=g)
+    logits[0, 1, 7] = float("nan")
+    ids = torch.tensor([[3, 5, 99]])
+    with testing(max_block_v=32):
+        logp, lse, entropy = logits_logprobs_forward(logits, ids, 0.9)
+        assert torch.isnan(lse[1]) and torch.isnan(entropy[1])
+        grad_logp = torch.tensor([0.5, 0.0, -1.5])
+        grad_ent = torch.tensor([0.25, 0.0, 2.0]) if entropy_grad else None
+        out = logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_ent, 0.9)
+    assert torch.equal(out[0, 1], torch.zeros(100))
+    _, _, truth = _ground_truth(logits[:, ::2], ids[:, ::2], 0.9, grad_logp[::2].view(1, 2),
+                                (grad_ent if entropy_grad else torch.zeros(3))[::2].view(1, 2))
+    assert torch.allclose(out[:, ::2].double(), truth, atol=1e-6, rtol=1e-5)
+
 
 @pytest.mark.interpreter
 

@@ -21,6 +21,12 @@ A config is ``(name, kernel, signature, constexprs)``: ``signature`` maps argume
 16-byte aligned pointer); ``constexprs`` maps constexpr arguments to values and carries the launch options
 ``num_warps``, ``num_stages``, ``num_ctas``, ``maxnreg`` (names Triton reserves, so they never clash).
 
+Instructions per element: for a row-sweep kernel (constexpr ``BLOCK_V`` or ``BLOCK``, no ``BLOCK_M``) the report
+counts the SASS instructions of each innermost loop that loads from global memory (a backward branch's target to
+the branch; NOPs excluded) and divides by the elements one iteration covers per thread,
+``BLOCK / (32 num_warps)``: at one instruction per cycle per scheduler this is the issue time of a sweep, to hold
+against the memory floor (docs/kernels.md, "Reading the AOT report").
+
 Kernels created while ``TRITON_INTERPRET=1`` are interpreter objects, not JITFunctions, and their helper calls
 resolve to interpreter objects too; ``report_module`` therefore compiles in a child process with
 ``TRITON_INTERPRET=0`` (``python -m tools.aot --module MOD --arch 90``), which works from any
@@ -67,7 +73,16 @@ class KernelReport:
     stg128: int = 0
     ldg16: int = 0
     stg16: int = 0
+    loop_instructions: list = dataclasses.field(default_factory=list)  # SASS per sweep loop body, in code order
+    loop_elements: int = 0  # elements per thread one iteration covers (0: not a row sweep)
     error: str = ""
+
+    @property
+    def per_element(self) -> list:
+        """SASS instructions per element of each sweep loop (empty for kernels that are not row sweeps)."""
+        if not self.loop_elements:
+            return []
+        return [round(n / self.loop_elements, 2) for n in self.loop_instructions]
 
     @property
     def spills(self) -> bool:
@@ -81,7 +96,8 @@ class KernelReport:
         return (f"sm_{self.arch} {self.name}: regs={self.registers} spill={self.spill_stores}/{self.spill_loads} "
                 f"stack={self.stack_bytes} local={self.local_bytes} smem={self.shared_bytes} warps={self.num_warps} "
                 f"stages={self.num_stages} {mma} LDG.128={self.ldg128} STG.128={self.stg128} "
-                f"LDG.U16={self.ldg16} STG.U16={self.stg16}")
+                f"LDG.U16={self.ldg16} STG.U16={self.stg16}"
+                + (f" instr/elem={self.per_element}" if self.per_element else ""))
 
 
 def _triton():
@@ -175,7 +191,40 @@ def inspect_cubin(cubin: bytes) -> dict:
 
     return {"registers": field("REG"), "stack_bytes": field("STACK"), "local_bytes": field("LOCAL"),
             "static_shared": field("SHARED"), "hgmma": "HGMMA" in sass,
-            "hmma": re.search(r"\bHMMA\b", sass) is not None, **vector_widths(sass), "sass": sass}
+            "hmma": re.search(r"\bHMMA\b", sass) is not None, **vector_widths(sass),
+            "loop_instructions": sweep_loops(sass), "sass": sass}
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sweep_loops(sass: str) -> list:
+    """SASS instruction counts of the innermost loops that load from global memory, in code order.
+
+    A loop is a backward branch (``BRA`` to an address at or before itself) and the instructions from its target
+    to it; innermost: containing no other loop. NOPs (alignment padding) are not counted."""
+    ins = [(int(addr, 16), op, rest) for addr, op, rest in _SASS_LINE.findall(sass)]
+    loops = set()
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) <= addr:
+            loops.add((int(target.group(1), 16), addr))
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    counts = []
+    for lo, hi in sorted(inner):
+        body = [op for addr, op, _ in ins if lo <= addr <= hi and op != "NOP"]
+        if any(op.startswith("LDG") for op in body):
+            counts.append(len(body))
+    return counts
+
+
+def loop_elements(constexprs: dict) -> int:
+    """Elements per thread one iteration of a row sweep covers (``BLOCK_V`` or ``BLOCK`` over the threads), 0 for
+    kernels that are not row sweeps (tiled kernels have a ``BLOCK_M``)."""
+    block = constexprs.get("BLOCK_V", constexprs.get("BLOCK"))
+    if not isinstance(block, int) or "BLOCK_M" in constexprs:
+        return 0
+    return max(1, block // (32 * constexprs.get("num_warps", 4)))
 
 
 def vector_widths(sass: str) -> dict:
@@ -210,10 +259,11 @@ def report(name: str, fn, signature: dict, constexprs: dict, arch: int = 90) -> 
                         local_bytes=info["local_bytes"], spill_stores=info["spill_stores"],
                         spill_loads=info["spill_loads"], shared_bytes=kernel.metadata.shared + info["static_shared"],
                         num_warps=warps, num_stages=stages, hgmma=info["hgmma"], hmma=info["hmma"],
-                        ldg128=info["ldg128"], stg128=info["stg128"], ldg16=info["ldg16"], stg16=info["stg16"])
+                        ldg128=info["ldg128"], stg128=info["stg128"], ldg16=info["ldg16"], stg16=info["stg16"],
+                        loop_instructions=info["loop_instructions"], loop_elements=loop_elements(constexprs))
 
 
-_REPORT_FILE = "grpo_aot_report_v2.json"  # v2: with the SASS vector-width counts
+_REPORT_FILE = "grpo_aot_report_v3.json"  # v3: with the sweep-loop instruction counts
 
 
 def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:

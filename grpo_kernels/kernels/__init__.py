@@ -3,7 +3,11 @@
 - ``logits_kernels``: log-prob / logsumexp / entropy vocab sweep over given logits and its d-logits backward;
 - ``token_loss_kernels``: the per-token GRPO terms (ratio, clipping, KL, loss, its gradient, metrics);
 - ``linear_forward_kernels`` / ``linear_backward_kernels``: the fused linear head (shared helpers and the tile
-  table in ``linear_tiles``).
+  table in ``linear_tiles``); ``linear_epilogue_kernels``: the row-sweep epilogues over cuBLAS fp32 logits chunks;
+- ``fp32_gemm``: the fp32-output cuBLAS GEMMs and the one decision whether this torch has them;
+- ``common``: cdiv, the GPU-generation table, the online logsumexp of every sweep, the testing override.
+
+Design, instruction budgets and how to read the AOT report: docs/kernels.md.
 
 Kernels live at module level and these modules are imported lazily, by the autograd layer on the first launch, so
 TRITON_INTERPRET set any time before then takes effect. Every launch goes through ``launch.launch``; every module

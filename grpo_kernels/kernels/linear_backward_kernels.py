@@ -8,7 +8,7 @@ cuBLAS/torch ops finish the job: dW[chunk] = dl^T @ hidden (complete, written on
 dh += dl @ W[chunk] (accumulated over chunks in an fp32 buffer by cuBLAS itself, beta = 1, for bf16/fp16: no
 half-precision product in between). Vc is the largest multiple of BLOCK_V with N * Vc * itemsize <= the chunk
 budget (the caller's ``chunk_bytes``; by default 1% of the N x V fp32 logits, ``DETERMINISTIC_CHUNK_FRACTION``;
-``DETERMINISTIC_CHUNK_BYTES`` when set caps it; at least BLOCK_V columns). cuBLAS is run-to-run
+the testing override's ``chunk_bytes`` caps it; at least BLOCK_V columns). cuBLAS is run-to-run
 deterministic on a given GPU and library version (set CUBLAS_WORKSPACE_CONFIG=:4096:8 when streams vary). With fp32
 inputs the matmuls follow torch's fp32 matmul precision setting ("highest" by default, i.e. no TF32).
 
@@ -33,18 +33,15 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import alloc
-from .._testing import knobs
 from . import linear_tiles as tiles
+from .common import cdiv, overrides
 from .launch import launch
-from .linear_epilogue_kernels import addmm_f32_, dlogits_chunk, half_view, logits_f32
-from .linear_tiles import _dlogits_tile, _grouped_tile, _logits_tile, _mma, _to_input_dtype, tl, triton
+from .fp32_gemm import addmm_f32_, logits_f32
+from .linear_epilogue_kernels import dlogits_chunk, half_view
+from .linear_tiles import dlogits_tile, grouped_tile, logits_tile, mma, to_input_dtype, tl, triton
 
 # d logits chunk of the deterministic backward when the caller gives no budget: this fraction of N x V fp32 logits.
 DETERMINISTIC_CHUNK_FRACTION = 0.01
-# Optional cap on that chunk (bytes); tests shrink it to exercise several chunks.
-DETERMINISTIC_CHUNK_BYTES = None
-# d logits by cuBLAS + epilogue (True), by the Triton tile kernel (False), or None: decided by dlogits_by_gemm.
-DLOGITS_BY_GEMM = None
 
 
 @triton.jit(do_not_specialize=["N", "n_m_blocks", "n_v_blocks"])
@@ -60,7 +57,7 @@ def linear_bwd_atomic_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_
     dh_ptr fp32 (N, H), dw_ptr fp32 (V, H), db_ptr fp32 (V,): zero-initialised, contiguous. 1-D grid of
     n_m_blocks * n_v_blocks programs (CCE-style). Not deterministic: the order of the float adds varies.
     """
-    pid_m, pid_v = _grouped_tile(tl.program_id(0), n_m_blocks, n_v_blocks, GROUP_M)
+    pid_m, pid_v = grouped_tile(tl.program_id(0), n_m_blocks, n_v_blocks, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
@@ -69,16 +66,16 @@ def linear_bwd_atomic_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_
     cols_c = tl.minimum(cols, V - 1)
     # Why recompute the logit tile (2 * BLOCK_M * BLOCK_V * H FLOPs) instead of loading it: N x V logits are
     # never stored; recomputing is the price of O(N + V) extra memory.
-    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature,
+    z = logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature,
                      HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
-    dl = _dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
+    dl = dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
                        HAS_ENTROPY_GRAD)
     if NEED_B:
         tl.atomic_add(db_ptr + cols, tl.sum(dl, axis=0), mask=col_ok, sem="relaxed")
     if NEED_H or NEED_W:
         # Why round d logits to the input dtype: the tensor cores take bf16/fp16 operands (as eager PyTorch's
         # backward does, which keeps d logits in the logits dtype).
-        dl_c = _to_input_dtype(dl, h_ptr.dtype.element_ty, DOT_FP32)
+        dl_c = to_input_dtype(dl, h_ptr.dtype.element_ty, DOT_FP32)
         h_rows = h_ptr + rows_c.to(tl.int64)[:, None] * stride_h
         w_rows = w_ptr + cols_c.to(tl.int64)[:, None] * stride_w
         dh_rows = dh_ptr + rows.to(tl.int64)[:, None] * H
@@ -90,11 +87,11 @@ def linear_bwd_atomic_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_
             k_ok = (ks < H)[None, :]
             if NEED_H:
                 w = tl.load(w_rows + ks[None, :], mask=k_ok, other=0.0)
-                dh = _mma(dl_c, w, tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32), DOT_FP32)
+                dh = mma(dl_c, w, tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32), DOT_FP32)
                 tl.atomic_add(dh_rows + ks[None, :], dh, mask=row_ok[:, None] & k_ok, sem="relaxed")
             if NEED_W:
                 h = tl.load(h_rows + ks[None, :], mask=k_ok, other=0.0)
-                dw = _mma(tl.trans(dl_c), h, tl.zeros((BLOCK_V, BLOCK_K), dtype=tl.float32), DOT_FP32)
+                dw = mma(tl.trans(dl_c), h, tl.zeros((BLOCK_V, BLOCK_K), dtype=tl.float32), DOT_FP32)
                 tl.atomic_add(dw_rows + ks[None, :], dw, mask=col_ok[:, None] & k_ok, sem="relaxed")
 
 
@@ -111,18 +108,18 @@ def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     dh, dW and dbias with fixed-order matmuls/sums. 1-D grid of n_m_blocks * n_v_blocks,
     n_v_blocks = ceil((v_end - v_begin) / BLOCK_V).
     """
-    pid_m, pid_v = _grouped_tile(tl.program_id(0), n_m_blocks, n_v_blocks, GROUP_M)
+    pid_m, pid_v = grouped_tile(tl.program_id(0), n_m_blocks, n_v_blocks, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = v_begin + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
     col_ok = cols < v_end
     rows_c = tl.minimum(rows, N - 1)
-    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
+    z = logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
                      HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
-    dl = _dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
+    dl = dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
                        HAS_ENTROPY_GRAD)
     out = dl_ptr + rows.to(tl.int64)[:, None] * stride_dl + (cols - v_begin)[None, :]
-    tl.store(out, _to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
 def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
                              need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool,
                              chunk_bytes: int | None = None, row_block: int | None = None):
@@ -152,15 +149,15 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
     if deterministic:
         if chunk_bytes is None:
             chunk_bytes = int(DETERMINISTIC_CHUNK_FRACTION * 4 * N * V)
-        if DETERMINISTIC_CHUNK_BYTES is not None:
-            chunk_bytes = min(chunk_bytes, DETERMINISTIC_CHUNK_BYTES)
+        if overrides().chunk_bytes is not None:
+            chunk_bytes = min(chunk_bytes, overrides().chunk_bytes)
         return _backward_row_blocks(common, N, V, H, need_hidden, need_weight, need_bias, chunk_bytes,
                                     N if row_block is None else max(1, min(N, row_block)))
     tile, _, dot_fp32 = tiles.launch_params("bwd", hidden.dtype, dev)
     dh = torch.zeros((N, H), dtype=f32, device=dev) if need_hidden else None
     dw = torch.zeros((V, H), dtype=f32, device=dev) if need_weight else None
     db = torch.zeros((V,), dtype=f32, device=dev) if need_bias else None
-    n_m, n_v = tiles.cdiv(N, tile.block_m), tiles.cdiv(V, tile.block_v)
+    n_m, n_v = cdiv(N, tile.block_m), cdiv(V, tile.block_v)
     launch(linear_bwd_atomic_kernel, (n_m * n_v,),
         hidden, weight, weight if bias is None else bias, ids, common["lse"], common["entropy"], grad_logp,
         common["grad_entropy"], lse if dh is None else dh, lse if dw is None else dw, lse if db is None else db,
@@ -282,7 +279,7 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, chunk_bytes: int, d_hidde
     tile, _, dot_fp32 = tiles.launch_params("dlogits", dtype, dev)
     by_gemm = dlogits_by_gemm(dtype, dev)
     chunk = _chunk_cols(chunk_bytes, N, V, 4 if by_gemm else hidden.element_size(), tile.block_v)
-    n_chunks = tiles.cdiv(V, chunk)
+    n_chunks = cdiv(V, chunk)
     if by_gemm:
         zflat = alloc((N * min(chunk, V),), torch.float32, dev)
     else:
@@ -303,7 +300,7 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, chunk_bytes: int, d_hidde
                           c["grad_entropy"] if c["has_ent"] else None, v0, c["inv_temperature"])
         else:
             dl = buf[:, : v1 - v0]
-            _dlogits_tiles(c, buf, tile, dot_fp32, N, V, H, v0, v1)
+            dlogits_tiles(c, buf, tile, dot_fp32, N, V, H, v0, v1)
         # Why these ops are deterministic: each is a fixed-shape cuBLAS GEMM or a torch reduction, and every output
         # element is produced by exactly one of them per chunk and block, in a fixed order (no float atomics).
         if d_weight is not None:
@@ -325,10 +322,10 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, chunk_bytes: int, d_hidde
         d_hidden.copy_(dh32)
 
 
-def _dlogits_tiles(c: dict, buf, tile, dot_fp32: int, N: int, V: int, H: int, v0: int, v1: int) -> None:
+def dlogits_tiles(c: dict, buf, tile, dot_fp32: int, N: int, V: int, H: int, v0: int, v1: int) -> None:
     """d logits of vocab columns [v0, v1) into buf[:, :v1 - v0] with the Triton tile kernel (recomputed logits)."""
     hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
-    n_m, n_v = tiles.cdiv(N, tile.block_m), tiles.cdiv(v1 - v0, tile.block_v)
+    n_m, n_v = cdiv(N, tile.block_m), cdiv(v1 - v0, tile.block_v)
     launch(linear_dlogits_kernel, (n_m * n_v,),
            hidden, weight, weight if bias is None else bias, c["ids"], c["lse"], c["entropy"], c["grad_logp"],
            c["grad_entropy"], buf, N, V, H, hidden.stride(0), weight.stride(0), buf.stride(0), c["inv_temperature"],
@@ -340,12 +337,12 @@ def _dlogits_tiles(c: dict, buf, tile, dot_fp32: int, N: int, V: int, H: int, v0
 def dlogits_by_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the deterministic backward forms d logits as cuBLAS fp32 logits + the row-sweep epilogue.
 
-    ``DLOGITS_BY_GEMM`` (None = auto): on CUDA for bf16/fp16, where cuBLAS runs the recompute GEMM faster than the
-    Triton tile kernel (60-70% of cuBLAS measured on an H200); fp32 keeps the tile kernel (IEEE fp32 either way).
+    On CUDA for bf16/fp16, where cuBLAS runs the recompute GEMM faster than the Triton tile kernel (60-70% of cuBLAS
+    measured on an H200); fp32 keeps the tile kernel (IEEE fp32 either way). The testing override's
+    ``dlogits_by_gemm`` forces either route.
     """
-    forced = DLOGITS_BY_GEMM if DLOGITS_BY_GEMM is not None else knobs().dlogits_by_gemm
-    if forced is not None:
-        return forced
+    if overrides().dlogits_by_gemm is not None:
+        return overrides().dlogits_by_gemm
     return device.type == "cuda" and dtype != torch.float32
 
 

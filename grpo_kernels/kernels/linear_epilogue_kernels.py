@@ -1,7 +1,7 @@
 """Fused linear head on cuBLAS GEMMs: row-sweep epilogues over a chunk of fp32 logits, and the chunk loops around
 them (docs/DESIGN.md section 3).
 
-Per chunk of R hidden rows, cuBLAS writes the logits z = h W^T as an fp32 (R, V) buffer (``logits_f32``); one
+Per chunk of R hidden rows, cuBLAS writes the logits z = h W^T as an fp32 (R, V) buffer (``fp32_gemm.logits_f32``); one
 Triton program per row then sweeps that row:
 - ``head_fold_kernel`` (log-probs, no gradient): online logsumexp / entropy over the row, target logit -> logp,
   lse, entropy. ``head_logprobs_chunked`` is the no-grad old / reference-policy pass: GEMM + fold, 2NHV.
@@ -18,8 +18,9 @@ cross-lane reduction inside the loop) and combines the lanes once at the end.
 
 Why d logits in place: a bf16/fp16 d-logits row needs half the bytes of the fp32 logits row, so it is written
 into the first half of the same row (a strided (R, V) view with row stride 2V); block k of the write covers only
-fp32 elements below the end of block k of the read, and a barrier between the block's load and its store orders
-the two across warps. fp32 inputs overwrite each element with its own d logit.
+fp32 elements below the end of block k of the read, and barriers at blocks 0, 2, 6, 14, ... (``_dlogits_row``)
+order every store after the reads it could clobber across warps. fp32 inputs overwrite each element with its own
+d logit. The target's column is written last, by one scalar store (no per-element id compare).
 
 Determinism: every output element is produced by one program or one GEMM per chunk, chunks run in a fixed
 order, metric terms are summed by torch in a fixed order. cuBLAS GEMMs are run-to-run deterministic for a fixed
@@ -31,14 +32,16 @@ import torch
 
 from .._checks import alloc
 from .._triton import import_triton, interpreting
+from .common import EXP2_FLOOR, LOG2E, exp2, lane_fold, lanes_to_row, row_lse_entropy
+from .fp32_gemm import addmm_f32_, logits_f32
 from .launch import launch, target_arch
-from .linear_tiles import _NEG_BIG, _to_input_dtype
+from .linear_tiles import to_input_dtype
 from .token_terms import token_terms_at
 
 triton, tl = import_triton()
 
-# fp32 elements per block of the row sweep: 8 warps x 32 lanes x 8 elements (two 16-byte loads per lane; 48-64
-# registers on sm_90, so four programs share an SM and keep enough loads in flight).
+# fp32 elements per block of the row sweep: 8 warps x 32 threads x 8 elements (two 16-byte loads per thread;
+# under 48 registers on sm_90, so four programs share an SM and keep enough loads in flight).
 ROW_BLOCK = 2048
 ROW_WARPS = 8
 # Under TRITON_INTERPRET: a small block, so that small test rows cross the main-loop / tail boundary.
@@ -53,97 +56,112 @@ def _row_block() -> int:
 
 
 @triton.jit
-def _online(m, s, a, z, ok):
-    """One block of per-lane online statistics: running max m, sum e^(z-m), sum e^(z-m) (z-m)."""
-    m_new = tl.maximum(m, z)
-    alpha = tl.exp(m - m_new)
-    u = z - m_new
-    e = tl.where(ok, tl.exp(u), 0.0)
-    # Why the guard: a -inf logit (a -inf bias) has e = 0 but u = -inf, and 0 * -inf is NaN.
-    a = alpha * (a - (m_new - m) * s) + tl.where(e > 0.0, e * u, 0.0)
-    return m_new, alpha * s + e, a
+def _lane_offsets(BLOCK: tl.constexpr, LANE: tl.constexpr):
+    """(BLOCK // LANE, LANE) offsets 0 .. BLOCK - 1, row-major: LANE contiguous values per lane."""
+    return tl.arange(0, BLOCK // LANE)[:, None] * LANE + tl.arange(0, LANE)[None, :]
 
 
 @triton.jit
-def _row_fold(z_row, b_ptr, V, inv_temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """(max, sum e^(z-max), sum e^(z-max) (z-max)) of one fp32 logits row, z = (x + b) * inv_temperature."""
-    offs = tl.arange(0, BLOCK)
-    m = tl.full((BLOCK,), _NEG_BIG, dtype=tl.float32)
-    s = tl.zeros((BLOCK,), dtype=tl.float32)
-    a = tl.zeros((BLOCK,), dtype=tl.float32)
+def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """(logsumexp, entropy) of one row of fp32 logits, z = (x + b) * inv_temperature: per-lane online
+    statistics over unmasked (16-byte vector) full blocks and one masked tail, lanes combined once.
+
+    Why the lane width: a lane must sit in one thread (common.lane_fold). Four fp32 logits are one 16-byte vector;
+    with a half-precision bias, eight (one 16-byte vector of bias, two of logits), else the bias load alone would
+    be split into 8-byte pieces or the lane across two threads."""
+    LANE: tl.constexpr = 8 if HAS_BIAS and b_ptr.dtype.element_ty.primitive_bitwidth == 16 else 4
+    offs = _lane_offsets(BLOCK, LANE)
+    c = inv_temperature * LOG2E
+    m = tl.full([BLOCK // LANE], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK // LANE], tl.float32)
+    a = tl.zeros([BLOCK // LANE], tl.float32)
     v_main = (V // BLOCK) * BLOCK
     # Why an unmasked main loop: full blocks need no predicate, so the loads vectorize to 16 bytes.
     for v0 in range(0, v_main, BLOCK):
         x = tl.load(z_row + v0 + offs)
         if HAS_BIAS:
             x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-        m, s, a = _online(m, s, a, x * inv_temperature, offs < BLOCK)
+        m, s, a = lane_fold(x, m, s, a, c)
+    cols = v_main + offs
+    ok = cols < V
+    x = tl.load(z_row + cols, mask=ok, other=float("-inf"))
+    if HAS_BIAS:
+        x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    m, s, a = lane_fold(x, m, s, a, c)
+    m_row, s_row, a_row = lanes_to_row(m, s, a, c)
+    return row_lse_entropy(m_row, s_row, a_row, inv_temperature)
+
+
+@triton.jit
+def _target_logit(z_row, b_ptr, target, ok, HAS_BIAS: tl.constexpr):
+    """The raw logit x + b of column ``target`` (0 where ``ok`` is false)."""
+    x = tl.load(z_row + target, mask=ok, other=0.0)
+    if HAS_BIAS:
+        x += tl.load(b_ptr + target, mask=ok, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD: tl.constexpr):
+    """d logits off the target column from raw logits x: 2^u (B + A max(u, floor)), u = (x / T - lse) log2(e) =
+    log2 p (the difference first: it cancels exactly at the row maximum, see logits_rows.dlogits_values)."""
+    u = (x * inv_temperature - lse) * LOG2E
+    p = exp2(u)
+    if HAS_ENTROPY_GRAD:
+        # Why the clamp: p = 0 at a -inf logit, and 0 * -inf would be NaN.
+        return p * (coef_b + coef_a * tl.maximum(u, EXP2_FLOOR))
+    else:
+        return p * coef_b
+
+
+@triton.jit
+def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, inv_temperature,
+                 HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """A row's d logits (g (onehot - p) - g_H p (log p + H)) * inv_temperature over columns [0, V), stored in
+    ``out_row``'s dtype: -g p (and the entropy term) in unmasked full blocks and one masked tail, then the target
+    column (``x_target``: its raw logit, read before the sweep) by one scalar store.
+
+    Why the barriers, and why so few: a half-precision row written in place over its fp32 row (see the module
+    docstring) stores block j into fp32 elements [j B / 2, (j + 1) B / 2). Once every thread has read blocks
+    0 .. k (a barrier after the loads of block k), the stores of blocks up to 2k + 1 touch only read data. So a
+    barrier at k = 0, 2, 6, 14, ... (k + 2 a power of two) orders every store after all reads it could clobber:
+    log2(V / B) barriers per row instead of one per block. fp32 rows are rewritten element by element by the
+    thread that read them and need none. Why a flat block here (no lanes): nothing is reduced, and eight
+    contiguous values per thread store as one 16-byte half-precision vector."""
+    offs = tl.arange(0, BLOCK)
+    g_t = g * inv_temperature
+    gh_t = g_h * inv_temperature
+    coef_a = -gh_t * 0.6931471805599453
+    coef_b = -g_t - gh_t * ent
+    HALF: tl.constexpr = out_row.dtype.element_ty != tl.float32
+    v_main = (V // BLOCK) * BLOCK
+    for v0 in range(0, v_main, BLOCK):
+        x = tl.load(z_row + v0 + offs)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + v0 + offs).to(tl.float32)
+        dz = to_input_dtype(_dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+                            out_row.dtype.element_ty, ROUND_BY_HAND)
+        if HALF:
+            k = v0 // BLOCK
+            if ((k + 2) & (k + 1)) == 0:
+                tl.debug_barrier()
+        tl.store(out_row + v0 + offs, dz)
     cols = v_main + offs
     ok = cols < V
     x = tl.load(z_row + cols, mask=ok, other=0.0)
     if HAS_BIAS:
         x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    m, s, a = _online(m, s, a, tl.where(ok, x * inv_temperature, _NEG_BIG), ok)
-    # Combine the lanes once: re-centre each lane's sums on the row max.
-    m_row = tl.max(m, axis=0)
-    c = tl.exp(m - m_row)
-    return m_row, tl.sum(c * s, axis=0), tl.sum(c * (a + (m - m_row) * s), axis=0)
-
-
-@triton.jit
-def _target_logit(z_row, b_ptr, target, inv_temperature, HAS_BIAS: tl.constexpr):
-    x = tl.load(z_row + target)
-    if HAS_BIAS:
-        x += tl.load(b_ptr + target).to(tl.float32)
-    return x * inv_temperature
-
-
-@triton.jit
-def _dlogits_block(z_row, out_row, b_ptr, cols, ok, target, lse, ent, g, g_h, inv_temperature,
-                   HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-                   MASKED: tl.constexpr):
-    """One block of a row's d logits, (g (onehot - p) - g_H p (log p + H)) * inv_temperature, stored in place."""
-    if MASKED:
-        x = tl.load(z_row + cols, mask=ok, other=0.0)
-        if HAS_BIAS:
-            x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(z_row + cols)
-        if HAS_BIAS:
-            x += tl.load(b_ptr + cols).to(tl.float32)
-    logp_v = x * inv_temperature - lse
-    p = tl.exp(logp_v)
-    dz = tl.where(cols == target, g, 0.0) - g * p
-    if HAS_ENTROPY_GRAD:
-        dz -= g_h * p * tl.where(p > 0.0, logp_v + ent, 0.0)
-    dz = _to_input_dtype(dz * inv_temperature, out_row.dtype.element_ty, ROUND_BY_HAND)
-    # Why the barrier: the half-precision row overlaps the fp32 row it replaces (see the module docstring).
+    dz = to_input_dtype(_dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+                        out_row.dtype.element_ty, ROUND_BY_HAND)
+    # Why a barrier here too: the tail's block index may be due one, and the target's column below was stored
+    # by whichever thread held it.
     tl.debug_barrier()
-    if MASKED:
-        tl.store(out_row + cols, dz, mask=ok)
-    else:
-        tl.store(out_row + cols, dz)
-
-
-@triton.jit
-def _dlogits_row(z_row, out_row, b_ptr, target, lse, ent, g, g_h, V, inv_temperature, HAS_BIAS: tl.constexpr,
-                 HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
-    """A row's d logits over columns [0, V): unmasked (vectorized) full blocks, then one masked tail block."""
-    offs = tl.arange(0, BLOCK)
-    v_main = (V // BLOCK) * BLOCK
-    for v0 in range(0, v_main, BLOCK):
-        _dlogits_block(z_row, out_row, b_ptr, v0 + offs, offs < BLOCK, target, lse, ent, g, g_h, inv_temperature,
-                       HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, False)
-    _dlogits_block(z_row, out_row, b_ptr, v_main + offs, v_main + offs < V, target, lse, ent, g, g_h,
-                   inv_temperature, HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, True)
-
-
-@triton.jit
-def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """(logsumexp, entropy) of one row of fp32 logits: the fold of both epilogues."""
-    m, s, a = _row_fold(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
-    log_s = tl.log(s)
-    return m + log_s, log_s - a / s
+    tl.store(out_row + cols, dz, mask=ok)
+    tl.debug_barrier()
+    dz_t = g_t + _dlogits_values(x_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+    tl.store(out_row + target, to_input_dtype(dz_t, out_row.dtype.element_ty, ROUND_BY_HAND),
+             mask=(target >= 0) & (target < V))
 
 
 @triton.jit(do_not_specialize=["row0", "V"])
@@ -154,7 +172,7 @@ def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V,
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
     lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
-    zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), inv_temperature, HAS_BIAS)
+    zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), True, HAS_BIAS) * inv_temperature
     tl.store(lse_ptr + tok, lse)
     tl.store(logp_ptr + tok, zt - lse)
     tl.store(ent_ptr + tok, ent)
@@ -179,7 +197,8 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
     z_row = z_ptr + r.to(tl.int64) * stride_z
     lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
     target = tl.load(ids_ptr + tok)
-    logp = _target_logit(z_row, b_ptr, target, inv_temperature, HAS_BIAS) - lse
+    x_target = _target_logit(z_row, b_ptr, target, True, HAS_BIAS)
+    logp = x_target * inv_temperature - lse
     tl.store(logp_ptr + tok, logp)
     tl.store(ent_ptr + tok, ent)
 
@@ -210,7 +229,7 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
             g_h = tl.load(ge_ptr)
         # Why a second sweep rather than keeping the row on chip: V fp32 logits (600 KB at V = 152k) do not fit;
         # the second read of the row is the price of writing d logits without a recompute GEMM.
-        _dlogits_row(z_row, out_ptr + r.to(tl.int64) * stride_out, b_ptr, target, lse, ent, g, g_h, V,
+        _dlogits_row(z_row, out_ptr + r.to(tl.int64) * stride_out, b_ptr, target, x_target, lse, ent, g, g_h, V,
                      inv_temperature, HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, BLOCK)
 
 
@@ -231,80 +250,14 @@ def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     lse = tl.load(lse_ptr + r)
     g = tl.load(gl_ptr + r)
     local_target = tl.load(ids_ptr + r) - v0
+    x_target = _target_logit(z_row, b_ptr, local_target, (local_target >= 0) & (local_target < Vc), HAS_BIAS)
     g_h = 0.0
     ent = 0.0
     if HAS_ENTROPY_GRAD:
         g_h = tl.load(ge_ptr + r)
         ent = tl.load(ent_ptr + r)
-    _dlogits_row(z_row, out_row, b_ptr, local_target, lse, ent, g, g_h, Vc, inv_temperature, HAS_BIAS,
+    _dlogits_row(z_row, out_row, b_ptr, local_target, x_target, lse, ent, g, g_h, Vc, inv_temperature, HAS_BIAS,
                  HAS_ENTROPY_GRAD, ROUND_BY_HAND, BLOCK)
-
-
-# ---------------------------------------------------------------------------------------------- cuBLAS GEMMs
-
-_DTYPE_OUT = {"mm": None, "addmm": None}  # whether torch's out_dtype GEMM variants work here (probed once)
-# Largest fp32 temporary of the fallback accumulation (torch without an fp32-accumulator addmm for bf16 inputs).
-FALLBACK_BLOCK_BYTES = 64 << 20
-
-
-def _unsupported(err: Exception) -> bool:
-    """An error that says this torch lacks the out_dtype GEMM variant (not an out-of-memory or a shape bug)."""
-    text = str(err)
-    return isinstance(err, (TypeError, NotImplementedError)) or "dtype" in text or "overload" in text
-
-
-def logits_f32(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out (R, V) fp32 = h (R, H) @ weight (V, H)^T with fp32 accumulation and fp32 output.
-
-    CUDA bf16/fp16: ``torch.mm(..., out_dtype=torch.float32)`` (torch >= 2.11); without it, the half-precision
-    product upcast (logits rounded to bf16 once, as eager PyTorch). CPU: the rounded inputs multiplied in fp32.
-    """
-    if h.dtype == torch.float32:
-        torch.mm(h, weight.t(), out=out)
-    elif not h.is_cuda:
-        torch.mm(h.float(), weight.float().t(), out=out)
-    else:
-        if not _out_dtype_gemm("mm", lambda: torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)):
-            out.copy_(torch.mm(h, weight.t()))
-
-
-def _out_dtype_gemm(kind: str, gemm) -> bool:
-    """Run ``gemm`` (torch's fp32-output ``kind`` variant) unless this torch is known to lack it; False when it does
-    (learned on the first call and cached), so the caller takes its fallback."""
-    if _DTYPE_OUT[kind] is False:
-        return False
-    try:
-        gemm()
-    except (TypeError, RuntimeError, NotImplementedError) as err:
-        if not _unsupported(err):
-            raise
-        _DTYPE_OUT[kind] = False
-        return False
-    _DTYPE_OUT[kind] = True
-    return True
-
-
-def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b for bf16/fp16/fp32 a, b, accumulated in fp32 with no half-precision intermediate.
-
-    CUDA: ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` (cuBLAS beta = 1, no temporary); where this
-    torch rejects an fp32 accumulator for half inputs: fp32 products (``logits_f32``) of at most
-    ``FALLBACK_BLOCK_BYTES`` rows of acc at a time, added in. CPU: the inputs upcast, then ``addmm_``.
-    """
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-        return
-    if not a.is_cuda:
-        acc.addmm_(a.float(), b.float())
-        return
-    if _out_dtype_gemm("addmm", lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)):
-        return
-    rows = max(1, min(acc.shape[0], FALLBACK_BLOCK_BYTES // (4 * max(1, acc.shape[1]))))
-    tmp = torch.empty((rows, acc.shape[1]), dtype=torch.float32, device=acc.device)
-    for i0 in range(0, acc.shape[0], rows):
-        i1 = min(acc.shape[0], i0 + rows)
-        logits_f32(a[i0:i1], b.t(), tmp[: i1 - i0])
-        acc[i0:i1].add_(tmp[: i1 - i0])
 
 
 def half_view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,8 +14,9 @@ import torch
 
 from .._checks import alloc
 from . import linear_tiles as tiles
+from .common import GENERATIONS, LN2, LOG2E, cdiv, lane_fold
 from .launch import launch
-from .linear_tiles import _NEG_BIG, _logits_tile, tl, triton
+from .linear_tiles import NEG_BIG, logits_tile, tl, triton
 
 MERGE_BLOCK_N = 256
 
@@ -38,7 +39,7 @@ def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_c = tl.minimum(rows, N - 1)
     target = tl.load(ids_ptr + rows_c)
-    m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), NEG_BIG, dtype=tl.float32)
     s_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     a_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     t_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -49,29 +50,23 @@ def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
     for v0 in range(v_start, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < V
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
+        z = logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
                          HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
         # Why a finite floor for the padded columns: exp gives exactly 0 there and e * (z - m) stays 0 * finite,
         # so no NaN needs masking.
-        z = tl.where(col_ok[None, :], z, _NEG_BIG)
-        # Why track a = sum e^(z-m) (z-m) rather than sum e^(z-m) z: entropy = log s - a / s then has no
-        # cancellation between two large numbers when |z| is large.
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        u = z - m_new[:, None]
-        e = tl.exp(u)
-        # Why the guard: a -inf logit (a banned token's -inf bias) has e = 0 but u = -inf, and 0 * -inf is NaN.
-        a_i = alpha * (a_i - (m_new - m_i) * s_i) + tl.sum(tl.where(e > 0.0, e * u, 0.0), axis=1)
-        s_i = alpha * s_i + tl.sum(e, axis=1)
+        z = tl.where(col_ok[None, :], z, NEG_BIG)
+        # The online logsumexp of the row sweeps (common.lane_fold), a tile row being a lane: running max m,
+        # s = sum e^(z-m) and a = sum 2^u u with u = (z - m) log2(e) (z already includes 1 / temperature). Why
+        # track (z - m) rather than z: entropy = log s - a / s then has no cancellation when |z| is large.
+        m_i, s_i, a_i = lane_fold(z, m_i, s_i, a_i, LOG2E)
         # Why gather in the tile: the target logit is already on chip; exactly one split adds a non-zero.
         t_i += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        m_i = m_new
     row_ok = rows < N
     plane = N.to(tl.int64) * n_splits
     out = part_ptr + pid_s.to(tl.int64) * N + rows
     tl.store(out, m_i, mask=row_ok)
     tl.store(out + plane, s_i, mask=row_ok)
-    tl.store(out + 2 * plane, a_i, mask=row_ok)
+    tl.store(out + 2 * plane, a_i * LN2, mask=row_ok)  # natural-log units for the merge
     tl.store(out + 3 * plane, t_i, mask=row_ok)
 
 
@@ -85,7 +80,7 @@ def linear_fwd_merge_kernel(part_ptr, logp_ptr, lse_ptr, ent_ptr, N, n_splits, B
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     plane = N.to(tl.int64) * n_splits
-    m = tl.full((BLOCK_N,), _NEG_BIG, dtype=tl.float32)
+    m = tl.full((BLOCK_N,), NEG_BIG, dtype=tl.float32)
     for sp in range(0, n_splits):
         m = tl.maximum(m, tl.load(part_ptr + sp * N + rows, mask=row_ok, other=0.0))
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -111,14 +106,14 @@ def linear_fwd_merge_kernel(part_ptr, logp_ptr, lse_ptr, ent_ptr, N, n_splits, B
 def forward_splits(N: int, V: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
     """(vocab columns per split, number of splits) of the forward's (token block, vocab split) grid."""
     if device.type == "meta":  # a plan made without data: the sm_90 table on 132 SMs
-        tile, sms = tiles.TILES[(90, "fwd", "fp32" if dtype == torch.float32 else "half")], tiles.RECORDING_SMS
+        tile, sms = tiles.TILES[(90, "fwd", "fp32" if dtype == torch.float32 else "half")], GENERATIONS[90].sms
     else:
         tile, sms, _ = tiles.launch_params("fwd", dtype, device)
-    n_m = tiles.cdiv(N, tile.block_m)
-    n_vb = tiles.cdiv(V, tile.block_v)
+    n_m = cdiv(N, tile.block_m)
+    n_vb = cdiv(V, tile.block_v)
     # Why: enough (token block, vocab split) programs for ~tiles.WAVES waves, each split at least one vocab block.
-    v_per_split = tiles.cdiv(n_vb, min(n_vb, max(1, tiles.cdiv(tiles.WAVES * sms, n_m)))) * tile.block_v
-    return v_per_split, tiles.cdiv(V, v_per_split)
+    v_per_split = cdiv(n_vb, min(n_vb, max(1, cdiv(tiles.WAVES * sms, n_m)))) * tile.block_v
+    return v_per_split, cdiv(V, v_per_split)
 
 
 def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -139,7 +134,7 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
     if N == 0:
         return logp, lse, ent
     tile, _, dot_fp32 = tiles.launch_params("fwd", hidden.dtype, dev)
-    n_m = tiles.cdiv(N, tile.block_m)
+    n_m = cdiv(N, tile.block_m)
     v_per_split, n_splits = forward_splits(N, V, hidden.dtype, dev)
     part = alloc((4, n_splits, N), torch.float32, dev)
     launch(linear_fwd_partial_kernel, (n_m * n_splits,),
@@ -147,7 +142,7 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
         N, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_m, n_splits, v_per_split,
         HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_V=tile.block_v, BLOCK_K=tile.block_k,
         DOT_FP32=dot_fp32, num_warps=tile.num_warps, num_stages=tile.num_stages)
-    launch(linear_fwd_merge_kernel, (tiles.cdiv(N, MERGE_BLOCK_N),), part, logp, lse, ent, N, n_splits,
+    launch(linear_fwd_merge_kernel, (cdiv(N, MERGE_BLOCK_N),), part, logp, lse, ent, N, n_splits,
            BLOCK_N=MERGE_BLOCK_N, num_warps=4)
     return logp, lse, ent
 

@@ -14,13 +14,13 @@ int64 (N*V and V*H exceed 2^31).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from .._precision import fp32_matmuls_use_tf32
 from .._triton import import_triton, interpreting
+from .common import generation, num_sms, overrides
 from .launch import target_arch
 
 triton, tl = import_triton()
@@ -63,40 +63,24 @@ INTERPRET_TILE = Tile(16, 32, 16, 4, 1)
 TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-@functools.lru_cache(maxsize=None)
-def _arch_and_sms(device: torch.device) -> tuple[int, int]:
-    props = torch.cuda.get_device_properties(device)
-    # Why 80 for everything but sm_90/sm_100: the sm_90 tiles need up to 161 KiB of shared memory per block,
-    # sm_86/89/120 offer about 100 KiB. (sm_100 reuses the sm_90 tiles; only sm_90/sm_80 are AOT-checked.)
-    return (90 if props.major in (9, 10) else 80), props.multi_processor_count
-
-
-# SM count assumed when launches are recorded for ahead-of-time compilation (an H100 / H200 has 132).
-RECORDING_SMS = 132
-
-
-# DOT_FP32 values: how the kernels' tl.dot multiplies (see _mma).
+# DOT_FP32 values: how the kernels' tl.dot multiplies (see mma).
 DOT_NATIVE, DOT_IEEE, DOT_TF32 = 0, 1, 2
 
 
 def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[Tile, int, int]:
-    """(tile, number of SMs, DOT_FP32) for a launch on ``device`` (or for ``target_arch()`` while recording)."""
+    """(tile, number of SMs, DOT_FP32) for a launch on ``device`` (or for ``target_arch()`` while recording).
+    The tile table's key is the GPU generation's (``common.GENERATIONS``)."""
     fp32_dot = DOT_TF32 if fp32_matmuls_use_tf32() else DOT_IEEE
-    arch = target_arch()
-    if arch is not None:
-        return (TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], RECORDING_SMS,
-                DOT_IEEE if dtype == torch.float32 else DOT_NATIVE)
+    if target_arch() is not None:
+        return (TILES[(generation(device).tiles, kind, "fp32" if dtype == torch.float32 else "half")],
+                num_sms(device), DOT_IEEE if dtype == torch.float32 else DOT_NATIVE)
     if device.type != "cuda":
         assert interpreting(), "CPU tensors need TRITON_INTERPRET=1 (the API layer chooses the implementation)"
         # Why DOT_IEEE for bf16 here: the interpreter's bf16 tl.dot returns garbage (docs/DESIGN.md section 6).
-        return INTERPRET_TILE, INTERPRET_SMS, DOT_IEEE if dtype in (torch.float32, torch.bfloat16) else DOT_NATIVE
-    arch, sms = _arch_and_sms(device)
-    return (TILES[(arch, kind, "fp32" if dtype == torch.float32 else "half")], sms,
+        return (overrides().interpret_tile or INTERPRET_TILE, overrides().interpret_sms or INTERPRET_SMS,
+                DOT_IEEE if dtype in (torch.float32, torch.bfloat16) else DOT_NATIVE)
+    return (TILES[(generation(device).tiles, kind, "fp32" if dtype == torch.float32 else "half")], num_sms(device),
             fp32_dot if dtype == torch.float32 else DOT_NATIVE)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_inputs(hidden, weight, bias, ids) -> tuple[int, int, int]:
@@ -114,13 +98,14 @@ def per_token(t, n: int) -> torch.Tensor:
     return t.contiguous()
 
 
-# Why -1e30 and not -inf as the empty running max: the rescale `alpha * (a - (m_new - m) * s)` would turn into
-# 0 * inf = NaN on the first block; with a finite floor it is exactly 0 * 0.
-_NEG_BIG = tl.constexpr(-1e30)
+# The value of padded tile columns and the fused-linear forward's empty running max: finite, so that a padded
+# column's weight 2^((-1e30 - m) c) is exactly 0 and its entropy product 0 * finite stays 0 (the merge kernel's
+# rescaling likewise never meets inf - inf).
+NEG_BIG = tl.constexpr(-1e30)
 
 
 @triton.jit
-def _mma(a, b, acc, DOT_FP32: tl.constexpr):
+def mma(a, b, acc, DOT_FP32: tl.constexpr):
     """acc + a @ b with fp32 accumulation.
 
     DOT_FP32: 0 (DOT_NATIVE) multiplies the tiles as they are: compiled bf16/fp16 dots lower to HGMMA/HMMA.
@@ -139,7 +124,7 @@ def _mma(a, b, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _to_input_dtype(x, dtype: tl.constexpr, DOT_FP32: tl.constexpr):
+def to_input_dtype(x, dtype: tl.constexpr, DOT_FP32: tl.constexpr):
     """fp32 ``x`` rounded to nearest-even into ``dtype`` (the hidden/weight dtype).
 
     Why by hand for bf16 under DOT_FP32: that pair occurs only under TRITON_INTERPRET, whose fp32 -> bf16 cast
@@ -153,7 +138,7 @@ def _to_input_dtype(x, dtype: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature,
+def logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_FP32: tl.constexpr):
     """z tile (BLOCK_M, BLOCK_V) fp32 = (h[rows_c] @ W[cols_c]^T + b[cols_c]) * inv_temperature.
@@ -172,14 +157,14 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv
         k_ok = (ks < H)[None, :]
         h = tl.load(h_rows + ks[None, :], mask=k_ok, other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=k_ok, other=0.0)
-        acc = _mma(h, tl.trans(w), acc, DOT_FP32)
+        acc = mma(h, tl.trans(w), acc, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
     return acc * inv_temperature
 
 
 @triton.jit
-def _grouped_tile(pid, n_m_blocks, n_v_blocks, GROUP_M: tl.constexpr):
+def grouped_tile(pid, n_m_blocks, n_v_blocks, GROUP_M: tl.constexpr):
     """(token block, vocab block) of program ``pid``, GROUP_M token blocks at a time (matmul-style swizzle).
 
     Why: programs running together then form a roughly square patch of tiles and share both their hidden
@@ -192,7 +177,7 @@ def _grouped_tile(pid, n_m_blocks, n_v_blocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
+def dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
                   HAS_ENTROPY_GRAD: tl.constexpr):
     """d loss / d logits tile (fp32) from the z tile: (g (onehot - p) - g_H p (log p + H)) * inv_temperature.
 

@@ -13,7 +13,7 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .logits_rows import RowTiles, row_logsumexp_entropy, row_tiles, write_row_dlogits
+from .logits_rows import RowTiles, row_logsumexp_entropy, row_tiles, vec_for, write_row_dlogits
 
 triton, tl = import_triton()
 
@@ -23,7 +23,7 @@ triton, tl = import_triton()
 @triton.jit(do_not_specialize=["T"])
 def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entropy_ptr,
                         T, V, stride_b, stride_t, inv_temperature,
-                        HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
+                        HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     # Why one row per program: a token's statistics need the whole vocab row; rows are independent.
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
@@ -33,9 +33,9 @@ def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entrop
         keep = tl.load(mask_ptr + row) != 0
     else:
         keep = row >= 0
-    lse, entropy = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, "")
+    lse, entropy = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, VEC, "")
     # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
-    target = tl.load(ids_ptr + row).to(tl.int64)
+    target = tl.load(ids_ptr + row)
     z_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32) * inv_temperature
     tl.store(logp_ptr + row, tl.where(keep, z_target - lse, 0.0))
     tl.store(lse_ptr + row, lse)
@@ -45,13 +45,13 @@ def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entrop
 @triton.jit(do_not_specialize=["T"])
 def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
                         dlogits_ptr, T, V, stride_b, stride_t, out_stride_b, out_stride_t, inv_temperature,
-                        HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+                        HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     # Why recompute p from the saved logsumexp: storing softmax would be a second B x T x V tensor.
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
     g = tl.load(grad_logp_ptr + row)
-    target = tl.load(ids_ptr + row).to(tl.int64)
+    target = tl.load(ids_ptr + row)
     active = g != 0.0
     g_h = 0.0
     h = 0.0
@@ -60,10 +60,12 @@ def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr
         h = tl.load(entropy_ptr + row)
         active = active | (g_h != 0.0)
     # Why `active`: a token without gradient (padding) writes zeros and reads nothing.
-    # Why store in the logits dtype: in-place mode writes back into the logits buffer.
-    write_row_dlogits(logits_ptr + b * stride_b + t * stride_t, dlogits_ptr + b * out_stride_b + t * out_stride_t,
-                      V, active, target, tl.load(lse_ptr + row), h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD,
-                      BLOCK_V)
+    # Why store in the logits dtype: in-place mode writes back into the logits buffer; the target's logit is read
+    # before the sweep overwrites it.
+    base = logits_ptr + b * stride_b + t * stride_t
+    z_target = tl.load(base + target, mask=active & (target >= 0) & (target < V), other=0.0).to(tl.float32)
+    write_row_dlogits(base, dlogits_ptr + b * out_stride_b + t * out_stride_t, V, active, target, z_target,
+                      tl.load(lse_ptr + row), h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD, BLOCK_V, VEC)
 
 
 def as_btv(logits: torch.Tensor) -> torch.Tensor:
@@ -72,17 +74,10 @@ def as_btv(logits: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-# Tests cap the table's vocab block to exercise multi-block rows and tails at small V (None: the table alone).
-MAX_BLOCK_V: int | None = None
-
-
 def tiles(kernel: str, x: torch.Tensor, block_v: int | None = None) -> RowTiles:
     """The tile table's launch configuration for ``kernel`` on ``x``'s device and dtype, the vocab block capped
-    by ``block_v`` or ``MAX_BLOCK_V`` when given."""
-    t = row_tiles(kernel, x.dtype, x.shape[-1], x.device)
-    cap = block_v or MAX_BLOCK_V
-    return t if not cap or cap >= t.block_v else RowTiles(cap, max(1, min(t.num_warps, cap // 256)), t.num_stages,
-                                                        t.programs_per_sm)
+    by ``block_v`` (or the testing override's ``max_block_v``) when given."""
+    return row_tiles(kernel, x.dtype, x.shape[-1], x.device, block_v)
 
 
 def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, block_v: int | None = None,
@@ -102,7 +97,7 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
         mask = None if row_mask is None else (row_mask.reshape(N) != 0).to(torch.int8)
         launch(logits_logprobs_fwd, (N,), x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy,
                T, V, x.stride(0), x.stride(1), 1.0 / temperature, HAS_MASK=mask is not None, BLOCK_V=cfg.block_v,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               VEC=vec_for(cfg.block_v, x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return logp, lse, entropy
 
 
@@ -125,8 +120,8 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
         launch(logits_logprobs_bwd, (N,), x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
                grad_entropy.contiguous() if has_h else grad_logp, out,
                T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
-               HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
-               num_stages=cfg.num_stages)
+               HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v, VEC=vec_for(cfg.block_v, x.dtype),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
 
 

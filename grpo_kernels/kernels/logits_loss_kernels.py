@@ -21,7 +21,8 @@ from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
 from .logits_kernels import as_btv, tiles
-from .logits_rows import num_sms, row_logsumexp_entropy, write_row_dlogits
+from .common import num_sms
+from .logits_rows import row_logsumexp_entropy, vec_for, write_row_dlogits
 from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
 from .token_terms import token_terms_at
 
@@ -42,7 +43,7 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
                                 KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
                                 HAS_IS: tl.constexpr, HAS_DELTA: tl.constexpr, USE_BETA: tl.constexpr,
                                 BIAS_CORRECTION: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-                                BLOCK_V: tl.constexpr):
+                                BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     # Why persistent programs striding over rows: few rows in flight (one per program) keep each row in L2
     # between its two sweeps; consecutive programs take consecutive rows.
     h_scale = 0.0
@@ -58,9 +59,10 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
         # Why `keep`: padded tokens read no logits; their d logits are written as zeros.
         keep = m != 0.0
         base = logits_ptr + b * stride_b + t * stride_t
-        lse, h = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, "evict_last")
-        target = tl.load(ids_ptr + row).to(tl.int64)
-        logp = tl.load(base + target, mask=keep, other=0.0).to(tl.float32) * inv_temperature - lse
+        lse, h = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, VEC, "evict_last")
+        target = tl.load(ids_ptr + row)
+        z_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32)
+        logp = z_target * inv_temperature - lse
         w = tl.load(w_ptr + row)
         adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
         policy, d_policy, kl, rho, rho1 = token_terms_at(logp, old_ptr, ref_ptr, is_ptr, row,
@@ -70,8 +72,8 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
         # Why where and not a product: padded tokens may hold anything (inf), 0 * inf must not leak a NaN.
         g = tl.where(keep, w * d_policy, 0.0)
         g_h = tl.where(keep, h_scale * m, 0.0)
-        write_row_dlogits(base, dlogits_ptr + b * out_stride_b + t * out_stride_t, V, keep, target, lse, h, g, g_h,
-                          inv_temperature, HAS_ENTROPY_GRAD, BLOCK_V)
+        write_row_dlogits(base, dlogits_ptr + b * out_stride_b + t * out_stride_t, V, keep, target, z_target, lse, h,
+                          g, g_h, inv_temperature, HAS_ENTROPY_GRAD, BLOCK_V, VEC)
 
         low = tl.where((rho1 < 1.0 - eps_low) & (adv < 0), 1.0, 0.0)
         high = tl.where((rho1 > 1.0 + eps_high) & (adv > 0), 1.0, 0.0)
@@ -132,7 +134,8 @@ def grad_in_forward(logits, ids, mask_f, weights, old_logps, ref_logps, advantag
                KIND=kind, HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_IS=isr is not None,
                HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
-               BLOCK_V=cfg_t.block_v, num_warps=cfg_t.num_warps, num_stages=cfg_t.num_stages)
+               BLOCK_V=cfg_t.block_v, VEC=vec_for(cfg_t.block_v, x.dtype), num_warps=cfg_t.num_warps,
+               num_stages=cfg_t.num_stages)
     return (out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)), terms
 
 

@@ -11,6 +11,12 @@ JIT's 16-divisibility specialization (no ``do_not_specialize`` on them) so the r
 Variants per kernel, dtype and flag set: V % 16 == 0 or not (V == 1 is a third, trivial one), times the alignment
 class of the strides; T, the vocab size within its class, the temperature and every loss hyper-parameter are runtime
 values (``tools/aot.py`` and ``tests/test_aot.py`` check the vector widths in the compiled SASS).
+
+Why a block is a (lanes, VEC) tile: VEC = 16 bytes of values, so a lane is one 16-byte vector and Triton's
+coalesced layout puts each lane wholly in one thread. The online logsumexp then keeps its running max and sums per
+lane (``common.lane_fold``: register ops, no shuffle, no barrier inside the loop) and combines the lanes once per
+row; the d-logits sweep writes ``-g p`` everywhere and fixes the target's column with one scalar store after the
+row (no per-element id compare). Instruction budget and measurements: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .._triton import import_triton
-from .launch import target_arch
+from .common import EXP2_FLOOR, LOG2E, exp2, generation, lane_fold, lanes_to_row, overrides, row_lse_entropy
 
 triton, tl = import_triton()
 
@@ -35,9 +41,10 @@ class RowTiles:
     programs_per_sm: int = 0  # 0: one program per row (no persistent loop)
 
 
-# The tile table, chosen at launch from the GPU generation (no autotuning). Keys: (sm major class, kernel, bytes per
-# logit). Chosen without a GPU from first principles; the H200 run of 2026-11-29 measured the forward sweep at
-# BLOCK_V 8192 (2.00 ms) ahead of 4096 (2.23 ms) and the backward at 4096 / 8 warps (2.74 ms), both vectorized.
+# The tile table, chosen at launch from the GPU generation (``common.GENERATIONS``: its ``tiles`` key, 90 or 80;
+# no autotuning). Keys: (tiles key, kernel, bytes per logit). Chosen without a GPU from first principles; the
+# H200 run of 2026-11-29 measured the forward sweep at BLOCK_V 8192 (2.00 ms) ahead of 4096 (2.23 ms) and the
+# backward at 4096 / 8 warps (2.74 ms), both vectorized.
 # - forward (read only): many rows in flight keep HBM busy; 8192 bf16 values = 16 KB per block and program,
 #   32 values (four 16-byte loads) per thread at 8 warps.
 # - backward (read + write): the measured 4096 / 8 warps (16 values, two 16-byte loads and stores per thread).
@@ -48,133 +55,146 @@ class RowTiles:
 # fp32 logits use half the block (same bytes per block). Registers stay under 128 per thread at 16 warps (the
 # AOT report prints them; tests/test_aot.py fails on spills).
 _TABLE = {
-    (9, "forward", 2): RowTiles(8192, 8, 3),
-    (9, "forward", 4): RowTiles(4096, 8, 3),
-    (9, "backward", 2): RowTiles(4096, 8, 3),
-    (9, "backward", 4): RowTiles(2048, 8, 3),
-    (9, "grad_in_forward", 2): RowTiles(8192, 16, 3, programs_per_sm=1),
-    (9, "grad_in_forward", 4): RowTiles(4096, 16, 3, programs_per_sm=1),
-    (8, "forward", 2): RowTiles(4096, 8, 3),
-    (8, "forward", 4): RowTiles(2048, 8, 3),
-    (8, "backward", 2): RowTiles(4096, 8, 3),
-    (8, "backward", 4): RowTiles(2048, 8, 3),
-    (8, "grad_in_forward", 2): RowTiles(8192, 16, 3, programs_per_sm=1),
-    (8, "grad_in_forward", 4): RowTiles(4096, 8, 3, programs_per_sm=1),  # 16 warps spill 20 B with Triton 3.6
+    (90, "forward", 2): RowTiles(8192, 8, 3),
+    (90, "forward", 4): RowTiles(4096, 8, 3),
+    (90, "backward", 2): RowTiles(4096, 8, 3),
+    (90, "backward", 4): RowTiles(2048, 8, 3),
+    (90, "grad_in_forward", 2): RowTiles(8192, 16, 3, programs_per_sm=1),
+    (90, "grad_in_forward", 4): RowTiles(4096, 16, 3, programs_per_sm=1),
+    (80, "forward", 2): RowTiles(4096, 8, 3),
+    (80, "forward", 4): RowTiles(2048, 8, 3),
+    (80, "backward", 2): RowTiles(4096, 8, 3),
+    (80, "backward", 4): RowTiles(2048, 8, 3),
+    (80, "grad_in_forward", 2): RowTiles(8192, 16, 3, programs_per_sm=1),
+    (80, "grad_in_forward", 4): RowTiles(4096, 8, 3, programs_per_sm=1),  # 16 warps spilled 20 B with Triton 3.6
 }
-# SM counts of the table's GPUs, used when launches are recorded for AOT compilation (no device to ask).
-_SMS = {9: 132, 8: 108}
 
 
-def _arch_class(device: torch.device) -> int:
-    arch = target_arch()
-    if arch is not None:
-        return 9 if arch >= 90 else 8
-    if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        return 9 if major >= 9 else 8
-    return 9  # the interpreter: any row of the table works
-
-
-def row_tiles(kernel: str, dtype: torch.dtype, V: int, device: torch.device) -> RowTiles:
+def row_tiles(kernel: str, dtype: torch.dtype, V: int, device: torch.device, block_v: int | None = None) -> RowTiles:
     """The table's tiles for ``kernel`` ("forward", "backward", "grad_in_forward"), the block capped at V's power of
-    two (a short vocabulary needs no 8192-wide block and its warps)."""
-    tiles = _TABLE[(_arch_class(device), kernel, 2 if dtype.itemsize <= 2 else 4)]
-    block = min(tiles.block_v, triton.next_power_of_2(V))
+    two (a short vocabulary needs no 8192-wide block and its warps), and at ``block_v`` or the testing override's
+    ``max_block_v`` when given (multi-block rows and tails at small V)."""
+    tiles = _TABLE[(generation(device).tiles, kernel, 2 if dtype.itemsize <= 2 else 4)]
+    block = min(tiles.block_v, triton.next_power_of_2(V), block_v or overrides().max_block_v or tiles.block_v)
+    # Why at least 256 values per warp: 8 per thread, one 16-byte vector of bf16 (two of fp32).
     warps = max(1, min(tiles.num_warps, block // 256))
     return RowTiles(block, warps, tiles.num_stages, tiles.programs_per_sm)
 
 
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (the table's figure when recording for AOT or interpreting)."""
-    if target_arch() is None and device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[_arch_class(device)]
+@triton.jit
+def _block_offsets(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """(BLOCK_V // VEC, VEC) offsets 0 .. BLOCK_V - 1, row-major: one 16-byte vector per lane."""
+    return tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
 
 
 @triton.jit
-def _online_update(z, m, s, a):
-    # Why a block-wise online logsumexp: one exp per element (the SFU, not memory, would bound a per-lane update),
-    # and `a` = sum exp(z - m) * z gives the entropy without a second sweep.
-    m_new = tl.maximum(m, tl.max(z, axis=0))
-    # Why the guard: a block (or row) of -inf logits must give probability 0, not exp(-inf + inf) = NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_safe)
-    e = tl.exp(z - m_safe)
-    s = s * alpha + tl.sum(e, axis=0)
-    a = a * alpha + tl.sum(e * tl.where(e > 0.0, z, 0.0), axis=0)
-    return m_new, s, a
-
-
-@triton.jit
-def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr, EVICTION: tl.constexpr):
+def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+                          EVICTION: tl.constexpr):
     """(lse, entropy) of ``z = row / temperature`` for the row at ``base`` (unit stride); a row with ``keep``
     false reads nothing and returns (0, 0). A NaN anywhere in the row makes both NaN (the sum carries it).
-    EVICTION: the L2 hint of the loads, "evict_last" when the row is swept again right after, else "evict_first"."""
-    cols = tl.arange(0, BLOCK_V)
-    m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
-    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-    a = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    VEC: values per 16 bytes (``vec_width``). EVICTION: the L2 hint of the loads, "evict_last" when the row is
+    swept again right after, else ""."""
+    offs = _block_offsets(BLOCK_V, VEC)
+    c = inv_temperature * LOG2E
+    m = tl.full([BLOCK_V // VEC], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_V // VEC], tl.float32)
+    a = tl.zeros([BLOCK_V // VEC], tl.float32)
     n_blocks = tl.where(keep, V // BLOCK_V, 0)
     # Why full blocks at multiples of BLOCK_V under all-or-nothing masks: from an aligned row start they load as
-    # 16-byte vectors. Why the next block is loaded before the current one is reduced: the loads of two blocks
+    # 16-byte vectors. Why the next block is loaded before the current one is folded: the loads of two blocks
     # are in flight at once (a GPU warp stalls at the first use of a load, so without it each block's latency
     # would be paid in turn).
-    z_next = tl.load(base + cols, mask=cols < tl.where(n_blocks > 0, BLOCK_V, 0), other=float("-inf"),
+    x_next = tl.load(base + offs, mask=offs < tl.where(n_blocks > 0, BLOCK_V, 0), other=float("-inf"),
                      eviction_policy=EVICTION)
     for i in range(0, n_blocks):
-        z = z_next.to(tl.float32) * inv_temperature
+        x = x_next.to(tl.float32)
         start = tl.multiple_of((i + 1) * BLOCK_V, BLOCK_V)
-        z_next = tl.load(base + start + cols, mask=cols < tl.where(i + 1 < n_blocks, BLOCK_V, 0),
+        x_next = tl.load(base + start + offs, mask=offs < tl.where(i + 1 < n_blocks, BLOCK_V, 0),
                          other=float("-inf"), eviction_policy=EVICTION)
-        m, s, a = _online_update(z, m, s, a)
+        m, s, a = lane_fold(x, m, s, a, c)
     n_full = n_blocks * BLOCK_V
     if keep & (n_full < V):
-        v = n_full + cols
-        z = tl.load(base + v, mask=v < V, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
-        m, s, a = _online_update(z * inv_temperature, m, s, a)
-    lse = m + tl.log(s)
-    entropy = lse - a / s
+        v = n_full + offs
+        x = tl.load(base + v, mask=v < V, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
+        m, s, a = lane_fold(x, m, s, a, c)
+    m_row, s_row, a_row = lanes_to_row(m, s, a, c)
+    lse, entropy = row_lse_entropy(m_row, s_row, a_row, inv_temperature)
     return tl.where(keep, lse, 0.0), tl.where(keep, entropy, 0.0)
 
 
 @triton.jit
-def _dlogits_block(z, v, target, lse, h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD: tl.constexpr):
-    # d logp / dz = onehot - p; dH / dz = -p (log p + H), the guard keeping p = 0 entries (z = -inf) at 0, not NaN.
-    p = tl.exp(z - lse)
-    dz = tl.where(v == target, g, 0.0) - g * p
-    if HAS_ENTROPY_GRAD:
-        dz -= g_h * p * tl.where(p > 0.0, z - lse + h, 0.0)
-    return dz * inv_temperature
+def dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature):
+    """(lse, A, B, g') of a row's d logits: with ``u = (x / temperature - lse) log2(e)`` (log2 p of a raw logit x),
+    ``d z = 2^u (B + A max(u, floor)) + g' onehot`` equals ``(g (onehot - p) - g_h p (log p + H)) / temperature``.
+    Why the selects: a row that is not kept reads -inf everywhere and must get exact zeros even when its saved
+    lse / entropy are NaN (0 * NaN is NaN)."""
+    g_t = tl.where(keep, g * inv_temperature, 0.0)
+    gh_t = tl.where(keep, g_h * inv_temperature, 0.0)
+    coef_b = tl.where(keep, -g_t - gh_t * h, 0.0)
+    return tl.where(keep, lse, 0.0), -gh_t * 0.6931471805599453, coef_b, g_t
 
 
 @triton.jit
-def write_row_dlogits(base, out, V, keep, target, lse, h, g, g_h, inv_temperature,
-                      HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD: tl.constexpr):
+    """d logits (fp32) of raw logits ``x`` off the target column: -g' p, minus the entropy term when present.
+    Per element: FFMA, FMUL, MUFU, FMUL (+ clamp and FFMA for the entropy term).
+
+    Why ``x / T - lse`` before the base-2 scale, not ``x c - lse log2(e)`` in one FFMA: lse holds the rounded
+    ``max / T``, so the difference cancels exactly at the row maximum (p = 1 where only the target is finite, and
+    no 1e-4 relative error at temperature 1e-3, where x / T is in the thousands)."""
+    u = (x * inv_temperature - lse) * LOG2E
+    p = exp2(u)
+    if HAS_ENTROPY_GRAD:
+        # Why the clamp: p = 0 at a -inf logit, and 0 * -inf would be NaN.
+        return p * (coef_b + coef_a * tl.maximum(u, EXP2_FLOOR))
+    else:
+        return p * coef_b
+
+
+@triton.jit
+def write_row_dlogits(base, out, V, keep, target, z_target, lse, h, g, g_h, inv_temperature,
+                      HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     """Write ``d loss / d logits`` of one row to ``out`` (unit stride) in ``out``'s dtype, from the row's lse /
-    entropy and per-token gradients ``g = d loss / d logp``, ``g_h = d loss / d entropy``. A row with ``keep``
-    false reads nothing and gets zeros.
+    entropy and per-token gradients ``g = d loss / d logp``, ``g_h = d loss / d entropy``; ``z_target`` is the
+    target's raw logit, read before the sweep (``out`` may be the logits row itself). A row with ``keep`` false
+    reads nothing and gets zeros.
 
     Why backwards (tail first, then the full blocks from the last): right after a forward sweep of the same row
     the blocks read last are the likeliest to still be in L2."""
-    cols = tl.arange(0, BLOCK_V)
+    offs = _block_offsets(BLOCK_V, VEC)
+    lse, coef_a, coef_b, g_t = dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature)
     n_full = (V // BLOCK_V) * BLOCK_V
     if n_full < V:
-        v = n_full + cols
-        z = tl.load(base + v, mask=v < tl.where(keep, V, 0), other=float("-inf")).to(tl.float32) * inv_temperature
-        dz = _dlogits_block(z, v, target, lse, h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD)
+        v = n_full + offs
+        x = tl.load(base + v, mask=v < tl.where(keep, V, 0), other=float("-inf")).to(tl.float32)
+        dz = dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
         tl.store(out + v, dz.to(out.dtype.element_ty), mask=v < V)
     # Why these masks: constant over the block (all or nothing), so loads stay predicated 16-byte vectors; and
     # as in the first sweep the next block's load is issued before the current block is computed and stored.
     # Why evict_first: the row is dead after this sweep (the stores write it back).
     n_blocks = V // BLOCK_V
-    z_next = tl.load(base + n_full - BLOCK_V + cols, mask=cols < tl.where(keep & (n_blocks > 0), BLOCK_V, 0),
+    x_next = tl.load(base + n_full - BLOCK_V + offs, mask=offs < tl.where(keep & (n_blocks > 0), BLOCK_V, 0),
                      other=float("-inf"), eviction_policy="evict_first")
     for i in range(0, n_blocks):
         start = tl.multiple_of(n_full - (i + 1) * BLOCK_V, BLOCK_V)
-        z = z_next.to(tl.float32) * inv_temperature
+        x = x_next.to(tl.float32)
         more = keep & (i + 1 < n_blocks)
-        z_next = tl.load(base + start - BLOCK_V + cols, mask=cols < tl.where(more, BLOCK_V, 0), other=float("-inf"),
-                         eviction_policy="evict_first")
-        v = start + cols
-        dz = _dlogits_block(z, v, target, lse, h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD)
-        tl.store(out + v, dz.to(out.dtype.element_ty))
+        x_next = tl.load(base + start - BLOCK_V + offs, mask=offs < tl.where(more, BLOCK_V, 0),
+                         other=float("-inf"), eviction_policy="evict_first")
+        dz = dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+        tl.store(out + start + offs, dz.to(out.dtype.element_ty))
+    # The target's column: g' (onehot) on top of its -g' p value, computed from the logit read before the sweep.
+    # Why the barrier: another thread stored the block holding it; one barrier per row orders the two stores.
+    tl.debug_barrier()
+    dz_t = g_t + dlogits_values(z_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+    tl.store(out + target, dz_t.to(out.dtype.element_ty), mask=keep & (target >= 0) & (target < V))
+
+
+def vec_width(dtype: torch.dtype) -> int:
+    """Values per 16-byte vector of ``dtype`` (the VEC constexpr of the sweeps)."""
+    return 16 // dtype.itemsize
+
+
+def vec_for(block_v: int, dtype: torch.dtype) -> int:
+    """VEC for a sweep of ``block_v`` values: a 16-byte vector, or the whole block when it is narrower."""
+    return min(vec_width(dtype), block_v)

@@ -12,6 +12,7 @@ import torch
 
 from .._checks import alloc
 from .._triton import import_triton
+from .common import cdiv
 from .launch import launch
 from .token_terms import token_terms
 
@@ -85,16 +86,13 @@ def row_col_strides(x: torch.Tensor | None, B: int, T: int):
     return x, T, 1
 
 
-_row_col_strides = row_col_strides  # the former private name, kept for callers in other kernel modules
-
-
 def token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg, kind: int):
     """Per-token terms for (B, T) fp32 inputs. Returns (grad (B, T) = w * dl/dlogp, sums (N_SUMS,) fp64 in block order)."""
     B, T = logps.shape
     N = B * T
     adv, adv_sb, adv_st = row_col_strides(advantages, B, T)
     isr, is_sb, is_st = row_col_strides(is_ratio, B, T)
-    n_blocks = max(triton_cdiv(N, BLOCK), 1)
+    n_blocks = max(cdiv(N, BLOCK), 1)
     grad = alloc((B, T), torch.float32, logps.device)
     partial = alloc((n_blocks, N_SUMS), torch.float32, logps.device)
     old = None if old_logps is None else old_logps.float().contiguous()
@@ -109,10 +107,6 @@ def token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f
            HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
            BIAS_CORRECTION=cfg.use_bias_correction_kl, BLOCK=BLOCK, num_warps=4)
     return grad, partial.double().sum(0)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def aot_launches():
