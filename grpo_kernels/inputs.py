@@ -218,6 +218,20 @@ class TokenWeights:
 
 
 @dataclass(frozen=True)
+class HeadTokens:
+    """Per-token inputs of the fused head's gradient-in-forward epilogue, fp32 (N_valid,) contiguous at the valid
+    tokens: advantage, reduction weight ``w`` and the optional old / reference log-probs and importance weight;
+    ``ge``: fp32 (1,) d loss / d entropy of every valid token (the entropy bonus) or None."""
+
+    adv: torch.Tensor
+    w: torch.Tensor
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+    isr: torch.Tensor | None = None
+    ge: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class ValidRows:
     """The flat indices of the tokens a mask keeps, or ``index=None`` when it keeps all ``total`` of them.
 

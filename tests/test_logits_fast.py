@@ -16,7 +16,6 @@ from grpo_kernels.kernels.logits_loss_kernels import N_TERMS
 from grpo_kernels.loss_types import LOSS_TYPES, per_token_gradient_known
 
 from .cases import CASES, make_inputs
-from .kernel_overrides import kernel_overrides  # noqa: F401 (fixture)
 from .oracles import trl_compute_loss
 from .tolerances import assert_three_way, loss_truth_and_same_dtype
 

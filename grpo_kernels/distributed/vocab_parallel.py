@@ -81,16 +81,16 @@ class _GatherReplicated(torch.autograd.Function):
     so the gradient of a rank's own slot is already the full one: the backward keeps it, with no communication."""
 
     @staticmethod
-    def forward(ctx, local, group, rank, world):
-        ctx.rank = rank
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local.contiguous(), group=group)
+    def forward(ctx, local, shard: "VocabShard"):
+        ctx.rank = shard.rank
+        parts = [torch.empty_like(local) for _ in range(shard.world)]
+        dist.all_gather(parts, local.contiguous(), group=shard.group)
         return torch.stack(parts)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        return grad[ctx.rank], None, None, None
+        return grad[ctx.rank], None
 
 
 class _TargetLogit(torch.autograd.Function):
@@ -268,8 +268,7 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: Val
     logp_r, entropy_r, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()), deterministic)
     z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.temperature)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
-    table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]),
-                                    shard.group, shard.rank, shard.world)
+    table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]), shard)
     lse = torch.logsumexp(table[:, 0], 0)
     logp = table[:, 1].sum(0) - lse
     # the entropy of a mixture of the shards' softmaxes with weights w_r = exp(lse_r - lse): sum_r w_r H_r + H(w).

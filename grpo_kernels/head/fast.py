@@ -24,7 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..config import GRPOLossConfig
-from ..inputs import HeadInputs, LossInputs, ValidRows
+from ..inputs import HeadInputs, HeadTokens, LossInputs, ValidRows
 from ..loss_types import LOSS_TABLE, reduction_weights
 from ..metrics import metrics_from_sums
 from ..reference import loss_from_logps
@@ -38,7 +38,7 @@ class FastParams:
     dtype: torch.dtype
     cfg: GRPOLossConfig
     rows: int = 0
-    tokens: dict | None = None
+    tokens: HeadTokens | None = None
     entropy_scale: object = None
     bounds: tuple = ()
     token_grads: object = None
@@ -112,12 +112,11 @@ def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossCon
     B, T = inputs.shape
     weights = batch.token_weights(cfg, B, T, inputs.hidden.device)
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
-    tokens = {"adv": _per_token(batch.advantages, B, T, rows), "w": _per_token(weights.weights, B, T, rows),
-              "old": _per_token(batch.old_logps, B, T, rows), "ref": _per_token(batch.ref_logps, B, T, rows),
-              "isr": _per_token(batch.is_ratio, B, T, rows)}
-    if cfg.entropy_coef != 0.0:
-        # d loss / d entropy of every valid token: loss = ... - entropy_coef * sum(entropy) / n_valid
-        tokens["ge"] = (-cfg.entropy_coef / weights.count).reshape(1).float()
+    # d loss / d entropy of every valid token: loss = ... - entropy_coef * sum(entropy) / n_valid
+    ge = None if cfg.entropy_coef == 0.0 else (-cfg.entropy_coef / weights.count).reshape(1).float()
+    tokens = HeadTokens(adv=_per_token(batch.advantages, B, T, rows), w=_per_token(weights.weights, B, T, rows),
+                        old=_per_token(batch.old_logps, B, T, rows), ref=_per_token(batch.ref_logps, B, T, rows),
+                        isr=_per_token(batch.is_ratio, B, T, rows), ge=ge)
     params = FastParams(inputs.dtype, cfg, rows=plan.chunk_rows, tokens=tokens,
                         entropy_scale=1.0 / weights.count.double())
     loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, params)

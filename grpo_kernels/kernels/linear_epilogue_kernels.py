@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import alloc
+from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
 from .common import EXP2_FLOOR, LOG2E, exp2, lane_fold, lanes_to_row, row_lse_entropy
 from .fp32_gemm import addmm_f32_, logits_f32
@@ -318,12 +319,12 @@ def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_b
     return logp, lse, ent
 
 
-def head_loss_and_grads(hidden, weight, bias, ids, tokens: dict, cfg, kind: int, rows: int,
+def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind: int, rows: int,
                         need_hidden: bool, need_weight: bool, need_bias: bool):
     """The gradient-in-forward pass over row chunks of ``rows`` tokens.
 
-    tokens: fp32 (N,) contiguous per-token tensors ``adv``, ``w`` (reduction weight) and optionally ``old``,
-    ``ref``, ``isr``; ``ge``: fp32 (1,) d loss / d entropy or None. Returns (logp, entropy, terms (N, 8) fp32,
+    tokens: an ``inputs.HeadTokens`` (fp32 (N,) per-token advantage, reduction weight, optional old / ref / is_ratio,
+    and the entropy bonus' d loss / d entropy). Returns (logp, entropy, terms (N, 8) fp32,
     d_hidden in hidden's dtype | None, d_weight fp32 | None, d_bias fp32 | None); d_weight and d_bias accumulate
     over chunks in fp32. Extra memory: the fp32 (rows, V) chunk, plus the fp32 dW / dbias accumulators.
     """
@@ -342,16 +343,16 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens: dict, cfg, kind: int,
     R = max(1, min(rows, N))
     buf = alloc((R, V), torch.float32, dev)
     dbuf = half_view(buf, dtype)
-    adv = tokens["adv"]
-    opt = {k: tokens.get(k) for k in ("old", "ref", "isr")}
+    adv = tokens.adv
+    opt = {k: getattr(tokens, k) for k in ("old", "ref", "isr")}
     old, ref, isr = (adv if opt[k] is None else opt[k] for k in ("old", "ref", "isr"))
-    ge = tokens.get("ge")
+    ge = tokens.ge
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
         z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
         logits_f32(h, weight, z)
         launch(head_loss_grad_kernel, (r1 - r0,),
-               z, dz, z if bias is None else bias, ids, old, ref, adv, isr, tokens["w"], adv if ge is None else ge,
+               z, dz, z if bias is None else bias, ids, old, ref, adv, isr, tokens.w, adv if ge is None else ge,
                logp, ent, terms, r0, V, z.stride(0), dz.stride(0),
                1.0 / cfg.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0),
                float(cfg.beta), float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
@@ -433,9 +434,9 @@ def aot_launches():
             hidden, weight, bias, ids = aot_inputs(dtype, full)
             N = hidden.shape[0]
             x = torch.zeros(N)
-            tokens = {"adv": x, "w": x}
+            tokens = HeadTokens(adv=x, w=x)
             if full:
-                tokens.update(old=x, ref=x, isr=x, ge=torch.zeros(1))
+                tokens = HeadTokens(adv=x, w=x, old=x, ref=x, isr=x, ge=torch.zeros(1))
             cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None)
             head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind, 64, True, False, full)
         return thunk
