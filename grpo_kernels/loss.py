@@ -94,8 +94,11 @@ def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, r
             return [T] * B
         return batch.mask.bool().sum(-1).tolist()
 
+    shard = vocab_parallel_shard
     return planner.plan_head("fused_linear_grpo_loss", inputs, cfg, needs=needs, n_valid=rows.count,
-                             sequence_counts=counts, vocab_parallel=vocab_parallel_shard is not None)
+                             sequence_counts=counts, vocab_parallel=shard is not None,
+                             vocab_total=None if shard is None else shard.total,
+                             world=1 if shard is None else shard.world)
 
 
 def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
@@ -133,6 +136,8 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
             return head_loss_in_forward(inputs, batch, cfg, plan, rows)
         if plan.path == planner.HEAD_FAST_SEQUENCE:
             return head_sequence_loss_in_forward(inputs, batch, cfg, plan, rows)
+        if plan.path == planner.HEAD_FAST_VOCAB_PARALLEL:
+            return head_sequence_loss_in_forward(inputs, batch, cfg, plan, rows, vocab_parallel.fast_path_view(shard))
         if shard is not None:
             logps, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows, cfg.deterministic)
         else:

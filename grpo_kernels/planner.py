@@ -39,7 +39,7 @@ HEAD_FAST_SEQUENCE = "head.fast_sequence"
 HEAD_LIGHT = "head.light"
 HEAD_NO_GRAD = "head.no_grad"
 HEAD_TORCH = "head.torch"
-VOCAB_PARALLEL = "distributed.vocab_parallel"
+HEAD_FAST_VOCAB_PARALLEL = "head.fast_vocab_parallel"
 
 PATHS = {
     LOGITS_FAST: "one Triton kernel per row: logsumexp, per-token loss and its gradient, d logits written in the "
@@ -53,7 +53,9 @@ PATHS = {
     HEAD_LIGHT: "memory-light: an O(N) Triton forward, then a recompute backward over vocab chunks, 8NHV",
     HEAD_NO_GRAD: "no gradient wanted: per row chunk, cuBLAS fp32 logits + the fold kernel, 2NHV",
     HEAD_TORCH: "tiled eager PyTorch with an online logsumexp, tiles recomputed in the backward",
-    VOCAB_PARALLEL: "each rank runs the head path on its vocabulary shard; O(N) all-gathers combine the shards",
+    HEAD_FAST_VOCAB_PARALLEL: "vocab-parallel fast path: per chunk of whole sequences, each rank's shard logits, "
+                              "an all-gather of 3 numbers per row and rank for the global logsumexp, then the "
+                              "epilogue and local dW: 6NHV / TP per rank",
 }
 
 
@@ -195,7 +197,7 @@ def head_accumulator_bytes(V: int, H: int, weight_dtype: torch.dtype, bias_dtype
 
 def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_valid: int,
               sequence_counts=None, vocab_parallel: bool = False, budget_config: GRPOLossConfig | None = None,
-              deterministic: bool | None = None) -> Plan:
+              deterministic: bool | None = None, vocab_total: int | None = None, world: int = 1) -> Plan:
     """The path of ``fused_linear_grpo_loss`` (cfg given) or ``linear_token_logprobs`` (cfg None).
 
     needs: (hidden, weight, bias) gradient wanted; n_valid: rows computed after compaction; sequence_counts: a
@@ -261,9 +263,7 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
         return make(HEAD_NO_GRAD, "no gradient wanted", budget, items, chunk_rows=rows, flops_nhv=2 if N else 0)
 
     reasons = []
-    if vocab_parallel:
-        reasons.append("vocab-parallel (the fast path needs the global logsumexp before a shard's sweep)")
-    elif cfg is None:
+    if cfg is None:
         reasons.append("log-probs only (the gradient of later code is not known in the forward)")
     elif not cfg.grad_in_forward:
         reasons.append("grad_in_forward=False")
@@ -279,7 +279,28 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
         items = []
         if accum:
             items.append(("fp32 d weight / d bias accumulators", accum))
-        if per_token_gradient_known(cfg):
+        if vocab_parallel:
+            # Why the whole vocabulary's V for the rows: every rank must cut the same chunks (each chunk is a
+            # collective), and the shards' sizes may differ; the chunk itself is R x V_shard.
+            total = vocab_total or V
+            if budget_cfg.memory_budget is None:
+                working = DEFAULT_WORKING_BYTES
+            else:  # the shard-sized items as if the shard were the whole vocabulary: the same rows on every rank
+                working = budget - (accum + weight_cast) * total // V - (fixed - weight_cast) - small
+            rows_all = max(0, working) // (4 * total + 12 * max(world, 1))
+            counts = sequence_counts() if sequence_counts is not None else None
+            if counts and rows_all >= min(N, _fast_min_rows()) and max(counts) <= rows_all:
+                chunks = sequence_chunks(counts, rows_all)
+                rows = max(r1 - r0 for _, _, r0, r1 in chunks)
+                items += [("fp32 logits chunk of the shard (d logits written in place)", rows * 4 * V),
+                          ("gathered row statistics of a chunk", rows * 12 * max(world, 1)),
+                          ("per-token values", small)]
+                return make(HEAD_FAST_VOCAB_PARALLEL, "Triton, a loss with gradients, every sequence's valid tokens "
+                            "fit one chunk beside the accumulators", budget, items, chunk_rows=rows,
+                            sequence_chunks=tuple(chunks), flops_nhv=(6 if need_w else 4) if N else 0)
+            reasons.append("vocab-parallel: a sequence longer than the rows the budget allows per chunk" if counts
+                           else "vocab-parallel: the fast path needs a mask it can count")
+        elif per_token_gradient_known(cfg):
             if N == 0 or max_rows >= min(N, _fast_min_rows()):
                 rows = _even_rows(N, max(max_rows, 1))
                 items += [("fp32 logits chunk (d logits written in place)", min(rows, max(N, 1)) * 4 * V),

@@ -53,7 +53,17 @@ CASES = {
     "triton_loss": ("loss", "triton", torch.float32, True, "rank_order",
                     dict(loss_type="grpo", beta=0.04, entropy_coef=0.05)),
     "triton_logprobs": ("logprobs", "triton", torch.float32, False, "rank_order", {}),
+    # the vocab-parallel fast path (gradients in the forward, 6NHV / TP) and the light path beside it
+    "triton_gspo_reversed": ("loss", "triton", torch.float32, False, "reversed",
+                             dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04)),
+    "frozen_head_triton_dapo": ("loss", "triton", torch.float32, True, "rank_order", dict(loss_type="dapo")),
+    "triton_top_entropy_light": ("loss", "triton", torch.float32, True, "rank_order",
+                                 dict(loss_type="bnpo", top_entropy_quantile=0.5)),
 }
+# Triton loss cases -> the path the planner must choose for them under process_group=
+VOCAB_PARALLEL_PATHS = {"triton_loss": "head.fast_vocab_parallel", "triton_gspo_reversed": "head.fast_vocab_parallel",
+                        "frozen_head_triton_dapo": "head.fast_vocab_parallel",
+                        "triton_top_entropy_light": "head.light"}
 ERROR_CASES = {  # name -> text every rank's message must contain
     "shard_gap": "must be contiguous and cover [0, V)",
     "short_shard_ids_out_of_range": "ids must lie in [0, V) = [0, 22)",
@@ -166,6 +176,42 @@ def _run_error_case(name: str, rank: int, world: int, group):
                                  vocab_start=vocab_start)
 
 
+class _MatmulFlops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the FLOPs of mm / addmm calls (2 m n k each) made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                    torch.ops.aten.addmm.out, torch.ops.aten.addmm_.default):
+            a, b = (args[0], args[1]) if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) else args[1:3]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **kwargs)
+
+
+class _plans_and_flops:
+    """The planner's paths (recorded from planner.plan_head) and the matmul FLOPs of the calls made inside."""
+
+    def __enter__(self):
+        from grpo_kernels import planner
+        self.seen, self.planner, self.real = {"paths": [], "flops": 0}, planner, planner.plan_head
+        def record(*a, **k):
+            plan = self.real(*a, **k)
+            self.seen["paths"].append(plan.path)
+            return plan
+        planner.plan_head = record
+        self.mode = _MatmulFlops().__enter__()
+        return self.seen
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        self.planner.plan_head = self.real
+        self.seen["flops"] = self.mode.flops
+
+
 def worker(mode: str, rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -186,9 +232,11 @@ def worker(mode: str, rank: int, world: int, store: str, out: str) -> None:
         x = case_inputs(dtype, bias)
         start, size = shard_bounds(world, sharding)[rank]
         vocab_start = None if sharding == "rank_order" else start
-        res = run_case(name, x, x["weight"][start:start + size],
-                       None if x["bias"] is None else x["bias"][start:start + size], group, vocab_start)
-        results[name] = {**res, "start": start}
+        with _plans_and_flops() as seen:
+            res = run_case(name, x, x["weight"][start:start + size],
+                           None if x["bias"] is None else x["bias"][start:start + size], group, vocab_start)
+        results[name] = {**res, "start": start, "size": size, "plan_paths": seen["paths"],
+                         "matmul_flops": seen["flops"]}
     if mode == "errors":  # the group still works after the errors: one good call
         x = case_inputs(torch.float64, bias=False)
         start, size = shard_bounds(world, "rank_order")[rank]
@@ -291,6 +339,25 @@ def test_sharded_head_matches_unsharded(sharded_results, world, name):
         assert expected["loss"] == 0 and expected["dh"].abs().sum() == 0
     else:  # a test that can fail: the gradients compared are not all zero
         assert expected["dh"].abs().sum() > 0 and (expected["dw"] is None or expected["dw"].abs().sum() > 0)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton cases run on CPU under TRITON_INTERPRET=1 (set without CUDA)")
+@pytest.mark.parametrize("world", [2, 3], ids=["2ranks", "3ranks"])
+@pytest.mark.parametrize("name", list(VOCAB_PARALLEL_PATHS))
+def test_vocab_parallel_fast_path_does_6nhv_per_rank(sharded_results, world, name):
+    """The planner's path per rank, and the matmul FLOPs each rank actually did (a dispatch mode counting mm /
+    addmm): the fast path 6 N H V_r in GEMMs (4 frozen: no dW GEMM), no recompute; the light path 8 N H V_r, of which
+    the forward and the recompute (4) run as Triton tile dots the dispatch mode does not see."""
+    ranks = sharded_results(world)
+    n_valid = int(case_inputs(torch.float32, False)["mask"].sum())
+    for r in range(world):
+        got = ranks[r][name]
+        assert got["plan_paths"] == [VOCAB_PARALLEL_PATHS[name]], got["plan_paths"]
+        nhv = n_valid * H * got["size"]
+        if VOCAB_PARALLEL_PATHS[name] == "head.fast_vocab_parallel":
+            assert got["matmul_flops"] == (4 if name.startswith("frozen_head") else 6) * nhv, (got["matmul_flops"], nhv)
+        else:  # light: forward and recompute are Triton tile dots (4NHV); its dW and dh are torch GEMMs (4NHV)
+            assert got["matmul_flops"] == 4 * nhv, (got["matmul_flops"], nhv)
 
 
 @pytest.mark.parametrize("name", list(ERROR_CASES))

@@ -42,6 +42,7 @@ class FastParams:
     entropy_scale: object = None
     bounds: tuple = ()
     token_grads: object = None
+    grad_ids: torch.Tensor | None = None
 
 
 def _compute_dtype(ctx, hidden, weight, bias, dtype):
@@ -133,7 +134,7 @@ class _HeadSequenceGradsInForward(torch.autograd.Function):
         (h, w, b), needs = _compute_dtype(ctx, hidden, weight, bias, p.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             logp, ent, dh, dw32, db32 = head_sequence_grads(h, w, b, ids, list(p.bounds), p.token_grads,
-                                                            p.cfg.temperature, *needs)
+                                                            p.cfg.temperature, *needs, grad_ids=p.grad_ids)
         del h, w, b
         ctx.grads = (None if dh is None else dh.to(hidden.dtype), dw32, db32)
         ctx.mark_non_differentiable(logp, ent)
@@ -146,24 +147,34 @@ class _HeadSequenceGradsInForward(torch.autograd.Function):
 
 
 def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, plan,
-                                  rows: ValidRows):
-    """(loss, metrics) on ``head.fast_sequence``, chunks of whole sequences from the plan.
+                                  rows: ValidRows, shard_view=None):
+    """(loss, metrics) on ``head.fast_sequence`` (or, with ``shard_view``, ``head.fast_vocab_parallel``), chunks of
+    whole sequences from the plan.
 
     Per chunk, d loss / d logp and d loss / d entropy come from autograd through the reference loss on those
     sequences alone (one definition of the maths), rescaled from the sub-batch's reduction weights to the batch's:
-    within a sequence every reduction weights its tokens alike, so the rescale is exact."""
+    within a sequence every reduction weights its tokens alike, so the rescale is exact.
+
+    shard_view (a vocabulary shard, ``distributed/vocab_parallel.py``): ``shard_view(hidden, ids)`` -> (hidden whose
+    gradient is summed over the ranks, ids clamped into the shard, one-hot ids (-1 where another rank owns the id),
+    ``combine(r0, r1, logp, lse, entropy)`` turning a chunk's shard statistics into whole-vocabulary ones in place)."""
     B, T = inputs.shape
     dev = inputs.hidden.device
     weights = batch.token_weights(cfg, B, T, dev)
     mask_b = weights.mask_b
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
+    grad_ids = combine = None
+    if shard_view is not None:
+        hidden, ids, grad_ids, combine = shard_view(hidden, ids)
     sequences_of = {r0: (b0, b1) for b0, b1, r0, _ in plan.sequence_chunks}
     bounds = (0,) + tuple(r1 for *_, r1 in plan.sequence_chunks)
 
     def rows_of(x, b0, b1):
         return None if x is None else x[b0:b1]
 
-    def token_grads(r0, r1, logp, ent):
+    def token_grads(r0, r1, logp, lse, ent):
+        if combine is not None:
+            combine(r0, r1, logp, lse, ent)
         b0, b1 = sequences_of[r0]
         sub_mask = mask_b[b0:b1]
         with torch.enable_grad():
@@ -188,7 +199,7 @@ def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GR
         g_h = None if e is None else grads[1][sub_mask] * (sub_mask.sum().clamp(min=1) / weights.count)
         return g.float(), None if g_h is None else g_h.float()
 
-    params = FastParams(inputs.dtype, cfg, bounds=bounds, token_grads=token_grads)
+    params = FastParams(inputs.dtype, cfg, bounds=bounds, token_grads=token_grads, grad_ids=grad_ids)
     anchor, logp, ent = _HeadSequenceGradsInForward.apply(hidden, inputs.weight, inputs.bias, ids, params)
     logp, ent = rows.scatter(logp, ent)
     with torch.no_grad():

@@ -381,18 +381,22 @@ def chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0: int) -> None:
 
 
 def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperature: float,
-                        need_hidden: bool, need_weight: bool, need_bias: bool):
-    """The gradient-in-forward pass for losses whose per-token gradient needs whole sequences (GSPO's sequence
-    ratio, vespo's row weights, the off-policy row mask): chunks are runs of whole sequences.
+                        need_hidden: bool, need_weight: bool, need_bias: bool, grad_ids=None):
+    """The gradient-in-forward pass for losses whose per-token gradient needs more than the token: chunks of rows
+    whose gradients ``token_grads`` forms from the chunk's statistics (whole sequences for GSPO's sequence ratio,
+    vespo's row weights, the off-policy row mask; the vocab-parallel head combines the shards' statistics there).
 
     bounds: row offsets [0, ..., N] of the chunks. Per chunk: cuBLAS fp32 logits, the fold kernel (logp, lse,
-    entropy), ``token_grads(r0, r1, logp, entropy)`` -> (d loss / d logp, d loss / d entropy or None), fp32 for
-    rows r0 .. r1, then the d-logits epilogue in place and the cuBLAS gradient GEMMs. Returns (logp, entropy,
-    d_hidden | None, d_weight fp32 | None, d_bias fp32 | None).
+    entropy of ``ids``), ``token_grads(r0, r1, logp, lse, entropy)`` -> (d loss / d logp, d loss / d entropy or
+    None), fp32 for rows r0 .. r1 (it receives views and may overwrite them, e.g. with statistics over the whole
+    vocabulary), then the d-logits epilogue in place (its one-hot at ``grad_ids``, default ``ids``; an id outside
+    [0, V) adds none) and the cuBLAS gradient GEMMs. Returns (logp, entropy, d_hidden | None, d_weight fp32 | None,
+    d_bias fp32 | None).
     """
     N, H = hidden.shape
     V = weight.shape[0]
     dev, dtype = hidden.device, hidden.dtype
+    grad_ids = ids if grad_ids is None else grad_ids
     need_bias = need_bias and bias is not None
     write_grad = need_hidden or need_weight or need_bias
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
@@ -408,9 +412,9 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperat
         z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
         logits_f32(h, weight, z)
         fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature)
+        g, g_h = token_grads(r0, r1, logp[r0:r1], lse[r0:r1], ent[r0:r1])
         if write_grad:
-            g, g_h = token_grads(r0, r1, logp[r0:r1], ent[r0:r1])
-            dlogits_chunk(z, dz, bias, ids[r0:r1], lse[r0:r1], ent[r0:r1], g.contiguous(),
+            dlogits_chunk(z, dz, bias, grad_ids[r0:r1], lse[r0:r1], ent[r0:r1], g.contiguous(),
                           None if g_h is None else g_h.contiguous(), 0, 1.0 / temperature)
             chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
     return logp, ent, d_hidden, dw32, db32
