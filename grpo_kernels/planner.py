@@ -77,6 +77,8 @@ class Plan:
     transient: tuple = field(default_factory=tuple)
     flops_nhv: int | None = None
     notes: tuple = field(default_factory=tuple)
+    # head.light under torch.compile: the bytes within which the op picks its backward layout when it runs
+    working_bytes: int | None = None
 
     @property
     def transient_bytes(self) -> int:
@@ -164,7 +166,8 @@ def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool
     if cfg is not None and cfg.grad_in_forward and per_token_gradient_known(cfg) and wants_grad and N > 0:
         # the float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14)
         items = (("per-token terms and weights", _per_token_bytes(N, 23)),)
-        notes = () if inplace else (f"d logits ({_size(grad_copy)}) is the returned gradient; "
+        # (no note while compiling: a symbolic size has no printed value)
+        notes = () if inplace or torch.compiler.is_compiling() else (f"d logits ({_size(grad_copy)}) is the returned gradient; "
                                     "inplace_backward=True writes it into the logits buffer",)
         return Plan(path=LOGITS_FAST, reason="Triton, a token-level configuration (each token's gradient is known "
                     "once its row is swept) and a gradient wanted", token_stage="in the row kernel",
@@ -329,6 +332,12 @@ def _plan_light(op, inputs, cfg, needs, N, fixed, make, why, deterministic) -> P
     budget = DEFAULT_WORKING_BYTES if cfg.memory_budget is None else cfg.memory_budget
     need_h, need_w, need_b = needs
     small = _per_token_bytes(N, 8)
+    if torch.compiler.is_compiling():
+        # Why deferred: the layout's geometry reads the device and torch's matmul precision, which the compiler
+        # cannot trace; the registered op picks it within the same bytes when it runs (ops.py)
+        return make(HEAD_LIGHT, why, budget, [("per-token values", small)], flops_nhv=8,
+                    working_bytes=budget - fixed - small,
+                    notes=("backward layout chosen when the op runs (torch.compile)",))
     forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device)
     layout = backward_layout(N, V, H, inputs.dtype, inputs.hidden.device, budget - fixed - small, need_h, need_w,
                              need_b and inputs.bias is not None, deterministic)

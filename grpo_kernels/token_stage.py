@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import ops
 from .config import GRPOLossConfig
 from .inputs import LossInputs, TokenWeights
 from .loss_types import LOSS_TABLE
@@ -58,7 +59,11 @@ def loss_from_token_logprobs(logps, entropy, batch: LossInputs, cfg: GRPOLossCon
                                config=cfg)
     B, T = logps.shape
     weights = batch.token_weights(cfg, B, T, logps.device)
-    loss, sums = _TokenStage.apply(logps, TokenStageParams(batch, weights, cfg))
+    params = TokenStageParams(batch, weights, cfg)
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+        loss, sums = ops.token_stage(logps, params)
+    else:
+        loss, sums = _TokenStage.apply(logps, params)
     masked_entropy_sum = torch.where(weights.mask_b, entropy, 0.0).sum()
     if cfg.entropy_coef != 0.0:
         loss = loss - cfg.entropy_coef * masked_entropy_sum / weights.count

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import ops
 from ..config import GRPOLossConfig
 from ..inputs import HeadInputs, LossInputs, ValidRows
 from ..loss_types import LOSS_TABLE, reduction_weights
@@ -120,7 +121,12 @@ def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossCon
         tokens["ge"] = (-cfg.entropy_coef / weights.count).reshape(1).float()
     params = FastParams(inputs.dtype, cfg, rows=plan.chunk_rows, tokens=tokens,
                         entropy_scale=1.0 / weights.count.double())
-    loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, params)
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+        wants = torch.is_grad_enabled()
+        needs = tuple(wants and t is not None and t.requires_grad for t in (hidden, inputs.weight, inputs.bias))
+        loss, sums = ops.head_loss_fast(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params, needs)
+    else:
+        loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, params)
     return loss, metrics_from_sums(sums, sums[-1], weights.count, batch.ref_logps is not None, cfg.loss_type)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import ops
 from ..distributed.sharded_head import gathered
 from ..inputs import HeadInputs, ValidRows
 from .torch_tiles import torch_linear_logprobs_backward, torch_linear_logprobs_forward
@@ -33,6 +34,7 @@ class LightParams:
     chunk_bytes: int | None = None
     row_block: int | None = None
     gather_head: object = None
+    working_bytes: int | None = None  # under torch.compile: the budget of the backward layout (Plan.working_bytes)
 
 
 def _forward(hidden, weight, bias, ids, p: LightParams):
@@ -96,8 +98,11 @@ def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, deterministic
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     params = LightParams(plan.path, inputs.temperature, bool(deterministic), plan.chunk_rows, plan.chunk_bytes,
-                         plan.row_block, gather_head)
-    logp, entropy, lse = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, params)
+                         plan.row_block, gather_head, plan.working_bytes)
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+        logp, entropy, lse = ops.head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params)
+    else:
+        logp, entropy, lse = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, params)
     logp, entropy, lse = rows.scatter(logp, entropy, lse)
     shape = inputs.shape
     return logp.view(shape), entropy.view(shape), lse.view(shape)

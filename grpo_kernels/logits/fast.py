@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import ops
 from ..config import GRPOLossConfig
 from ..inputs import LogitsInputs, LossInputs, TokenWeights
 from ..loss_types import LOSS_TABLE
@@ -62,6 +63,9 @@ def logits_loss_in_forward(inputs: LogitsInputs, batch: LossInputs, cfg: GRPOLos
     ``inplace``: the logits hold d logits as soon as this returns)."""
     B, T = inputs.ids.shape
     weights = batch.token_weights(cfg, B, T, inputs.logits.device)
-    loss, sums = _LogitsLossInForward.apply(inputs.logits,
-                                            LogitsFastParams(inputs.ids, batch, weights, cfg, bool(inplace)))
+    params = LogitsFastParams(inputs.ids, batch, weights, cfg, bool(inplace))
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+        loss, sums = ops.logits_loss_fast(inputs.logits, params)
+    else:
+        loss, sums = _LogitsLossInForward.apply(inputs.logits, params)
     return loss, metrics_from_sums(sums, sums[ENTROPY], weights.count, batch.ref_logps is not None, cfg.loss_type)
