@@ -111,6 +111,12 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _shown(n):
+    """n for a plan's text; under torch.compile a size-dependent count stays symbolic (printing it would make the
+    compiler specialize on the size, recompiling for every T)."""
+    return "a size-dependent number of" if torch.compiler.is_compiling() else n
+
+
 def _fast_min_rows() -> int:
     return knobs().fast_path_min_rows or FAST_PATH_MIN_ROWS
 
@@ -289,10 +295,10 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
                           ("per-token values and terms", small)]
                 return make(HEAD_FAST, "Triton, a token-level configuration, a gradient wanted, and the "
                             "accumulators plus a chunk of at least "
-                            f"{min(N, _fast_min_rows())} rows fit the budget", budget, items, chunk_rows=rows,
+                            f"{_shown(min(N, _fast_min_rows()))} rows fit the budget", budget, items, chunk_rows=rows,
                             flops_nhv=(6 if need_w else 4) if N else 0, token_stage="in the epilogue kernel")
-            reasons.append(f"the budget leaves room for {max_rows} rows per chunk beside the accumulators, fewer "
-                           f"than {min(N, _fast_min_rows())}")
+            reasons.append(f"the budget leaves room for {_shown(max_rows)} rows per chunk beside the accumulators, "
+                           f"fewer than {_shown(min(N, _fast_min_rows()))}")
         else:
             counts = sequence_counts() if sequence_counts is not None else None
             if counts and max_rows >= min(N, _fast_min_rows()) and max(counts) <= max_rows:

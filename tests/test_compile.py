@@ -1,0 +1,219 @@
+"""torch.compile: a training step calling ``grpo_loss`` and ``fused_linear_grpo_loss`` compiles with
+``fullgraph=True`` (no graph break), gives eager's loss, gradients and metrics, and a varying completion length T
+does not recompile every step; the registered ops (``grpo_kernels/ops.py``) pass ``torch.library.opcheck``.
+
+On CPU the torch impl runs, and the Triton impl under TRITON_INTERPRET=1 (tests/conftest.py); on CUDA (the GPU
+check, benchmarks/gpu_check.sh) ``test_compiled_step_on_cuda`` runs the Triton kernels through inductor.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_kernels import GRPOLossConfig, fused_linear_grpo_loss, grpo_loss, linear_token_logprobs, token_logprobs
+
+B, V, H = 2, 64, 16
+CONFIGS = {
+    # token-level: logits.fast / head.fast on Triton
+    "dapo_kl_entropy": GRPOLossConfig(beta=0.04, entropy_coef=0.01),
+    # sequence-level ratio: logits.sweep + reference stage; head.light under compile
+    "gspo": GRPOLossConfig(importance_sampling_level="sequence"),
+    # separate sweeps: logits.sweep / head.light + the Triton per-token stage
+    "grpo_two_sweeps": GRPOLossConfig(loss_type="grpo", grad_in_forward=False),
+}
+
+
+def _batch(T: int, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(T)
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.3
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, generator=g)
+    mask = torch.ones(B, T)
+    mask[0, T - 3:] = 0  # padding: the compiled ops compact the valid rows at run time, as eager does
+    old = torch.randn(B, T, generator=g) * 0.1 - 4.0
+    ref = old + 0.05
+    out = [hidden.to(dtype), weight.to(dtype), ids, adv, mask, old, ref]
+    return [t.to(device) for t in out]
+
+
+def _step_fn(cfg, impl):
+    def step(hidden, weight, ids, adv, mask, old, ref):
+        logits = hidden @ weight.T
+        l1, m1 = grpo_loss(logits, ids, adv, mask, old_logps=old, ref_logps=ref, config=cfg, impl=impl)
+        l2, m2 = fused_linear_grpo_loss(hidden, weight, ids, adv, mask, old_logps=old, ref_logps=ref, config=cfg,
+                                        impl=impl)
+        return l1 + 2 * l2, m1, m2
+
+    return step
+
+
+def _run(fn, args, dynamic_T: bool = False):
+    hidden = args[0].clone().requires_grad_(True)
+    weight = args[1].clone().requires_grad_(True)
+    if dynamic_T:  # every (B, T, ...) input has T at dim 1
+        for t in (hidden, *args[2:]):
+            if t.dim() == 2 or t is hidden:
+                torch._dynamo.mark_dynamic(t, 1)
+    loss, m1, m2 = fn(hidden, weight, *args[2:])
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad, m1, m2
+
+
+def _assert_same(eager, compiled, **tol):
+    for a, b, what in zip(eager[:3], compiled[:3], ("loss", "d hidden", "d weight")):
+        torch.testing.assert_close(b, a, **tol, msg=lambda m, what=what: f"{what}: {m}")
+    for ma, mb in zip(eager[3:], compiled[3:]):
+        assert ma.keys() == mb.keys()
+        for k in ma:
+            torch.testing.assert_close(mb[k], ma[k], **tol, msg=lambda m, k=k: f"metric {k}: {m}")
+
+
+class CountingBackend:
+    """A torch.compile backend that counts the graphs it is given (one per compile / recompile) and hands them to
+    ``inner`` (aot_eager: AOTAutograd with the ops' fake kernels and autograd registrations, no code generation)."""
+
+    def __init__(self, inner="aot_eager"):
+        self.inner = torch._dynamo.lookup_backend(inner)
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # each test counts its own compiles
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_step_matches_eager_and_varying_T_compiles_at_most_twice(name, impl):
+    backend = CountingBackend()
+    step = _step_fn(CONFIGS[name], impl)
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for T in (8, 12, 16, 21):
+        args = _batch(T)
+        _assert_same(_run(step, args), _run(compiled, args))
+    # the first T compiles a static graph, the second marks T dynamic; no later T recompiles
+    assert backend.graphs <= 2, f"{backend.graphs} compiles for 4 values of T"
+
+
+def test_mark_dynamic_compiles_once():
+    backend = CountingBackend()
+    step = _step_fn(CONFIGS["dapo_kl_entropy"], "torch")
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for T in (8, 12, 16):
+        args = _batch(T)
+        _assert_same(_run(step, args), _run(compiled, args, dynamic_T=True))
+    assert backend.graphs == 1
+
+
+def test_inductor_compiles_the_torch_impl():
+    """The default backend (inductor: generated C++ on CPU) around the registered ops."""
+    step = _step_fn(CONFIGS["dapo_kl_entropy"], "torch")
+    compiled = torch.compile(step, fullgraph=True)
+    args = _batch(8)
+    _assert_same(_run(step, args), _run(compiled, args), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_logprob_functions_compile(impl):
+    """token_logprobs and linear_token_logprobs (with a mask: padded rows are 0 and get no gradient) compile and
+    match eager, values and gradients through both outputs."""
+    def fn(hidden, weight, ids, mask):
+        logp, ent = token_logprobs(hidden @ weight.T, ids, temperature=0.7, return_entropy=True, impl=impl)
+        lp2, ent2 = linear_token_logprobs(hidden, weight, ids, temperature=0.7, return_entropy=True, impl=impl,
+                                          mask=mask)
+        loss = (logp * 0.3 + ent * 0.1).sum() + (lp2 * 0.5 - ent2 * 0.2).sum()
+        return loss, {"logp": lp2.detach(), "entropy": ent2.detach()}, {}
+
+    backend = CountingBackend()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    for T in (5, 9, 13):
+        hidden, weight, ids, _, mask, _, _ = _batch(T)
+        eager = _run(fn, (hidden, weight, ids, mask))
+        assert torch.all(eager[3]["logp"][mask == 0] == 0)
+        _assert_same(eager, _run(compiled, (hidden, weight, ids, mask)))
+    assert backend.graphs <= 2
+
+
+def test_no_grad_logprobs_compile():
+    """The old / reference-policy pass: linear_token_logprobs under torch.no_grad (head.no_grad on Triton)."""
+    impl = "triton"
+
+    @torch.no_grad()
+    def fn(hidden, weight, ids):
+        return linear_token_logprobs(hidden, weight, ids, impl=impl)
+
+    hidden, weight, ids, *_ = _batch(7)
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="aot_eager")(hidden, weight, ids),
+                               fn(hidden, weight, ids))
+
+
+@pytest.mark.parametrize("option", ["inplace_backward", "process_group", "gather_head"])
+def test_options_without_compiled_form_are_refused(option):
+    hidden, weight, ids, adv, mask, old, ref = _batch(8)
+    kwargs = {"process_group": object()} if option == "process_group" else {"gather_head": _no_gather}
+
+    def fn(hidden, weight):
+        if option == "inplace_backward":
+            return grpo_loss(hidden @ weight.T, ids, adv, mask, inplace_backward=True)[0]
+        return fused_linear_grpo_loss(hidden, weight, ids, adv, mask, **kwargs)[0]
+
+    with pytest.raises(Exception, match=f"{option}.*not supported under torch.compile"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(hidden.requires_grad_(), weight)
+
+
+def _no_gather():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def test_eager_checks_are_kept():
+    """The host-sync checks skipped while compiling still run in eager."""
+    hidden, weight, ids, adv, mask, old, ref = _batch(8)
+    with pytest.raises(ValueError, match="ids must lie in"):
+        fused_linear_grpo_loss(hidden, weight, ids + V, adv, mask)
+    with pytest.raises(ValueError, match="is_ratio must be >= 0"):
+        grpo_loss(hidden @ weight.T, ids, adv, mask, is_ratio=-torch.ones(B))
+
+
+def test_ops_pass_opcheck():
+    """Schema, fake kernels and autograd registrations of the registered ops (torch.library.opcheck), on the torch
+    impl's ops, and the Triton per-token stage under the interpreter when available."""
+    from grpo_kernels import ops
+
+    T = 6
+    hidden, weight, ids, adv, mask, old, ref = _batch(T)
+    logits = (hidden @ weight.T).requires_grad_(True)
+    torch.library.opcheck(ops._logits_logprobs, (logits, ids, 0.7, "torch", 5, None))
+    h = hidden.reshape(-1, H).requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    bias = torch.randn(V, requires_grad=True)
+    torch.library.opcheck(ops._head_logprobs, (h, w, bias, ids.reshape(-1), mask.reshape(-1), "head.torch", 0.7,
+                                               True, 4, 0, 0, 0))
+    from grpo_kernels._triton import interpreting
+    if interpreting():
+        cfg = ops.config_args(GRPOLossConfig(beta=0.04))
+        logps = (torch.randn(B, T) - 4).requires_grad_(True)
+        w8 = mask / mask.sum()
+        torch.library.opcheck(ops._token_stage, (logps, old, ref, adv, None, mask, w8), cfg)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: runs the Triton kernels compiled by inductor (benchmarks/gpu_check.sh)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_step_on_cuda(name, dtype):
+    backend = CountingBackend("inductor")
+    step = _step_fn(CONFIGS[name], "auto")
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for T in (8, 12, 16, 21):
+        args = _batch(T, "cuda", dtype)
+        _assert_same(_run(step, args), _run(compiled, args), **tol)
+    assert backend.graphs <= 2
