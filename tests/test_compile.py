@@ -141,6 +141,21 @@ def test_logprob_functions_compile(impl):
     assert backend.graphs <= 2
 
 
+def test_modules_compile():
+    """GRPOLoss and FusedLinearGRPOLoss (Liger's argument order, reference log-probs from ref_input / ref_weight)."""
+    import grpo_kernels as gk
+
+    plain, fused = gk.GRPOLoss(), gk.FusedLinearGRPOLoss(beta=0.04)
+
+    def fn(hidden, weight, ids, adv, mask, old, ref):
+        a, m1 = plain(hidden @ weight.T, ids, adv, mask, old_logps=old)
+        b, m2 = fused(hidden, weight, ids, mask, adv, ref_input=hidden.detach(), ref_weight=weight.detach() + 0.01)
+        return a + b, m1, m2
+
+    args = _batch(8)
+    _assert_same(_run(fn, args), _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), args))
+
+
 def test_no_grad_logprobs_compile():
     """The old / reference-policy pass: linear_token_logprobs under torch.no_grad (head.no_grad on Triton)."""
     impl = "triton"
@@ -182,26 +197,43 @@ def test_eager_checks_are_kept():
         grpo_loss(hidden @ weight.T, ids, adv, mask, is_ratio=-torch.ones(B))
 
 
+def _opcheck(name, args, kwargs=None):
+    torch.library.opcheck(getattr(torch.ops.grpo_kernels, name).default, args, kwargs)
+
+
 def test_ops_pass_opcheck():
-    """Schema, fake kernels and autograd registrations of the registered ops (torch.library.opcheck), on the torch
-    impl's ops, and the Triton per-token stage under the interpreter when available."""
-    from grpo_kernels import ops
+    """Schema, fake kernels and autograd registrations of the registered ops (torch.library.opcheck): the torch
+    impl's ops, and the Triton ones under the interpreter."""
+    from grpo_kernels import ops  # registered on import of grpo_kernels; ops.config_args: the options as op args
 
     T = 6
     hidden, weight, ids, adv, mask, old, ref = _batch(T)
     logits = (hidden @ weight.T).requires_grad_(True)
-    torch.library.opcheck(ops._logits_logprobs, (logits, ids, 0.7, "torch", 5, None))
+    _opcheck("logits_logprobs", (logits, ids, 0.7, "torch", 5, None))
     h = hidden.reshape(-1, H).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     bias = torch.randn(V, requires_grad=True)
-    torch.library.opcheck(ops._head_logprobs, (h, w, bias, ids.reshape(-1), mask.reshape(-1), "head.torch", 0.7,
-                                               True, 4, 0, 0, 0))
+    # args after the mask: path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, working_bytes
+    _opcheck("head_logprobs", (h, w, bias, ids.reshape(-1), mask.reshape(-1), "head.torch", 0.7, True, 4, 0, 0, 0))
     from grpo_kernels._triton import interpreting
-    if interpreting():
-        cfg = ops.config_args(GRPOLossConfig(beta=0.04))
-        logps = (torch.randn(B, T) - 4).requires_grad_(True)
-        w8 = mask / mask.sum()
-        torch.library.opcheck(ops._token_stage, (logps, old, ref, adv, None, mask, w8), cfg)
+    if not interpreting():  # the Triton ops on CUDA: test_compiled_step_on_cuda
+        return
+    cfg = ops.config_args(GRPOLossConfig(beta=0.04, entropy_coef=0.01))
+    weights = mask / mask.sum()
+    logps = (torch.randn(B, T) - 4).requires_grad_(True)
+    _opcheck("token_stage", (logps, old, ref, adv, None, mask, weights), cfg)
+    _opcheck("logits_loss_fast", (logits, ids, mask, weights, old, ref, adv, None, mask.sum()), cfg)
+    _opcheck("head_logprobs", (h, w, None, ids.reshape(-1), mask.reshape(-1), "head.light", 0.7, True, 0, 0, 0,
+                               1 << 20))
+
+    def flat(x):
+        return x.reshape(-1).float().contiguous()
+
+    n_valid = float(mask.sum())
+    _opcheck("head_loss_fast", (
+        h, w, None, ids.reshape(-1), mask.reshape(-1), adv.repeat_interleave(T), flat(weights), flat(old), flat(ref),
+        None, torch.tensor([-0.01 / n_valid]), torch.tensor(1 / n_valid, dtype=torch.float64), torch.float32, 16,
+        True, True, False), cfg)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
