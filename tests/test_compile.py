@@ -156,6 +156,22 @@ def test_modules_compile():
     _assert_same(_run(fn, args), _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), args))
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_autocast_and_keyword_overrides_compile(impl):
+    """Under torch.autocast (bf16 head, fp32 master weights; head.fast on Triton) with loss options given as keyword
+    overrides inside the compiled step."""
+    def fn(hidden, weight, ids, adv, mask, old, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, metrics = fused_linear_grpo_loss(hidden, weight, ids, adv, mask, impl=impl, entropy_coef=0.01)
+            logp = linear_token_logprobs(hidden, weight, ids, impl=impl, mask=mask)
+        return loss + 0.01 * logp.sum(), metrics, {}
+
+    args = _batch(8)
+    eager, compiled = _run(fn, args), _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), args)
+    assert compiled[2].dtype == torch.float32
+    _assert_same(eager, compiled)
+
+
 def test_no_grad_logprobs_compile():
     """The old / reference-policy pass: linear_token_logprobs under torch.no_grad (head.no_grad on Triton)."""
     impl = "triton"
