@@ -231,7 +231,7 @@ class ValidRows:
     Why compact: padded tokens then cost neither the N x V x H matmuls nor a vocab sweep. ``of`` makes the one host
     sync (the compact batch's size); on meta tensors (planning without data) every token counts as valid. Under
     torch.compile a data-dependent size cannot enter the graph: ``deferred`` then holds the flat mask and the
-    registered ops (``ops.py``) make the same compaction when they run."""
+    registered ops of the head paths make the same compaction when they run."""
 
     index: torch.Tensor | None
     total: int

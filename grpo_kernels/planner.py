@@ -173,8 +173,9 @@ def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool
         # the float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14)
         items = (("per-token terms and weights", _per_token_bytes(N, 23)),)
         # (no note while compiling: a symbolic size has no printed value)
-        notes = () if inplace or torch.compiler.is_compiling() else (f"d logits ({_size(grad_copy)}) is the returned gradient; "
-                                    "inplace_backward=True writes it into the logits buffer",)
+        notes = () if inplace or torch.compiler.is_compiling() else (
+            f"d logits ({_size(grad_copy)}) is the returned gradient; "
+            "inplace_backward=True writes it into the logits buffer",)
         return Plan(path=LOGITS_FAST, reason="Triton, a token-level configuration (each token's gradient is known "
                     "once its row is swept) and a gradient wanted", token_stage="in the row kernel",
                     transient=items, notes=notes, **common)
@@ -340,7 +341,7 @@ def _plan_light(op, inputs, cfg, needs, N, fixed, make, why, deterministic) -> P
     small = _per_token_bytes(N, 8)
     if torch.compiler.is_compiling():
         # Why deferred: the layout's geometry reads the device and torch's matmul precision, which the compiler
-        # cannot trace; the registered op picks it within the same bytes when it runs (ops.py)
+        # cannot trace; the head's registered op picks it within the same bytes when it runs
         return make(HEAD_LIGHT, why, budget, [("per-token values", small)], flops_nhv=8,
                     working_bytes=budget - fixed - small,
                     notes=("backward layout chosen when the op runs (torch.compile)",))

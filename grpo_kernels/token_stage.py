@@ -61,8 +61,8 @@ def _token_stage(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_log
                  entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss fp32 0-dim, term sums fp64, d loss / d logps (B, T) fp32) of the Triton per-token stage."""
     from .kernels.token_loss_kernels import token_loss_forward
-    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature, use_bias_correction_kl,
-                  sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
+    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
+                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
     grad, sums = token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg,
                                     LOSS_TABLE[loss_type].policy_kind)
     return sums[0].to(torch.float32), sums, grad
@@ -106,7 +106,7 @@ def loss_from_token_logprobs(logps, entropy, batch: LossInputs, cfg: GRPOLossCon
     B, T = logps.shape
     weights = batch.token_weights(cfg, B, T, logps.device)
     params = TokenStageParams(batch, weights, cfg)
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
         loss, sums = _compiled_stage(logps, params)
     else:
         loss, sums = _TokenStage.apply(logps, params)

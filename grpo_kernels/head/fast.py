@@ -112,8 +112,9 @@ def _per_token(x, B: int, T: int, rows: ValidRows):
 
 @custom_op("grpo_kernels::head_loss_fast", mutates_args=())
 def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
-                    row_mask: Optional[torch.Tensor], adv: torch.Tensor, w: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
-                    isr: Optional[torch.Tensor], ge: Optional[torch.Tensor], entropy_scale: torch.Tensor,
+                    row_mask: Optional[torch.Tensor], adv: torch.Tensor, w: torch.Tensor,
+                    old: Optional[torch.Tensor], ref: Optional[torch.Tensor], isr: Optional[torch.Tensor],
+                    ge: Optional[torch.Tensor], entropy_scale: torch.Tensor,
                     dtype: torch.dtype, rows: int, need_hidden: bool, need_weight: bool, need_bias: bool,
                     loss_type: str, beta: float, epsilon_low: float, epsilon_high: float, delta: Optional[float],
                     temperature: float, use_bias_correction_kl: bool, sapo_temperature_pos: float,
@@ -123,8 +124,8 @@ def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     """(loss, term sums fp64, d hidden, d weight fp32, d bias fp32) of ``head.fast`` at an incoming gradient of 1;
     a gradient not wanted is an empty (0,) tensor."""
     from ..kernels.linear_epilogue_kernels import head_loss_and_grads
-    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature, use_bias_correction_kl,
-                  sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
+    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
+                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
     hidden_rows, ids, adv, w, old, ref, isr = ops.take_rows(index, hidden, ids, adv, w, old, ref, isr)
@@ -140,13 +141,13 @@ def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     sums = torch.cat([terms.double().sum(0), ent.double().sum().reshape(1)])
     loss = (sums[0] - entropy_coef * sums[-1] * entropy_scale).float()
     empty = hidden.new_empty((0,))
-    return (loss, sums, empty if dh is None else ops.put_rows(index, N, dh.to(hidden.dtype)), empty if dw32 is None else dw32,
-            empty if db32 is None else db32)
+    dh = empty if dh is None else ops.put_rows(index, N, dh.to(hidden.dtype))
+    return loss, sums, dh, empty if dw32 is None else dw32, empty if db32 is None else db32
 
 
 @_head_loss_fast.register_fake
-def _(hidden, weight, bias, ids, row_mask, adv, w, old, ref, isr, ge, entropy_scale, dtype, rows, need_hidden, need_weight,
-      need_bias, *cfg):
+def _(hidden, weight, bias, ids, row_mask, adv, w, old, ref, isr, ge, entropy_scale, dtype, rows, need_hidden,
+      need_weight, need_bias, *cfg):
     from ..kernels.linear_epilogue_kernels import N_ROW_TERMS
     empty = hidden.new_empty((0,))
     f32 = torch.float32
@@ -175,11 +176,11 @@ _head_loss_fast.register_autograd(_head_fast_backward, setup_context=_head_fast_
 
 
 def _compiled_head_loss(hidden, weight, bias, ids, row_mask, params, needs):
-    """``_HeadLossInForward`` through the registered op (under torch.compile): (loss, term sums); row_mask: ``ValidRows.deferred``; needs:
-    (hidden, weight, bias) gradient wanted."""
+    """``_HeadLossInForward`` through the registered op (under torch.compile): (loss, term sums); row_mask:
+    ``ValidRows.deferred``; needs: (hidden, weight, bias) gradient wanted."""
     t = params.tokens
-    loss, sums, *_ = _head_loss_fast(hidden, weight, bias, ids, row_mask, t["adv"], t["w"], t["old"], t["ref"], t["isr"],
-                                     t.get("ge"), params.entropy_scale, params.dtype, params.rows, *needs,
+    loss, sums, *_ = _head_loss_fast(hidden, weight, bias, ids, row_mask, t["adv"], t["w"], t["old"], t["ref"],
+                                     t["isr"], t.get("ge"), params.entropy_scale, params.dtype, params.rows, *needs,
                                      **ops.config_args(params.cfg))
     return loss, sums
 
@@ -197,7 +198,7 @@ def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossCon
         tokens["ge"] = (-cfg.entropy_coef / weights.count).reshape(1).float()
     params = FastParams(inputs.dtype, cfg, rows=plan.chunk_rows, tokens=tokens,
                         entropy_scale=1.0 / weights.count.double())
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
         wants = torch.is_grad_enabled()
         needs = tuple(wants and t is not None and t.requires_grad for t in (hidden, inputs.weight, inputs.bias))
         loss, sums = _compiled_head_loss(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params, needs)

@@ -114,8 +114,9 @@ def _deferred_layout(p, n, weight, dtype, device, working_bytes, needs):
 
 @custom_op("grpo_kernels::head_logprobs", mutates_args=())
 def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
-                   row_mask: Optional[torch.Tensor], path: str, temperature: float, deterministic: bool, chunk_rows: int, chunk_bytes: int,
-                   row_block: int, working_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   row_mask: Optional[torch.Tensor], path: str, temperature: float, deterministic: bool,
+                   chunk_rows: int, chunk_bytes: int, row_block: int,
+                   working_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy, lse) (N,) of the fused head, in the accumulation dtype; 0 at the rows ``row_mask`` drops."""
     p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block)
     N = hidden.shape[0]
@@ -146,7 +147,8 @@ def _head_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     needs = (need_hidden, need_weight, need_bias and bias is not None)
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
-    h, i, lse, entropy, grad_logp, grad_entropy = ops.take_rows(index, hidden, ids, lse, entropy, grad_logp, grad_entropy)
+    h, i, lse, entropy, grad_logp, grad_entropy = ops.take_rows(index, hidden, ids, lse, entropy, grad_logp,
+                                                                grad_entropy)
     p = _deferred_layout(p, h.shape[0], weight, hidden.dtype, hidden.device, working_bytes, needs)
     with torch.autocast(hidden.device.type, enabled=False):
         d_h, d_w, d_b = _backward(h, weight, bias, i, lse, entropy, grad_logp, grad_entropy, needs, p)
@@ -156,8 +158,8 @@ def _head_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
 
 
 @_head_logprobs_backward.register_fake
-def _(hidden, weight, bias, ids, row_mask, lse, entropy, grad_logp, grad_entropy, path, temperature, deterministic, chunk_rows,
-      chunk_bytes, row_block, working_bytes, need_hidden, need_weight, need_bias):
+def _(hidden, weight, bias, ids, row_mask, lse, entropy, grad_logp, grad_entropy, path, temperature, deterministic,
+      chunk_rows, chunk_bytes, row_block, working_bytes, need_hidden, need_weight, need_bias):
     need_bias = need_bias and bias is not None
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty((0,)),
             torch.empty_like(weight) if need_weight else hidden.new_empty((0,)),
@@ -186,7 +188,8 @@ _head_logprobs.register_autograd(_head_backward, setup_context=_head_setup)
 
 
 def _compiled_head_logprobs(hidden, weight, bias, ids, row_mask, params):
-    """``_HeadLogprobs`` through the registered op (under torch.compile): (logp, entropy, lse) (N,); row_mask: ``ValidRows.deferred``."""
+    """``_HeadLogprobs`` through the registered op (under torch.compile): (logp, entropy, lse) (N,); row_mask:
+    ``ValidRows.deferred``."""
     return _head_logprobs(hidden, weight, bias, ids, row_mask, params.path, params.temperature, params.deterministic,
                           params.chunk_rows or 0, params.chunk_bytes or 0, params.row_block or 0,
                           params.working_bytes or 0)
@@ -201,7 +204,7 @@ def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, deterministic
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     params = LightParams(plan.path, inputs.temperature, bool(deterministic), plan.chunk_rows, plan.chunk_bytes,
                          plan.row_block, gather_head, plan.working_bytes)
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
         logp, entropy, lse = _compiled_head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params)
     else:
         logp, entropy, lse = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, params)

@@ -71,8 +71,8 @@ def _logits_loss_fast(logits: torch.Tensor, ids: torch.Tensor, mask_f: torch.Ten
     count: the 0-dim valid-token count (>= 1) of the entropy bonus."""
     from ..kernels.logits_loss_kernels import grad_in_forward
     from ..metrics import ENTROPY, LOSS
-    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature, use_bias_correction_kl,
-                  sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
+    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
+                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
     h_scale = None if entropy_coef == 0.0 else (-entropy_coef / count).float().reshape(1)
     dlogits, terms = grad_in_forward(logits, ids, mask_f.contiguous(), weights, old_logps, ref_logps, advantages,
                                      is_ratio, h_scale, cfg, LOSS_TABLE[loss_type].policy_kind, False)
@@ -119,7 +119,7 @@ def logits_loss_in_forward(inputs: LogitsInputs, batch: LossInputs, cfg: GRPOLos
     B, T = inputs.ids.shape
     weights = batch.token_weights(cfg, B, T, inputs.logits.device)
     params = LogitsFastParams(inputs.ids, batch, weights, cfg, bool(inplace))
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
         loss, sums = _compiled_loss(inputs.logits, params)
     else:
         loss, sums = _LogitsLossInForward.apply(inputs.logits, params)

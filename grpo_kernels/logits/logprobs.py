@@ -207,6 +207,6 @@ def logits_token_logprobs(inputs: LogitsInputs, plan, inplace_backward: bool = F
     no gradient); the loss passes its mask so padded tokens cost no logits traffic."""
     params = LogitsSweepParams(inputs.temperature, inputs.impl, bool(inplace_backward), plan.chunk_rows,
                                row_mask if inputs.impl == "triton" else None)
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op (ops.py) does
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
         return _compiled_logprobs(inputs.logits, inputs.ids, params)
     return _TokenLogprobs.apply(inputs.logits, inputs.ids, params)
