@@ -95,11 +95,11 @@ def test_compiled_step_matches_eager_and_varying_T_compiles_at_most_twice(name, 
     backend = CountingBackend()
     step = _step_fn(CONFIGS[name], impl)
     compiled = torch.compile(step, fullgraph=True, backend=backend)
-    for T in (8, 12, 16, 21):
+    for T in (8, 13, 21):
         args = _batch(T)
         _assert_same(_run(step, args), _run(compiled, args))
     # the first T compiles a static graph, the second marks T dynamic; no later T recompiles
-    assert backend.graphs <= 2, f"{backend.graphs} compiles for 4 values of T"
+    assert backend.graphs <= 2, f"{backend.graphs} compiles for 3 values of T"
 
 
 def test_mark_dynamic_compiles_once():
