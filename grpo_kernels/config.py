@@ -122,6 +122,10 @@ class GRPOLossConfig:
         return dataclasses.replace(self, **overrides)
 
 
+# Computed once: torch.compile cannot trace dataclasses.fields of a class (keyword overrides inside a compiled step)
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(GRPOLossConfig))
+
+
 def resolve_config(config: GRPOLossConfig | None, overrides: dict) -> GRPOLossConfig:
     """``config`` with keyword overrides applied; unknown names raise a ValueError naming them."""
     if config is None:
@@ -130,7 +134,7 @@ def resolve_config(config: GRPOLossConfig | None, overrides: dict) -> GRPOLossCo
         raise ValueError(f"config must be a GRPOLossConfig, got {type(config).__name__}")
     if not overrides:
         return config
-    known = {f.name for f in dataclasses.fields(GRPOLossConfig)}
+    known = _OPTION_NAMES
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown GRPO loss option(s) {unknown}; known options: {sorted(known)}")

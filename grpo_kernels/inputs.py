@@ -37,6 +37,9 @@ class LogitsInputs:
     def validate(cls, logits, ids, temperature, impl, dims=(2, 3), inplace_backward: bool = False) -> "LogitsInputs":
         temperature = _checks.temperature(temperature)
         _checks.tensor("logits", logits, floating=True, dims=dims)
+        if inplace_backward and torch.compiler.is_compiling():
+            raise ValueError("inplace_backward=True is not supported under torch.compile (d logits cannot be written "
+                             "into a buffer the compiled graph owns); pass inplace_backward=False")
         if inplace_backward and logits.device.type != "meta" and torch._debug_has_internal_overlap(logits) != 0:
             # Why refuse: d logits written into a buffer whose rows share memory would overwrite each other.
             raise ValueError("inplace_backward=True needs logits whose elements do not overlap in memory (got an "
@@ -48,7 +51,8 @@ class LogitsInputs:
         if logits.shape[-1] == 0:
             raise ValueError("logits must have a non-empty vocabulary dimension V")
         _checks.same_device(logits=logits, ids=ids)
-        _checks.token_ids(ids, logits.shape[-1])
+        if not torch.compiler.is_compiling():  # a host sync: checked in eager only (docs/api.md, torch.compile)
+            _checks.token_ids(ids, logits.shape[-1])
         impl = resolve_impl(impl, logits, ids)
         if impl == "triton":
             _checks.kernel_dtype("logits", logits)
@@ -106,7 +110,7 @@ class HeadInputs:
         if bias is not None and bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
         _checks.same_device(hidden=hidden, weight=weight, ids=ids, bias=bias)
-        if check_ids:
+        if check_ids and not torch.compiler.is_compiling():  # a host sync: checked in eager only
             _checks.token_ids(ids, weight.shape[0])
         impl = resolve_impl(impl, hidden, weight, bias)
         hidden2d = hidden.reshape(N, H)
@@ -161,7 +165,10 @@ class LossInputs:
             if tuple(is_ratio.shape) not in ((B,), (B, 1), (B, T)):
                 raise ValueError(f"is_ratio must have shape ({B},), ({B}, 1) or ({B}, {T}), "
                                  f"got {tuple(is_ratio.shape)}")
-        if is_ratio is not None and is_ratio.device.type != "meta" and is_ratio.numel():
+        # Why not under torch.compile: the value checks below are host syncs, which a compiled graph cannot make;
+        # they run in eager (docs/api.md, torch.compile).
+        eager = not torch.compiler.is_compiling()
+        if eager and is_ratio is not None and is_ratio.device.type != "meta" and is_ratio.numel():
             # finite negative weights at valid positions are refused; non-finite ones propagate (NaN/Inf rule) and
             # padded positions are neutral whatever they hold. One host sync, only when is_ratio is given.
             bad = (is_ratio < 0) & torch.isfinite(is_ratio)
@@ -176,7 +183,7 @@ class LossInputs:
             if isinstance(n, torch.Tensor):
                 if n.numel() != 1:
                     raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(n.shape)}")
-                if n.device.type != "meta" and not float(n) > 0:  # a host sync, only when it is given
+                if eager and n.device.type != "meta" and not float(n) > 0:  # a host sync, only when it is given
                     raise ValueError(f"num_items_in_batch must be > 0 (the token count that normalizes the loss), "
                                      f"got {float(n)!r}")
             elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
@@ -236,15 +243,20 @@ class ValidRows:
     """The flat indices of the tokens a mask keeps, or ``index=None`` when it keeps all ``total`` of them.
 
     Why compact: padded tokens then cost neither the N x V x H matmuls nor a vocab sweep. ``of`` makes the one host
-    sync (the compact batch's size); on meta tensors (planning without data) every token counts as valid."""
+    sync (the compact batch's size); on meta tensors (planning without data) every token counts as valid. Under
+    torch.compile a data-dependent size cannot enter the graph: ``deferred`` then holds the flat mask and the
+    registered ops of the head paths make the same compaction when they run."""
 
     index: torch.Tensor | None
     total: int
+    deferred: torch.Tensor | None = None
 
     @classmethod
     def of(cls, mask, total: int) -> "ValidRows":
         if mask is None or mask.device.type == "meta":
             return cls(None, total)
+        if torch.compiler.is_compiling():
+            return cls(None, total, mask.reshape(-1))
         index = (mask.reshape(-1) != 0).nonzero().squeeze(1)
         return cls(None if index.numel() == total else index, total)
 

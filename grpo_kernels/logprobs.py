@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, planner
+from . import _checks, ops, planner
 from .config import GRPOLossConfig
 from .distributed import sharded_head, vocab_parallel
 from .head.light import head_token_logprobs
@@ -97,6 +97,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     backward. With gradients, call it inside the model's forward, where ZeRO-3 reduces the head's gradient.
     """
     sharded_head.check_head_options(weight, bias, process_group, vocab_start, gather_head)
+    ops.check_head_compilable(process_group, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
         inputs, shard = validate_head_logprobs(hidden=hidden, weight=weight, ids=ids, bias=bias,

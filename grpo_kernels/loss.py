@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import planner
+from . import ops, planner
 from .config import GRPOLossConfig, resolve_config
 from .distributed import sharded_head, vocab_parallel
 from .head.fast import head_loss_in_forward, head_sequence_loss_in_forward
@@ -90,6 +90,10 @@ def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, r
     B, T = inputs.shape
 
     def counts():  # valid tokens per sequence: one host sync, asked only for the sequence-level fast path
+        if torch.compiler.is_compiling():
+            # Why None: a compiled graph makes no host sync, and the sequence-level path runs Python per chunk of
+            # sequences; the planner then takes the memory-light path
+            return None
         if batch.mask is None or batch.mask.device.type == "meta":
             return [T] * B
         return batch.mask.bool().sum(-1).tolist()
@@ -123,6 +127,7 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     call; ``gather_head`` is entered around the forward and, on the memory-light path, again around the backward.
     """
     sharded_head.check_head_options(weight, bias, process_group, vocab_start, gather_head)
+    ops.check_head_compilable(process_group, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
         inputs, batch, cfg, rows, shard = validate_head_loss(

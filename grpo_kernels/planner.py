@@ -79,6 +79,8 @@ class Plan:
     transient: tuple = field(default_factory=tuple)
     flops_nhv: int | None = None
     notes: tuple = field(default_factory=tuple)
+    # head.light under torch.compile: the bytes within which the op picks its backward layout when it runs
+    working_bytes: int | None = None
 
     @property
     def transient_bytes(self) -> int:
@@ -109,6 +111,12 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def _shown(n):
+    """n for a plan's text; under torch.compile a size-dependent count stays symbolic (printing it would make the
+    compiler specialize on the size, recompiling for every T)."""
+    return "a size-dependent number of" if torch.compiler.is_compiling() else n
 
 
 def _fast_min_rows() -> int:
@@ -166,8 +174,10 @@ def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool
     if cfg is not None and cfg.grad_in_forward and per_token_gradient_known(cfg) and wants_grad and N > 0:
         # the float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14)
         items = (("per-token terms and weights", _per_token_bytes(N, 23)),)
-        notes = () if inplace else (f"d logits ({_size(grad_copy)}) is the returned gradient; "
-                                    "inplace_backward=True writes it into the logits buffer",)
+        # (no note while compiling: a symbolic size has no printed value)
+        notes = () if inplace or torch.compiler.is_compiling() else (
+            f"d logits ({_size(grad_copy)}) is the returned gradient; "
+            "inplace_backward=True writes it into the logits buffer",)
         return Plan(path=LOGITS_FAST, reason="Triton, a token-level configuration (each token's gradient is known "
                     "once its row is swept) and a gradient wanted", token_stage="in the row kernel",
                     transient=items, notes=notes, **common)
@@ -307,10 +317,10 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
                           ("per-token values and terms", small)]
                 return make(HEAD_FAST, "Triton, a token-level configuration, a gradient wanted, and the "
                             "accumulators plus a chunk of at least "
-                            f"{min(N, _fast_min_rows())} rows fit the budget", budget, items, chunk_rows=rows,
+                            f"{_shown(min(N, _fast_min_rows()))} rows fit the budget", budget, items, chunk_rows=rows,
                             flops_nhv=(6 if need_w else 4) if N else 0, token_stage="in the epilogue kernel")
-            reasons.append(f"the budget leaves room for {max_rows} rows per chunk beside the accumulators, fewer "
-                           f"than {min(N, _fast_min_rows())}")
+            reasons.append(f"the budget leaves room for {_shown(max_rows)} rows per chunk beside the accumulators, "
+                           f"fewer than {_shown(min(N, _fast_min_rows()))}")
         else:
             counts = sequence_counts() if sequence_counts is not None else None
             if counts and max_rows >= min(N, _fast_min_rows()) and max(counts) <= max_rows:
@@ -350,6 +360,12 @@ def _plan_light(op, inputs, cfg, needs, N, fixed, make, why, deterministic) -> P
     budget = DEFAULT_WORKING_BYTES if cfg.memory_budget is None else cfg.memory_budget
     need_h, need_w, need_b = needs
     small = _per_token_bytes(N, 8)
+    if torch.compiler.is_compiling():
+        # Why deferred: the layout's geometry reads the device and torch's matmul precision, which the compiler
+        # cannot trace; the head's registered op picks it within the same bytes when it runs
+        return make(HEAD_LIGHT, why, budget, [("per-token values", small)], flops_nhv=8,
+                    working_bytes=budget - fixed - small,
+                    notes=("backward layout chosen when the op runs (torch.compile)",))
     forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device)
     layout = backward_layout(N, V, H, inputs.dtype, inputs.hidden.device, budget - fixed - small, need_h, need_w,
                              need_b and inputs.bias is not None, deterministic)

@@ -8,10 +8,13 @@ metrics' sums and ``d loss / d logp = w * d l / d logp`` in one pass (``kernels/
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.library import custom_op
 
+from . import ops
 from .config import GRPOLossConfig
 from .inputs import LossInputs, TokenWeights
 from .loss_types import LOSS_TABLE
@@ -49,6 +52,50 @@ class _TokenStage(torch.autograd.Function):
         return grad_loss * grad, None
 
 
+@custom_op("grpo_kernels::token_stage", mutates_args=())
+def _token_stage(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
+                 advantages: torch.Tensor, is_ratio: Optional[torch.Tensor], mask_f: torch.Tensor,
+                 weights: torch.Tensor, loss_type: str, beta: float, epsilon_low: float, epsilon_high: float,
+                 delta: Optional[float], temperature: float, use_bias_correction_kl: bool,
+                 sapo_temperature_pos: float, sapo_temperature_neg: float,
+                 entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss fp32 0-dim, term sums fp64, d loss / d logps (B, T) fp32) of the Triton per-token stage."""
+    from .kernels.token_loss_kernels import token_loss_forward
+    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
+                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
+    grad, sums = token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg,
+                                    LOSS_TABLE[loss_type].policy_kind)
+    return sums[0].to(torch.float32), sums, grad
+
+
+@_token_stage.register_fake
+def _(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, *cfg):
+    from .kernels.token_loss_kernels import N_SUMS
+    return (logps.new_empty((), dtype=torch.float32), logps.new_empty((N_SUMS,), dtype=torch.float64),
+            logps.new_empty(logps.shape, dtype=torch.float32))
+
+
+def _stage_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _stage_backward(ctx, grad_loss, _grad_sums, _grad_grad):
+    (grad,) = ctx.saved_tensors
+    return (grad_loss * grad,) + (None,) * 16
+
+
+_token_stage.register_autograd(_stage_backward, setup_context=_stage_setup)
+
+
+def _compiled_stage(logps, params):
+    """``_TokenStage`` through the registered op (under torch.compile): (loss, term sums)."""
+    batch, cfg = params.batch, params.cfg
+    loss, sums, _ = _token_stage(logps, batch.old_logps, batch.ref_logps, batch.advantages, batch.is_ratio,
+                                 params.weights.mask_f, params.weights.weights, **ops.config_args(cfg))
+    return loss, sums
+
+
 def loss_from_token_logprobs(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig, stage: str):
     """(loss, metrics) from per-token log-probs and entropies; ``stage`` "triton" or "reference" (the plan's)."""
     if stage != "triton":
@@ -58,7 +105,11 @@ def loss_from_token_logprobs(logps, entropy, batch: LossInputs, cfg: GRPOLossCon
                                config=cfg)
     B, T = logps.shape
     weights = batch.token_weights(cfg, B, T, logps.device)
-    loss, sums = _TokenStage.apply(logps, TokenStageParams(batch, weights, cfg))
+    params = TokenStageParams(batch, weights, cfg)
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
+        loss, sums = _compiled_stage(logps, params)
+    else:
+        loss, sums = _TokenStage.apply(logps, params)
     masked_entropy_sum = torch.where(weights.mask_b, entropy, 0.0).sum()
     if cfg.entropy_coef != 0.0:
         loss = loss - cfg.entropy_coef * masked_entropy_sum / weights.count

@@ -19,10 +19,13 @@ buffer); a half-precision weight's gradient accumulates in an fp32 buffer and is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.library import custom_op
 
+from .. import ops
 from ..config import GRPOLossConfig
 from ..inputs import HeadInputs, HeadTokens, LossInputs, ValidRows
 from ..loss_types import LOSS_TABLE, reduction_weights
@@ -108,6 +111,81 @@ def _per_token(x, B: int, T: int, rows: ValidRows):
     return x.contiguous()
 
 
+@custom_op("grpo_kernels::head_loss_fast", mutates_args=())
+def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
+                    row_mask: Optional[torch.Tensor], adv: torch.Tensor, w: torch.Tensor,
+                    old: Optional[torch.Tensor], ref: Optional[torch.Tensor], isr: Optional[torch.Tensor],
+                    ge: Optional[torch.Tensor], entropy_scale: torch.Tensor,
+                    dtype: torch.dtype, rows: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+                    loss_type: str, beta: float, epsilon_low: float, epsilon_high: float, delta: Optional[float],
+                    temperature: float, use_bias_correction_kl: bool, sapo_temperature_pos: float,
+                    sapo_temperature_neg: float, entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """(loss, term sums fp64, d hidden, d weight fp32, d bias fp32) of ``head.fast`` at an incoming gradient of 1;
+    a gradient not wanted is an empty (0,) tensor."""
+    from ..kernels.linear_epilogue_kernels import head_loss_and_grads
+    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
+                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
+    N = hidden.shape[0]
+    index = ops.valid_index(row_mask, N)
+    hidden_rows, ids, adv, w, old, ref, isr = ops.take_rows(index, hidden, ids, adv, w, old, ref, isr)
+    tokens = {"adv": adv, "w": w, "old": old, "ref": ref, "isr": isr}
+    if ge is not None:
+        tokens["ge"] = ge
+    need_bias = need_bias and bias is not None
+    h, wt, b = (None if t is None else t.to(dtype) for t in (hidden_rows, weight, bias))
+    with torch.autocast(hidden.device.type, enabled=False):
+        _logp, ent, terms, dh, dw32, db32 = head_loss_and_grads(h, wt, b, ids, tokens, cfg,
+                                                                 LOSS_TABLE[loss_type].policy_kind, rows,
+                                                                 need_hidden, need_weight, need_bias)
+    sums = torch.cat([terms.double().sum(0), ent.double().sum().reshape(1)])
+    loss = (sums[0] - entropy_coef * sums[-1] * entropy_scale).float()
+    empty = hidden.new_empty((0,))
+    dh = empty if dh is None else ops.put_rows(index, N, dh.to(hidden.dtype))
+    return loss, sums, dh, empty if dw32 is None else dw32, empty if db32 is None else db32
+
+
+@_head_loss_fast.register_fake
+def _(hidden, weight, bias, ids, row_mask, adv, w, old, ref, isr, ge, entropy_scale, dtype, rows, need_hidden,
+      need_weight, need_bias, *cfg):
+    from ..kernels.linear_epilogue_kernels import N_ROW_TERMS
+    empty = hidden.new_empty((0,))
+    f32 = torch.float32
+    return (hidden.new_empty((), dtype=f32), hidden.new_empty((N_ROW_TERMS + 1,), dtype=torch.float64),
+            torch.empty_like(hidden) if need_hidden else empty,
+            weight.new_empty(weight.shape, dtype=f32) if need_weight else empty,
+            bias.new_empty(bias.shape, dtype=f32) if need_bias and bias is not None else empty)
+
+
+def _head_fast_setup(ctx, inputs, output):
+    hidden, weight, bias = inputs[:3]
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.save_for_backward(*output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _head_fast_backward(ctx, grad_loss, *_unused):
+    grads = []
+    for g, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3]):
+        # one rounding from the fp32 accumulator, as the eager hand-out
+        grads.append((g * grad_loss).to(dtype) if need and dtype is not None else None)
+    return (*grads,) + (None,) * 24
+
+
+_head_loss_fast.register_autograd(_head_fast_backward, setup_context=_head_fast_setup)
+
+
+def _compiled_head_loss(hidden, weight, bias, ids, row_mask, params, needs):
+    """``_HeadLossInForward`` through the registered op (under torch.compile): (loss, term sums); row_mask:
+    ``ValidRows.deferred``; needs: (hidden, weight, bias) gradient wanted."""
+    t = params.tokens
+    loss, sums, *_ = _head_loss_fast(hidden, weight, bias, ids, row_mask, t["adv"], t["w"], t["old"], t["ref"],
+                                     t["isr"], t.get("ge"), params.entropy_scale, params.dtype, params.rows, *needs,
+                                     **ops.config_args(params.cfg))
+    return loss, sums
+
+
 def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, plan, rows: ValidRows):
     """(loss, metrics) of ``fused_linear_grpo_loss`` on ``head.fast``: chunks of ``plan.chunk_rows`` valid tokens."""
     B, T = inputs.shape
@@ -120,7 +198,12 @@ def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossCon
                         isr=_per_token(batch.is_ratio, B, T, rows), ge=ge)
     params = FastParams(inputs.dtype, cfg, rows=plan.chunk_rows, tokens=tokens,
                         entropy_scale=1.0 / weights.count.double())
-    loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, params)
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
+        wants = torch.is_grad_enabled()
+        needs = tuple(wants and t is not None and t.requires_grad for t in (hidden, inputs.weight, inputs.bias))
+        loss, sums = _compiled_head_loss(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params, needs)
+    else:
+        loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, params)
     return loss, metrics_from_sums(sums, sums[-1], weights.count, batch.ref_logps is not None, cfg.loss_type)
 
 

@@ -11,10 +11,13 @@ logits = hidden @ weight.T (+ bias) are never written whole:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.library import custom_op
 
+from .. import ops
 from ..distributed.sharded_head import gathered
 from ..inputs import HeadInputs, ValidRows
 from .torch_tiles import torch_linear_logprobs_backward, torch_linear_logprobs_forward
@@ -33,6 +36,7 @@ class LightParams:
     chunk_bytes: int | None = None
     row_block: int | None = None
     gather_head: object = None
+    working_bytes: int | None = None  # under torch.compile: the budget of the backward layout (Plan.working_bytes)
 
 
 def _forward(hidden, weight, bias, ids, p: LightParams):
@@ -88,6 +92,109 @@ class _HeadLogprobs(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None
 
 
+def _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block):
+    return LightParams(path, temperature, deterministic, chunk_rows or None, chunk_bytes or None, row_block or None)
+
+
+def _deferred_layout(p, n, weight, dtype, device, working_bytes, needs):
+    """``p`` with the light backward's layout for ``n`` rows within ``working_bytes`` (a plan made under
+    torch.compile leaves it to run time: ``planner._plan_light``)."""
+    if p.path != "head.light" or p.chunk_bytes is not None or working_bytes <= 0:
+        return p
+    from dataclasses import replace
+
+    from ..kernels.linear_backward_kernels import backward_layout
+    V, H = weight.shape
+    layout = backward_layout(n, V, H, dtype, device, working_bytes, *needs, p.deterministic)
+    if layout is None:
+        raise ValueError(f"memory_budget leaves {working_bytes} bytes, below the smallest backward layout of the "
+                         "memory-light head path; raise memory_budget (or leave it None)")
+    return replace(p, chunk_bytes=layout.chunk_bytes, row_block=layout.row_block)
+
+
+@custom_op("grpo_kernels::head_logprobs", mutates_args=())
+def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
+                   row_mask: Optional[torch.Tensor], path: str, temperature: float, deterministic: bool,
+                   chunk_rows: int, chunk_bytes: int, row_block: int,
+                   working_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, lse) (N,) of the fused head, in the accumulation dtype; 0 at the rows ``row_mask`` drops."""
+    p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block)
+    N = hidden.shape[0]
+    index = ops.valid_index(row_mask, N)
+    h, i = ops.take_rows(index, hidden, ids)
+    with torch.autocast(hidden.device.type, enabled=False):
+        logp, lse, entropy = _forward(h, weight, bias, i, p)
+    return ops.put_rows(index, N, logp), ops.put_rows(index, N, entropy), ops.put_rows(index, N, lse)
+
+
+@_head_logprobs.register_fake
+def _(hidden, weight, bias, ids, row_mask, path, temperature, deterministic, chunk_rows, chunk_bytes, row_block,
+      working_bytes):
+    dtype = ops.acc_dtype(hidden) if path == "head.torch" else torch.float32
+    return tuple(hidden.new_empty((hidden.shape[0],), dtype=dtype) for _ in range(3))
+
+
+@custom_op("grpo_kernels::head_logprobs_backward", mutates_args=())
+def _head_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                            ids: torch.Tensor, row_mask: Optional[torch.Tensor], lse: torch.Tensor,
+                            entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+                            path: str, temperature: float, deterministic: bool,
+                            chunk_rows: int, chunk_bytes: int, row_block: int, working_bytes: int,
+                            need_hidden: bool, need_weight: bool,
+                            need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d hidden, d weight, d bias); an empty (0,) tensor stands for a gradient not wanted (an op returns no None)."""
+    p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block)
+    needs = (need_hidden, need_weight, need_bias and bias is not None)
+    N = hidden.shape[0]
+    index = ops.valid_index(row_mask, N)
+    h, i, lse, entropy, grad_logp, grad_entropy = ops.take_rows(index, hidden, ids, lse, entropy, grad_logp,
+                                                                grad_entropy)
+    p = _deferred_layout(p, h.shape[0], weight, hidden.dtype, hidden.device, working_bytes, needs)
+    with torch.autocast(hidden.device.type, enabled=False):
+        d_h, d_w, d_b = _backward(h, weight, bias, i, lse, entropy, grad_logp, grad_entropy, needs, p)
+    grads = (ops.put_rows(index, N, d_h), d_w, d_b)
+    return tuple(hidden.new_empty((0,)) if g is None else g.to(t.dtype)
+                 for g, t in zip(grads, (hidden, weight, hidden if bias is None else bias)))
+
+
+@_head_logprobs_backward.register_fake
+def _(hidden, weight, bias, ids, row_mask, lse, entropy, grad_logp, grad_entropy, path, temperature, deterministic,
+      chunk_rows, chunk_bytes, row_block, working_bytes, need_hidden, need_weight, need_bias):
+    need_bias = need_bias and bias is not None
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty((0,)),
+            torch.empty_like(weight) if need_weight else hidden.new_empty((0,)),
+            torch.empty_like(bias) if need_bias else hidden.new_empty((0,)))
+
+
+def _head_setup(ctx, inputs, output):
+    hidden, weight, bias, ids, row_mask, *args = inputs
+    _logp, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, bias, ids, row_mask, lse, entropy)
+    ctx.args = tuple(args)
+
+
+def _head_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    hidden, weight, bias, ids, row_mask, lse, entropy = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
+    grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous()
+    d_h, d_w, d_b = _head_logprobs_backward(hidden, weight, bias, ids, row_mask, lse, entropy, grad_logp, grad_entropy,
+                                            *ctx.args, bool(need_h), bool(need_w), bool(need_b and bias is not None))
+    return (d_h if need_h else None, d_w if need_w else None, d_b if need_b and bias is not None else None,
+            None, None, *([None] * len(ctx.args)))
+
+
+_head_logprobs.register_autograd(_head_backward, setup_context=_head_setup)
+
+
+def _compiled_head_logprobs(hidden, weight, bias, ids, row_mask, params):
+    """``_HeadLogprobs`` through the registered op (under torch.compile): (logp, entropy, lse) (N,); row_mask:
+    ``ValidRows.deferred``."""
+    return _head_logprobs(hidden, weight, bias, ids, row_mask, params.path, params.temperature, params.deterministic,
+                          params.chunk_rows or 0, params.chunk_bytes or 0, params.row_block or 0,
+                          params.working_bytes or 0)
+
+
 def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, deterministic: bool = True, gather_head=None):
     """(logp, entropy, lse) shaped like the caller's ids, from validated inputs and their plan.
 
@@ -96,8 +203,11 @@ def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, deterministic
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     params = LightParams(plan.path, inputs.temperature, bool(deterministic), plan.chunk_rows, plan.chunk_bytes,
-                         plan.row_block, gather_head)
-    logp, entropy, lse = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, params)
+                         plan.row_block, gather_head, plan.working_bytes)
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
+        logp, entropy, lse = _compiled_head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params)
+    else:
+        logp, entropy, lse = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, params)
     logp, entropy, lse = rows.scatter(logp, entropy, lse)
     shape = inputs.shape
     return logp.view(shape), entropy.view(shape), lse.view(shape)

@@ -8,10 +8,13 @@ temporaries fit the memory budget).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.library import custom_op
 
+from .. import ops
 from ..inputs import LogitsInputs
 
 
@@ -135,6 +138,68 @@ class _TokenLogprobs(torch.autograd.Function):
         return dlogits, None, None
 
 
+@custom_op("grpo_kernels::logits_logprobs", mutates_args=())
+def _logits_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, impl: str,
+                     chunk_rows: int, row_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """(logp, entropy, lse) flat (N,), fp32 (fp64 for fp64 logits on the PyTorch path)."""
+    if impl == "triton":
+        from ..kernels.logits_kernels import logits_logprobs_forward
+        logp, lse, entropy = logits_logprobs_forward(logits, ids, temperature, row_mask=row_mask)
+    else:
+        logp, lse, entropy = _torch_forward(logits, ids, temperature, chunk_rows)
+    return logp.reshape(-1), entropy.reshape(-1), lse.reshape(-1)
+
+
+@_logits_logprobs.register_fake
+def _(logits, ids, temperature, impl, chunk_rows, row_mask):
+    dtype = ops.acc_dtype(logits) if impl == "torch" else torch.float32
+    return tuple(logits.new_empty((ids.numel(),), dtype=dtype) for _ in range(3))
+
+
+@custom_op("grpo_kernels::logits_logprobs_backward", mutates_args=())
+def _logits_logprobs_backward(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                              grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], temperature: float,
+                              impl: str, chunk_rows: int) -> torch.Tensor:
+    """d logits (a new buffer shaped like logits)."""
+    if impl == "triton":
+        from ..kernels.logits_kernels import logits_logprobs_backward
+        return logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature,
+                                        inplace=False)
+    return _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, False, chunk_rows)
+
+
+@_logits_logprobs_backward.register_fake
+def _(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, impl, chunk_rows):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _logits_setup(ctx, inputs, output):
+    logits, ids, temperature, impl, chunk_rows, _row_mask = inputs
+    _logp, entropy, lse = output
+    ctx.save_for_backward(logits, ids, lse, entropy)
+    ctx.args = (temperature, impl, chunk_rows)
+
+
+def _logits_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    logits, ids, lse, entropy = ctx.saved_tensors
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).to(lse.dtype)
+    grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).to(lse.dtype)
+    dlogits = _logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, *ctx.args)
+    return dlogits, None, None, None, None, None
+
+
+_logits_logprobs.register_autograd(_logits_backward, setup_context=_logits_setup)
+
+
+def _compiled_logprobs(logits, ids, params):
+    """``_TokenLogprobs`` through the registered op (under torch.compile): (logp, entropy, lse) shaped like ids."""
+    logp, entropy, lse = _logits_logprobs(logits, ids, params.temperature, params.impl, params.chunk_rows or 0,
+                                          params.row_mask)
+    shape = ids.shape
+    return logp.view(shape), entropy.view(shape), lse.view(shape)
+
+
 def logits_token_logprobs(inputs: LogitsInputs, plan, inplace_backward: bool = False, row_mask=None):
     """(logp, entropy, lse) shaped like the ids, from validated inputs and their plan.
 
@@ -142,4 +207,6 @@ def logits_token_logprobs(inputs: LogitsInputs, plan, inplace_backward: bool = F
     no gradient); the loss passes its mask so padded tokens cost no logits traffic."""
     params = LogitsSweepParams(inputs.temperature, inputs.impl, bool(inplace_backward), plan.chunk_rows,
                                row_mask if inputs.impl == "triton" else None)
+    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
+        return _compiled_logprobs(inputs.logits, inputs.ids, params)
     return _TokenLogprobs.apply(inputs.logits, inputs.ids, params)
