@@ -130,9 +130,7 @@ def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
     hidden_rows, ids, adv, w, old, ref, isr = ops.take_rows(index, hidden, ids, adv, w, old, ref, isr)
-    tokens = {"adv": adv, "w": w, "old": old, "ref": ref, "isr": isr}
-    if ge is not None:
-        tokens["ge"] = ge
+    tokens = HeadTokens(adv=adv, w=w, old=old, ref=ref, isr=isr, ge=ge)
     need_bias = need_bias and bias is not None
     h, wt, b = (None if t is None else t.to(dtype) for t in (hidden_rows, weight, bias))
     with torch.autocast(hidden.device.type, enabled=False):
@@ -180,8 +178,8 @@ def _compiled_head_loss(hidden, weight, bias, ids, row_mask, params, needs):
     """``_HeadLossInForward`` through the registered op (under torch.compile): (loss, term sums); row_mask:
     ``ValidRows.deferred``; needs: (hidden, weight, bias) gradient wanted."""
     t = params.tokens
-    loss, sums, *_ = _head_loss_fast(hidden, weight, bias, ids, row_mask, t["adv"], t["w"], t["old"], t["ref"],
-                                     t["isr"], t.get("ge"), params.entropy_scale, params.dtype, params.rows, *needs,
+    loss, sums, *_ = _head_loss_fast(hidden, weight, bias, ids, row_mask, t.adv, t.w, t.old, t.ref,
+                                     t.isr, t.ge, params.entropy_scale, params.dtype, params.rows, *needs,
                                      **ops.config_args(params.cfg))
     return loss, sums
 
