@@ -46,9 +46,9 @@ _LOSS_HELP = {
     "deterministic": "fused-linear Triton backward in a fixed order (bitwise reproducible) instead of fp32 atomics",
     "grad_in_forward": "Triton path: compute the loss gradient during the forward pass when the loss type allows it "
                        "(saves a second sweep over the vocabulary); --no-grad-in-forward forces separate sweeps",
-    "memory_budget": "bytes of scratch memory the fused-linear head may use for its logits chunks (default: the "
-                     "package default); below what the gradient-in-forward path needs, the memory-light recompute "
-                     "path runs",
+    "memory_budget": "bytes of transient memory the loss may allocate beyond its inputs and returned gradients "
+                     "(default: 1 GiB of working memory plus the fast head path's fp32 d-weight accumulator); the "
+                     "fastest path that fits runs (docs/memory.md)",
 }
 # Negative numbers as flag values (``--lr -1e-3``): argparse takes any value that starts with "-" for a flag unless
 # it matches its own pattern, which knows neither exponents nor inf / nan; the value then reaches our range checks.

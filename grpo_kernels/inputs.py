@@ -90,8 +90,10 @@ class HeadInputs:
         _checks.tensor("ids", ids, integer=True, dims=ids_dims)
         if bias is not None:
             _checks.tensor("bias", bias, floating=True, dims=(1,))
-        autocast = hidden.device.type != "meta" and torch.is_autocast_enabled(hidden.device.type)
-        dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else hidden.dtype
+        # meta tensors (a plan made without data) stand for CUDA ones, autocast included
+        device_type = "cuda" if hidden.device.type == "meta" else hidden.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
         H = hidden.shape[-1]
         if weight.shape[1] != H:
             raise ValueError(f"weight must have shape (V, H) = (V, {H}) to match hidden's last dim, "

@@ -161,19 +161,28 @@ def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool
     common = dict(op=op, impl=inputs.impl, budget=budget, rows=N, vocab=V)
     grad_copy = 0 if inplace else N * V * logits.element_size()
     if inputs.impl == "torch":
+        try:  # rows of logits that cannot be viewed as (N, V) (e.g. logits[:, :-1]) are copied once per pass
+            logits.view(-1, V)
+            flat_copy = 0
+        except RuntimeError:
+            flat_copy = N * V * logits.element_size()
         acc = 8 if logits.dtype == torch.float64 else 4
         need_row = TORCH_LOGITS_TEMPS * acc * V
-        small = _per_token_bytes(N, 4)
+        small = _per_token_bytes(N, 4) + flat_copy
         if budget < need_row + small:
             raise _budget_error(op, LOGITS_TORCH, need_row + small, budget_cfg)
         rows = max(1, min(N, (budget - small) // need_row))
-        items = (("fp32 temporaries of one row chunk", rows * need_row), ("per-token values", small))
+        items = (("fp32 temporaries of one row chunk", rows * need_row),
+                 ("a contiguous copy of non-contiguous logits", flat_copy),
+                 ("per-token values", _per_token_bytes(N, 4)))
         stage = None if cfg is None else "reference"
         return Plan(path=LOGITS_TORCH, reason="impl torch (CPU tensors, or impl='torch')", chunk_rows=rows,
                     token_stage=stage, transient=items, **common)
     if cfg is not None and cfg.grad_in_forward and per_token_gradient_known(cfg) and wants_grad and N > 0:
         # the float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14)
         items = (("per-token terms and weights", _per_token_bytes(N, 23)),)
+        if _per_token_bytes(N, 23) > budget:
+            raise _budget_error(op, LOGITS_FAST, _per_token_bytes(N, 23), budget_cfg)
         # (no note while compiling: a symbolic size has no printed value)
         notes = () if inplace or torch.compiler.is_compiling() else (
             f"d logits ({_size(grad_copy)}) is the returned gradient; "
@@ -193,6 +202,8 @@ def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool
     stage = None if cfg is None else ("triton" if per_token_gradient_known(cfg) and N > 0 else "reference")
     # log-prob, logsumexp, entropy, and the per-token stage's mask, weights and gradient
     items = (("per-token values", _per_token_bytes(N, 7)),)
+    if _per_token_bytes(N, 7) > budget:
+        raise _budget_error(op, LOGITS_SWEEP, _per_token_bytes(N, 7), budget_cfg)
     return Plan(path=LOGITS_SWEEP, reason=f"Triton; {why}", token_stage=stage, transient=items, **common)
 
 
@@ -239,6 +250,13 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
     weight_cast = inputs.cast_bytes(hidden=False)
     if weight_cast:
         copies.append(("weight / bias in the compute dtype (autocast)", weight_cast))
+    # The paths behind autograd's casts hand back gradients in the compute dtype, cast by autograd afterwards: those
+    # compute-dtype gradients are transient (the fast paths cast inside and return the given dtypes directly).
+    cast_grads = []
+    if need_w and weight.dtype != inputs.dtype:
+        cast_grads.append(("d weight in the compute dtype, before autograd's cast", V * H * it))
+    if need_h and inputs.hidden.dtype != inputs.dtype:
+        cast_grads.append(("d hidden in the compute dtype, before autograd's cast", inputs.ids.numel() * H * it))
     fixed = sum(b for _, b in copies)
     if inputs.impl == "torch":
         budget = DEFAULT_WORKING_BYTES if budget_cfg.memory_budget is None else budget_cfg.memory_budget
@@ -251,16 +269,16 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
                 accum.append(("fp32 d hidden accumulator", 4 * N * H))
             if need_w:
                 accum.append(("fp32 d weight accumulator", 4 * V * H))
-        if half:
-            accum.append(("weight tile in fp32", 4 * vt * H))
+        loop_fixed = 4 * vt * H if half else 0  # the weight tile in fp32, alive with the logits tiles
         per_row = TORCH_HEAD_TEMPS * acc * vt + (acc * H if half else 0)
         small = _per_token_bytes(N, 4)
-        need = fixed + sum(b for _, b in accum) + small + per_row
+        need = fixed + sum(b for _, b in accum) + small + loop_fixed + per_row
         if budget < need:
             raise _budget_error(op, HEAD_TORCH, need, budget_cfg)
         rows = max(1, min(max(N, 1), (budget - need + per_row) // per_row))
-        items = accum + [("logits tiles", rows * TORCH_HEAD_TEMPS * acc * vt),
-                         ("hidden rows in fp32", rows * acc * H if half else 0), ("per-token values", small)]
+        loop = [("weight tile in fp32", loop_fixed), ("logits tiles", rows * TORCH_HEAD_TEMPS * acc * vt),
+                ("hidden rows in fp32", rows * acc * H if half else 0)]
+        items = accum + _larger_phase(loop, cast_grads) + [("per-token values", small)]
         return make(HEAD_TORCH, "impl torch (CPU tensors, or impl='torch')", budget, items, chunk_rows=rows,
                     flops_nhv=(2 + (6 if grad else 0)) if N else 0)
     if not grad:
@@ -334,7 +352,13 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
             reasons.append("a sequence longer than the rows the budget allows per chunk" if counts else
                            "the sequence-level path needs a mask it can count")
     return _plan_light(op, inputs, budget_cfg, needs, N, fixed, make, "; ".join(reasons),
-                       budget_cfg.deterministic if deterministic is None else deterministic)
+                       budget_cfg.deterministic if deterministic is None else deterministic, cast_grads)
+
+
+def _larger_phase(during, after) -> list:
+    """The items of whichever phase holds more bytes: the tiles / chunks of the sweep (``during``), or the gradients
+    in the compute dtype that exist only once the sweep's buffers are freed (``after``)."""
+    return list(during) if sum(b for _, b in during) >= sum(b for _, b in after) else list(after)
 
 
 def sequence_chunks(counts: list, max_rows: int) -> list:
@@ -349,7 +373,7 @@ def sequence_chunks(counts: list, max_rows: int) -> list:
     return chunks
 
 
-def _plan_light(op, inputs, cfg, needs, N, fixed, make, why, deterministic) -> Plan:
+def _plan_light(op, inputs, cfg, needs, N, fixed, make, why, deterministic, cast_grads=()) -> Plan:
     """The memory-light recompute path: an O(N) forward, then per block of rows a backward over vocab chunks whose
     d logits (and the fp32 d hidden of the block, for half-precision inputs over several chunks) fit the budget.
     Blocks of fewer rows than N only when the fp32 d hidden of every row does not fit (d weight is then summed over
@@ -373,11 +397,14 @@ def _plan_light(op, inputs, cfg, needs, N, fixed, make, why, deterministic) -> P
         raise _budget_error(op, HEAD_LIGHT, fixed + small + backward_layout(
             N, V, H, inputs.dtype, inputs.hidden.device, None, need_h, need_w, need_b and inputs.bias is not None,
             deterministic).transient_bytes, cfg)
+    after = sum(b for _, b in cast_grads)
+    if fixed + small + max(forward, after) > budget:
+        raise _budget_error(op, HEAD_LIGHT, fixed + small + max(forward, after, layout.transient_bytes), cfg)
     # The forward's partial statistics are freed before the backward's buffers exist: the peak is the larger phase.
     if forward > layout.transient_bytes:
         items = [("forward partial statistics", forward), ("per-token values", small)]
     else:
-        items = list(layout.items) + [("per-token values", small)]
+        items = _larger_phase(layout.items, cast_grads) + [("per-token values", small)]
     notes = ()
     if layout.row_block < N and need_w:
         notes = (f"d weight is summed over {_cdiv(N, layout.row_block)} row blocks in the weight's dtype",)

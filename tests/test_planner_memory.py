@@ -114,3 +114,37 @@ def test_light_path_within_one_percent_of_the_logits_traced_at_a_scaled_shape():
         loss.backward()
         return [loss, *metrics.values(), hidden.grad, weight.grad]
     assert transient_peak(run) <= budget
+
+
+@pytest.mark.parametrize("case", ["autocast-fp32-master-head", "sliced-logits"])
+def test_planned_memory_counts_casts_and_copies(case):
+    """What a call allocates because of how its inputs arrive is in the plan too: under autocast with fp32 master
+    weights, the compute-dtype gradients before autograd's cast (PyTorch head path); logits that cannot be viewed as
+    (N, V) (a time slice), their contiguous copy (PyTorch logits path). Traced within 10%."""
+    g = torch.Generator().manual_seed(3)
+    if case == "sliced-logits":
+        x = torch.randn(4, 65, 2048, generator=g)[:, :-1].requires_grad_(True)
+        ids, adv = torch.randint(0, 2048, (4, 64), generator=g), torch.randn(4, generator=g)
+        plan = plan_call(gk.grpo_loss, x, ids, adv, impl="torch", memory_budget=4 << 20)
+
+        def run():
+            loss, metrics = gk.grpo_loss(x, ids, adv, impl="torch", memory_budget=4 << 20)
+            loss.backward()
+            return [loss, *metrics.values(), x.grad]
+    else:
+        hidden = torch.randn(2, 32, 64, generator=g).requires_grad_(True)
+        weight = (torch.randn(8192, 64, generator=g) / 4).requires_grad_(True)
+        ids, adv = torch.randint(0, 8192, (2, 32), generator=g), torch.randn(2, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plan = plan_call(gk.fused_linear_grpo_loss, hidden, weight, ids, adv, impl="torch",
+                             memory_budget=16 << 20)
+
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, metrics = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, impl="torch",
+                                                          memory_budget=16 << 20)
+            loss.backward()
+            return [loss, *metrics.values(), hidden.grad, weight.grad]
+    traced = transient_peak(run)
+    assert abs(traced - plan.transient_bytes) <= 0.10 * plan.transient_bytes, \
+        f"planned {plan.transient_bytes} B ({plan.transient}), traced {traced} B"

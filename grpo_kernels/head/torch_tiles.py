@@ -55,22 +55,26 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_r
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
             z = _tile_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, inv_t, acc)
-            # online logsumexp; `a` carries sum exp(z - m) z for the entropy
+            # online logsumexp; `a` carries sum exp(z - m) (z - m) for the entropy, relative to the running max so
+            # that H = log s - a / s never subtracts two large numbers (low temperatures)
             m_new = torch.maximum(m, z.amax(-1))
             m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
             alpha = torch.exp(m - m_safe)
             inside = (tgt >= v0) & (tgt < v1)
             local = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
             z_target += torch.where(inside, z.gather(-1, local).squeeze(-1), 0.0)
-            e = (z - m_safe.unsqueeze(-1)).exp_()
-            s = s * alpha + e.sum(-1)
-            a = a * alpha + e.mul_(z.clamp_(min=NEG_BIG)).sum(-1)
+            shift = torch.where(s > 0, (m - m_safe) * s, 0.0)  # moving a's reference from m to m_new
+            z.sub_(m_safe.unsqueeze(-1))
+            e = z.exp()
+            s_tile = e.sum(-1)
+            a = alpha * (a + shift) + e.mul_(z.clamp_(min=NEG_BIG)).sum(-1)
+            s = s * alpha + s_tile
             m = m_new
             del z, e
-        chunk_lse = m + torch.log(s)
-        lse[r0:r0 + n] = chunk_lse
-        entropy[r0:r0 + n] = chunk_lse - a / s
-        logp[r0:r0 + n] = z_target - chunk_lse
+        log_s = torch.log(s)
+        lse[r0:r0 + n] = m + log_s
+        entropy[r0:r0 + n] = log_s - a / s
+        logp[r0:r0 + n] = z_target - (m + log_s)
     return logp, lse, entropy
 
 

@@ -38,11 +38,13 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
         m = z.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1)
-        e = (z - m).exp_()
+        z.sub_(m)  # z - max: the entropy as log s - sum e (z - m) / s, no cancellation of two large numbers
+        e = z.exp()
         s = e.sum(-1)
-        chunk_lse = m.squeeze(-1) + torch.log(s)
+        log_s = torch.log(s)
+        chunk_lse = m.squeeze(-1) + log_s
         lse[rows] = chunk_lse
-        entropy[rows] = chunk_lse - e.mul_(z.clamp_(min=NEG_BIG)).sum(-1) / s
+        entropy[rows] = log_s - e.mul_(z.clamp_(min=NEG_BIG)).sum(-1) / s
         logp[rows] -= chunk_lse
         del z, e
     return logp, lse, entropy
