@@ -2,13 +2,15 @@
 recomputing the logit tiles from the saved logsumexp. Kernels and their launcher ``linear_logprobs_backward``;
 shared helpers and the tile table in ``linear_tiles.py``.
 
-``deterministic=True`` (the default): no float atomics anywhere. The vocab is cut into chunks of Vc columns; per
-chunk a kernel writes d logits (N, Vc) in the input dtype (every program owns its output tile), then fixed-order
-cuBLAS/torch ops finish the job: dW[chunk] = dl^T @ hidden (complete, written once), dbias[chunk] = column sum,
-dh += dl @ W[chunk] (accumulated over chunks in an fp32 buffer by cuBLAS itself, beta = 1, for bf16/fp16: no
-half-precision product in between). Vc is the largest multiple of BLOCK_V with N * Vc * itemsize <= the chunk
-budget (the caller's ``chunk_bytes``; by default 1% of the N x V fp32 logits, ``DETERMINISTIC_CHUNK_FRACTION``;
-the testing override's ``chunk_bytes`` caps it; at least BLOCK_V columns). cuBLAS is run-to-run
+``deterministic=True`` (the default): no float atomics anywhere. Rows run in blocks of ``row_block`` (all N when the
+plan allows, ``planner.plan_head`` / ``backward_layout``); per block the vocab is cut into chunks of Vc columns; per
+chunk a kernel writes d logits (Rb, Vc) in the input dtype (every program owns its output tile), then fixed-order
+cuBLAS/torch ops finish the job: dW[chunk] = dl^T @ hidden (written by the first block, added to by the next ones
+in the weight's dtype: one rounding per block), dbias[chunk] += column sum (fp32), dh[block] += dl @ W[chunk]
+(accumulated over chunks in an fp32 buffer of the block by cuBLAS itself, beta = 1, for bf16/fp16: no
+half-precision product in between). Vc is all V when a chunk of every column fits ``chunk_bytes``, else the largest
+multiple of BLOCK_V within it (at least BLOCK_V; without a plan, 1% of the N x V fp32 logits,
+``DETERMINISTIC_CHUNK_FRACTION``; the testing override's ``chunk_bytes`` caps it). cuBLAS is run-to-run
 deterministic on a given GPU and library version (set CUBLAS_WORKSPACE_CONFIG=:4096:8 when streams vary). With fp32
 inputs the matmuls follow torch's fp32 matmul precision setting ("highest" by default, i.e. no TF32).
 
@@ -21,10 +23,10 @@ pays for neither the dW dot nor its atomics. Results vary in the last bits from 
 Extra device memory beyond inputs, outputs and the returned gradients (it = itemsize of the input dtype):
 - atomic: fp32 accumulators cast to the input dtype at the end, for bf16/fp16 inputs only: 4 N H if dh is
   requested, 4 V H if dW, 4 V if dbias (2.5 GB of dW accumulator at V = 152k, H = 4096).
-- deterministic: the d logits chunk, N * min(V, Vc) * it bytes (4 N min(V, Vc) when d logits come from cuBLAS
+- deterministic: the d logits chunk, Rb * min(V, Vc) * it bytes (4 Rb min(V, Vc) when d logits come from cuBLAS
   fp32 logits + the row-sweep epilogue, ``dlogits_by_gemm``: CUDA bf16/fp16); plus 4 V (fp32 dbias) when dbias is
-  requested with bf16/fp16; plus 4 N H (the fp32 dh accumulator) when dh is requested with bf16/fp16 and V needs
-  more than one chunk.
+  requested; plus 4 Rb H (the block's fp32 dh accumulator) when dh is requested with bf16/fp16 and V needs more
+  than one chunk (docs/memory.md).
 """
 from __future__ import annotations
 
