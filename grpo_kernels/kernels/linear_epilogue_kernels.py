@@ -33,7 +33,7 @@ import torch
 from .._checks import alloc
 from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
-from .common import EXP2_FLOOR, LOG2E, exp2, lane_fold, lanes_to_row, row_lse_entropy
+from .common import LOG2E, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy
 from .fp32_gemm import addmm_f32_, logits_f32
 from .launch import launch, target_arch
 from .linear_tiles import to_input_dtype
@@ -103,19 +103,6 @@ def _target_logit(z_row, b_ptr, target, ok, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD: tl.constexpr):
-    """d logits off the target column from raw logits x: 2^u (B + A max(u, floor)), u = (x / T - lse) log2(e) =
-    log2 p (the difference first: it cancels exactly at the row maximum, see logits_rows.dlogits_values)."""
-    u = (x * inv_temperature - lse) * LOG2E
-    p = exp2(u)
-    if HAS_ENTROPY_GRAD:
-        # Why the clamp: p = 0 at a -inf logit, and 0 * -inf would be NaN.
-        return p * (coef_b + coef_a * tl.maximum(u, EXP2_FLOOR))
-    else:
-        return p * coef_b
-
-
-@triton.jit
 def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, inv_temperature,
                  HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -141,7 +128,7 @@ def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, i
         x = tl.load(z_row + v0 + offs)
         if HAS_BIAS:
             x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-        dz = to_input_dtype(_dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+        dz = to_input_dtype(dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
                             out_row.dtype.element_ty, ROUND_BY_HAND)
         if HALF:
             k = v0 // BLOCK
@@ -153,14 +140,14 @@ def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, i
     x = tl.load(z_row + cols, mask=ok, other=0.0)
     if HAS_BIAS:
         x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    dz = to_input_dtype(_dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+    dz = to_input_dtype(dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
                         out_row.dtype.element_ty, ROUND_BY_HAND)
     # Why a barrier here too: the tail's block index may be due one, and the target's column below was stored
     # by whichever thread held it.
     tl.debug_barrier()
     tl.store(out_row + cols, dz, mask=ok)
     tl.debug_barrier()
-    dz_t = g_t + _dlogits_values(x_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+    dz_t = g_t + dlogits_values(x_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
     tl.store(out_row + target, to_input_dtype(dz_t, out_row.dtype.element_ty, ROUND_BY_HAND),
              mask=(target >= 0) & (target < V))
 

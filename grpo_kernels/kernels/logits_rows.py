@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .._triton import import_triton
-from .common import EXP2_FLOOR, LOG2E, exp2, generation, lane_fold, lanes_to_row, overrides, row_lse_entropy
+from .common import LOG2E, dlogits_values, generation, lane_fold, lanes_to_row, overrides, row_lse_entropy
 
 triton, tl = import_triton()
 
@@ -132,23 +132,6 @@ def dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature):
     gh_t = tl.where(keep, g_h * inv_temperature, 0.0)
     coef_b = tl.where(keep, -g_t - gh_t * h, 0.0)
     return tl.where(keep, lse, 0.0), -gh_t * 0.6931471805599453, coef_b, g_t
-
-
-@triton.jit
-def dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD: tl.constexpr):
-    """d logits (fp32) of raw logits ``x`` off the target column: -g' p, minus the entropy term when present.
-    Per element: FFMA, FMUL, MUFU, FMUL (+ clamp and FFMA for the entropy term).
-
-    Why ``x / T - lse`` before the base-2 scale, not ``x c - lse log2(e)`` in one FFMA: lse holds the rounded
-    ``max / T``, so the difference cancels exactly at the row maximum (p = 1 where only the target is finite, and
-    no 1e-4 relative error at temperature 1e-3, where x / T is in the thousands)."""
-    u = (x * inv_temperature - lse) * LOG2E
-    p = exp2(u)
-    if HAS_ENTROPY_GRAD:
-        # Why the clamp: p = 0 at a -inf logit, and 0 * -inf would be NaN.
-        return p * (coef_b + coef_a * tl.maximum(u, EXP2_FLOOR))
-    else:
-        return p * coef_b
 
 
 @triton.jit
