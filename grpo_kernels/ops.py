@@ -81,3 +81,9 @@ def check_head_compilable(process_group, gather_head) -> None:
     if gather_head is not None:
         raise ValueError("gather_head (a ZeRO-3 partitioned head) is not supported under torch.compile; call the "
                          "function outside the compiled region")
+
+
+def grads_for_inputs(ctx, *grads) -> tuple:
+    """A registered op's backward result: the given gradients of its leading inputs, None for every other input
+    (their number recorded by ``setup_context`` as ``ctx.n_inputs``), so that no backward pads by hand."""
+    return grads + (None,) * (ctx.n_inputs - len(grads))

@@ -76,13 +76,14 @@ def _(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, *cfg):
 
 
 def _stage_setup(ctx, inputs, output):
+    ctx.n_inputs = len(inputs)
     ctx.save_for_backward(output[2])
     ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _stage_backward(ctx, grad_loss, _grad_sums, _grad_grad):
     (grad,) = ctx.saved_tensors
-    return (grad_loss * grad,) + (None,) * 16
+    return ops.grads_for_inputs(ctx, grad_loss * grad)
 
 
 _token_stage.register_autograd(_stage_backward, setup_context=_stage_setup)

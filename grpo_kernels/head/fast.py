@@ -157,6 +157,7 @@ def _(hidden, weight, bias, ids, row_mask, adv, w, old, ref, isr, ge, entropy_sc
 
 
 def _head_fast_setup(ctx, inputs, output):
+    ctx.n_inputs = len(inputs)
     hidden, weight, bias = inputs[:3]
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     ctx.save_for_backward(*output[2:])
@@ -168,7 +169,7 @@ def _head_fast_backward(ctx, grad_loss, *_unused):
     for g, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3]):
         # one rounding from the fp32 accumulator, as the eager hand-out
         grads.append((g * grad_loss).to(dtype) if need and dtype is not None else None)
-    return (*grads,) + (None,) * 24
+    return ops.grads_for_inputs(ctx, *grads)
 
 
 _head_loss_fast.register_autograd(_head_fast_backward, setup_context=_head_fast_setup)

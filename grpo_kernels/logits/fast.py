@@ -91,6 +91,7 @@ def _(logits, ids, mask_f, weights, old_logps, ref_logps, advantages, is_ratio, 
 
 
 def _fast_setup(ctx, inputs, output):
+    ctx.n_inputs = len(inputs)
     ctx.save_for_backward(output[2])
     ctx.mark_non_differentiable(output[1], output[2])
 
@@ -98,7 +99,7 @@ def _fast_setup(ctx, inputs, output):
 def _fast_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
     (dlogits,) = ctx.saved_tensors
     # the scale in fp32, one rounding to the logits' dtype (as the eager scale kernel)
-    return ((dlogits.float() * grad_loss).to(dlogits.dtype),) + (None,) * 18
+    return ops.grads_for_inputs(ctx, (dlogits.float() * grad_loss).to(dlogits.dtype))
 
 
 _logits_loss_fast.register_autograd(_fast_backward, setup_context=_fast_setup)
