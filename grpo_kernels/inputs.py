@@ -90,9 +90,11 @@ class HeadInputs:
         _checks.tensor("ids", ids, integer=True, dims=ids_dims)
         if bias is not None:
             _checks.tensor("bias", bias, floating=True, dims=(1,))
-        # meta tensors (a plan made without data) stand for CUDA ones, autocast included
-        device_type = "cuda" if hidden.device.type == "meta" else hidden.device.type
-        autocast = torch.is_autocast_enabled(device_type)
+        # meta tensors (a plan made without data) stand for CUDA ones, autocast included (a CPU autocast region
+        # counts too: on a machine without CUDA torch does not enable a CUDA one)
+        kinds = ("cuda", "cpu") if hidden.device.type == "meta" else (hidden.device.type,)
+        device_type = next((k for k in kinds if torch.is_autocast_enabled(k)), None)
+        autocast = device_type is not None
         dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
         H = hidden.shape[-1]
         if weight.shape[1] != H:
