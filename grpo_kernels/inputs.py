@@ -229,6 +229,24 @@ class TokenWeights:
 
 
 @dataclass(frozen=True)
+class LossTokens:
+    """The per-token inputs of the loss kernels on the (B, T) grid: advantages (B,) or (B, T), the float mask and
+    the reduction weights (B, T) fp32, and the optional old / reference log-probs (B, T) and importance weight."""
+
+    advantages: torch.Tensor
+    mask_f: torch.Tensor
+    weights: torch.Tensor
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    is_ratio: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, batch: "LossInputs", weights: "TokenWeights") -> "LossTokens":
+        return cls(batch.advantages, weights.mask_f.contiguous(), weights.weights, batch.old_logps,
+                   batch.ref_logps, batch.is_ratio)
+
+
+@dataclass(frozen=True)
 class HeadTokens:
     """Per-token inputs of the fused head's gradient-in-forward epilogue, fp32 (N_valid,) contiguous at the valid
     tokens: advantage, reduction weight ``w`` and the optional old / reference log-probs and importance weight;

@@ -16,7 +16,7 @@ from torch.library import custom_op
 
 from . import ops
 from .config import GRPOLossConfig
-from .inputs import LossInputs, TokenWeights
+from .inputs import LossInputs, LossTokens, TokenWeights
 from .loss_types import LOSS_TABLE
 from .metrics import LOSS, metrics_from_sums
 from .reference import loss_from_logps
@@ -38,8 +38,7 @@ class _TokenStage(torch.autograd.Function):
     def forward(ctx, logps, params: TokenStageParams):
         from .kernels.token_loss_kernels import token_loss_forward  # lazy: creates the Triton kernel
         batch, cfg = params.batch, params.cfg
-        grad, sums = token_loss_forward(logps, batch.old_logps, batch.ref_logps, batch.advantages, batch.is_ratio,
-                                        params.weights.mask_f, params.weights.weights, cfg,
+        grad, sums = token_loss_forward(logps, LossTokens.of(batch, params.weights), cfg,
                                         LOSS_TABLE[cfg.loss_type].policy_kind)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(sums)
@@ -63,8 +62,8 @@ def _token_stage(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_log
     from .kernels.token_loss_kernels import token_loss_forward
     cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
                                use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
-    grad, sums = token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg,
-                                    LOSS_TABLE[loss_type].policy_kind)
+    tokens = LossTokens(advantages, mask_f, weights, old_logps, ref_logps, is_ratio)
+    grad, sums = token_loss_forward(logps, tokens, cfg, LOSS_TABLE[loss_type].policy_kind)
     return sums[0].to(torch.float32), sums, grad
 
 

@@ -107,10 +107,10 @@ def scale_dlogits(dlogits_ptr, scale_ptr, mask_ptr, T, V, stride_b, stride_t, BL
             tl.store(base + v, (x * s).to(dlogits_ptr.dtype.element_ty), mask=v < V)
 
 
-def grad_in_forward(logits, ids, mask_f, weights, old_logps, ref_logps, advantages, is_ratio, h_scale, cfg,
-                    kind: int, inplace: bool):
+def grad_in_forward(logits, ids, tokens, h_scale, cfg, kind: int, inplace: bool):
     """One sweep pair per row: returns (d logits shaped like ``logits`` for a loss scaled by 1, per-row terms
-    (B*T, N_TERMS) fp32). ``mask_f``, ``weights`` (B, T) fp32; ``h_scale`` a one-element fp32 tensor
+    (B*T, N_TERMS) fp32). ``tokens``: an ``inputs.LossTokens`` (mask, weights, advantages, old / reference
+    log-probs, importance weight); ``h_scale`` a one-element fp32 tensor
     ``-entropy_coef / max(n_valid, 1)`` or None; ``kind`` the policy term's index. With ``inplace`` the d logits
     overwrite the logits buffer (a copy is made only when the vocab dim is strided)."""
     x = as_btv(logits)
@@ -118,10 +118,11 @@ def grad_in_forward(logits, ids, mask_f, weights, old_logps, ref_logps, advantag
     N = B * T
     out = x if inplace else alloc((B, T, V), x.dtype, x.device)
     terms = alloc((N, N_TERMS), torch.float32, x.device)
-    adv, adv_sb, adv_st = row_col_strides(advantages, B, T)
-    isr, is_sb, is_st = row_col_strides(is_ratio, B, T)
-    old = None if old_logps is None else old_logps.float().contiguous()
-    ref = None if ref_logps is None else ref_logps.float().contiguous()
+    mask_f, weights = tokens.mask_f, tokens.weights
+    adv, adv_sb, adv_st = row_col_strides(tokens.advantages, B, T)
+    isr, is_sb, is_st = row_col_strides(tokens.is_ratio, B, T)
+    old = None if tokens.old_logps is None else tokens.old_logps.float().contiguous()
+    ref = None if tokens.ref_logps is None else tokens.ref_logps.float().contiguous()
     if N:
         cfg_t = tiles("grad_in_forward", x)
         grid = (min(N, cfg_t.programs_per_sm * num_sms(x.device)),)
@@ -155,15 +156,17 @@ def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: the launchers above on small CPU tensors of the GPU shape class
     (V = 151936): bf16 with every option for each policy kind, plain bf16, and fp32 / fp16 with every option."""
     from ..config import GRPOLossConfig
+    from ..inputs import LossTokens
 
     def scenario(dtype, kind, full):
         def thunk():
             logits = torch.zeros(2, 3, 151936, dtype=dtype)
             bt = torch.zeros(2, 3)
             cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None)
-            grad_in_forward(logits, torch.zeros(2, 3, dtype=torch.long), bt, bt, bt if full else None,
-                            bt if full else None, torch.zeros(2), bt if full else None,
-                            torch.zeros(1) if full else None, cfg, kind, inplace=True)
+            tokens = LossTokens(torch.zeros(2), bt, bt, bt if full else None, bt if full else None,
+                                bt if full else None)
+            grad_in_forward(logits, torch.zeros(2, 3, dtype=torch.long), tokens, torch.zeros(1) if full else None,
+                            cfg, kind, inplace=True)
         return thunk
 
     names = {KIND_CLIPPED: "clipped", KIND_CISPO: "cispo", KIND_SAPO: "sapo"}

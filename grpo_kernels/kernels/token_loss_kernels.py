@@ -86,12 +86,15 @@ def row_col_strides(x: torch.Tensor | None, B: int, T: int):
     return x, T, 1
 
 
-def token_loss_forward(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, cfg, kind: int):
-    """Per-token terms for (B, T) fp32 inputs. Returns (grad (B, T) = w * dl/dlogp, sums (N_SUMS,) fp64 in block order)."""
+def token_loss_forward(logps, tokens, cfg, kind: int):
+    """Per-token terms for (B, T) fp32 log-probs and their ``inputs.LossTokens``. Returns (grad (B, T) =
+    w * dl/dlogp, sums (N_SUMS,) fp64 in block order)."""
     B, T = logps.shape
     N = B * T
-    adv, adv_sb, adv_st = row_col_strides(advantages, B, T)
-    isr, is_sb, is_st = row_col_strides(is_ratio, B, T)
+    mask_f, weights = tokens.mask_f, tokens.weights
+    old_logps, ref_logps = tokens.old_logps, tokens.ref_logps
+    adv, adv_sb, adv_st = row_col_strides(tokens.advantages, B, T)
+    isr, is_sb, is_st = row_col_strides(tokens.is_ratio, B, T)
     n_blocks = max(cdiv(N, BLOCK), 1)
     grad = alloc((B, T), torch.float32, logps.device)
     partial = alloc((n_blocks, N_SUMS), torch.float32, logps.device)
@@ -113,13 +116,15 @@ def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: the launcher above on small CPU tensors, once per policy
     kind without and with every optional input."""
     from ..config import GRPOLossConfig
+    from ..inputs import LossTokens
 
     def scenario(kind, full):
         def thunk():
             x = torch.zeros(4, 8)
             cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None)
-            token_loss_forward(x, x if full else None, x if full else None, torch.zeros(4), x if full else None,
-                               x, x, cfg, kind)
+            tokens = LossTokens(torch.zeros(4), x, x, x if full else None, x if full else None,
+                                x if full else None)
+            token_loss_forward(x, tokens, cfg, kind)
         return thunk
 
     return [(f"token_loss_{name}_{'all_options' if full else 'plain'}", scenario(kind, full))

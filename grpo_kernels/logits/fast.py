@@ -13,7 +13,7 @@ from torch.library import custom_op
 
 from .. import ops
 from ..config import GRPOLossConfig
-from ..inputs import LogitsInputs, LossInputs, TokenWeights
+from ..inputs import LogitsInputs, LossInputs, LossTokens, TokenWeights
 from ..loss_types import LOSS_TABLE
 from ..metrics import ENTROPY, LOSS, metrics_from_sums
 
@@ -37,9 +37,8 @@ class _LogitsLossInForward(torch.autograd.Function):
         from ..kernels.logits_loss_kernels import grad_in_forward  # lazy: creates the Triton kernel
         cfg, batch, weights = params.cfg, params.batch, params.weights
         h_scale = None if cfg.entropy_coef == 0.0 else (-cfg.entropy_coef / weights.count).float().reshape(1)
-        dlogits, terms = grad_in_forward(logits, params.ids, weights.mask_f.contiguous(), weights.weights,
-                                         batch.old_logps, batch.ref_logps, batch.advantages, batch.is_ratio, h_scale,
-                                         cfg, LOSS_TABLE[cfg.loss_type].policy_kind, params.inplace)
+        dlogits, terms = grad_in_forward(logits, params.ids, LossTokens.of(batch, weights), h_scale, cfg,
+                                         LOSS_TABLE[cfg.loss_type].policy_kind, params.inplace)
         sums = terms.sum(0, dtype=torch.float64)  # no fp64 copy of the terms; deterministic
         ctx.dlogits, ctx.mask_f = dlogits, weights.mask_f
         ctx.mark_non_differentiable(sums)
@@ -74,8 +73,8 @@ def _logits_loss_fast(logits: torch.Tensor, ids: torch.Tensor, mask_f: torch.Ten
     cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
                                use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
     h_scale = None if entropy_coef == 0.0 else (-entropy_coef / count).float().reshape(1)
-    dlogits, terms = grad_in_forward(logits, ids, mask_f.contiguous(), weights, old_logps, ref_logps, advantages,
-                                     is_ratio, h_scale, cfg, LOSS_TABLE[loss_type].policy_kind, False)
+    tokens = LossTokens(advantages, mask_f.contiguous(), weights, old_logps, ref_logps, is_ratio)
+    dlogits, terms = grad_in_forward(logits, ids, tokens, h_scale, cfg, LOSS_TABLE[loss_type].policy_kind, False)
     sums = terms.sum(0, dtype=torch.float64)
     loss = sums[LOSS]
     if entropy_coef != 0.0:
