@@ -20,6 +20,15 @@ NEED_FULL_GRID = ("line plots against N need a shape run at two or more N: run t
                   "(--bench-grid full or GRPO_BENCH_GRID=full), then the report again")
 
 
+
+def _save(fig, path):
+    """Lay out, write and close one figure; returns its path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
 def plots(rows: list[dict], out_dir: pathlib.Path, stem: str) -> tuple[list[pathlib.Path], list[str]]:
     """(PNG files written, notes for the report): bar charts per case and, where the grid allows, line plots."""
     from .report import PATH_TITLES
@@ -72,11 +81,7 @@ def _bar_charts(plt, rows: list[dict], out_dir: pathlib.Path, stem: str) -> list
         dev = rows[0].get("device", "?")
         fig.suptitle(f"{PATH_TITLES[path]}\n{dev} {rows[0].get('dtype', '')} (shorter is better; "
                      "† gradients computed in the forward)", fontsize=10)
-        fig.tight_layout()
-        name = f"{stem}_bars_{path}.png"
-        fig.savefig(out_dir / name, dpi=90)
-        plt.close(fig)
-        written.append(out_dir / name)
+        written.append(_save(fig, out_dir / f"{stem}_bars_{path}.png"))
     return written
 
 
@@ -122,9 +127,5 @@ def _line_plots(plt, rows: list[dict], out_dir: pathlib.Path, stem: str) -> list
         dev = rs[0].get("device", "?")
         fig.suptitle(f"{PATH_TITLES[path]}\n{dev} {rs[0].get('dtype', '')}, {f'H={H} ' if H else ''}V={V}",
                      fontsize=11)
-        fig.tight_layout()
-        name = f"{stem}_{path}_{'H%d_' % H if H else ''}V{V}.png"
-        fig.savefig(out_dir / name, dpi=90)
-        plt.close(fig)
-        written.append(out_dir / name)
+        written.append(_save(fig, out_dir / f"{stem}_{path}_{'H%d_' % H if H else ''}V{V}.png"))
     return written

@@ -87,3 +87,11 @@ def grads_for_inputs(ctx, *grads) -> tuple:
     """A registered op's backward result: the given gradients of its leading inputs, None for every other input
     (their number recorded by ``setup_context`` as ``ctx.n_inputs``), so that no backward pads by hand."""
     return grads + (None,) * (ctx.n_inputs - len(grads))
+
+
+def setup_saving_gradient_output(ctx, inputs, output) -> None:
+    """``setup_context`` of the ops whose third output is the gradient their forward made (the logits fast path's
+    d logits, the token stage's d loss / d logp): it is saved for the backward, it and the sums are not differentiable."""
+    ctx.n_inputs = len(inputs)
+    ctx.save_for_backward(output[2])
+    ctx.mark_non_differentiable(output[1], output[2])

@@ -74,18 +74,12 @@ def _(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, *cfg):
             logps.new_empty(logps.shape, dtype=torch.float32))
 
 
-def _stage_setup(ctx, inputs, output):
-    ctx.n_inputs = len(inputs)
-    ctx.save_for_backward(output[2])
-    ctx.mark_non_differentiable(output[1], output[2])
-
-
 def _stage_backward(ctx, grad_loss, _grad_sums, _grad_grad):
     (grad,) = ctx.saved_tensors
     return ops.grads_for_inputs(ctx, grad_loss * grad)
 
 
-_token_stage.register_autograd(_stage_backward, setup_context=_stage_setup)
+_token_stage.register_autograd(_stage_backward, setup_context=ops.setup_saving_gradient_output)
 
 
 def _compiled_stage(logps, params):

@@ -89,19 +89,13 @@ def _(logits, ids, mask_f, weights, old_logps, ref_logps, advantages, is_ratio, 
             torch.empty_like(logits, memory_format=torch.contiguous_format))
 
 
-def _fast_setup(ctx, inputs, output):
-    ctx.n_inputs = len(inputs)
-    ctx.save_for_backward(output[2])
-    ctx.mark_non_differentiable(output[1], output[2])
-
-
 def _fast_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
     (dlogits,) = ctx.saved_tensors
     # the scale in fp32, one rounding to the logits' dtype (as the eager scale kernel)
     return ops.grads_for_inputs(ctx, (dlogits.float() * grad_loss).to(dlogits.dtype))
 
 
-_logits_loss_fast.register_autograd(_fast_backward, setup_context=_fast_setup)
+_logits_loss_fast.register_autograd(_fast_backward, setup_context=ops.setup_saving_gradient_output)
 
 
 def _compiled_loss(logits, params):
