@@ -20,6 +20,8 @@ from .config import CHOICES, DEFAULT_LOSS, TrainConfig, loss_option_error
 from .errors import UsageError
 
 SHARED_WITH_SAMPLING = {"temperature"}
+# Loss options that are properties of the model, read from its config (softcap: final_logit_softcapping), not flags.
+FROM_MODEL = {"softcap"}
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
 
 _LOSS_HELP = {
@@ -94,7 +96,7 @@ def _add(group, name: str, help_text: str, **kwargs) -> None:
 def _add_loss_arguments(group) -> None:
     hints = typing.get_type_hints(GRPOLossConfig)
     for field in dataclasses.fields(GRPOLossConfig):
-        if field.name in SHARED_WITH_SAMPLING:
+        if field.name in SHARED_WITH_SAMPLING or field.name in FROM_MODEL:
             continue
         default = getattr(DEFAULT_LOSS, field.name)
         hint = hints[field.name]

@@ -46,6 +46,15 @@ def temperature(value) -> float:
     return float(value)
 
 
+def softcap(value) -> float | None:
+    """None (no soft cap) or a finite cap > 0 (``z = cap * tanh(x / cap)``, docs/numerics.md "Soft-capped logits")."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softcap must be None or a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def token_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
     """Ids must lie in [0, V): one reduction and one host sync, cheap next to a vocab sweep."""
     if ids.numel() == 0 or ids.device.type == "meta":  # meta tensors (planning) carry no values

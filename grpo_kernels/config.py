@@ -33,6 +33,8 @@ class GRPOLossConfig:
     epsilon_low / epsilon_high: PPO clip range ``[1 - eps_low, 1 + eps_high]``; for cispo epsilon_high is the raw
         upper bound of the ratio.
     temperature: logits are divided by it before the softmax.
+    softcap: soft-cap the logits, ``cap * tanh(logits / cap)``, before the temperature (Gemma 2's
+        ``final_logit_softcapping``); None: no cap. Every path applies it inside its kernels (docs/numerics.md).
     use_bias_correction_kl: multiply the k3 KL by the importance ratio (TRL default True).
     importance_sampling_level: "token" or "sequence" (GSPO).
     delta: optional upper clamp of the unclipped ratio (INTELLECT-2 two-sided clipping).
@@ -59,6 +61,7 @@ class GRPOLossConfig:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     temperature: float = 1.0
+    softcap: float | None = None
     use_bias_correction_kl: bool = True
     importance_sampling_level: str = "token"
     delta: float | None = None
@@ -86,6 +89,8 @@ class GRPOLossConfig:
             )
         _finite("beta", self.beta, nonneg=True)
         _finite("temperature", self.temperature, positive=True)
+        if self.softcap is not None:
+            _finite("softcap", self.softcap, positive=True)
         _finite("epsilon_high", self.epsilon_high, positive=True)
         _finite("epsilon_low", self.epsilon_low, nonneg=True)
         if self.loss_type != "cispo" and self.epsilon_low >= 1.0:

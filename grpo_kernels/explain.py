@@ -54,7 +54,7 @@ def plan_call(*args, **kwargs):
         return plan_head_loss(inputs, batch, cfg, rows, shard)
     if fn is token_logprobs:
         inputs = LogitsInputs.validate(a["logits"], a["ids"], a["temperature"], a["impl"],
-                                       inplace_backward=a["inplace_backward"])
+                                       inplace_backward=a["inplace_backward"], softcap=a["softcap"])
         return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"])
     inputs, shard = validate_head_logprobs(**a)
     return plan_linear_token_logprobs(inputs, ValidRows.of(a["mask"], inputs.ids.numel()), shard,

@@ -1,8 +1,8 @@
 """Validated inputs: every public entry point checks its arguments once, into one of these frozen objects, and
 resolves the implementation once; everything below takes them by name and trusts them.
 
-- ``LogitsInputs``: logits (B, T, V) or (N, V), ids, temperature, impl (``token_logprobs``, ``grpo_loss``);
-- ``HeadInputs``: hidden as (N, H), the lm_head weight / bias, ids as (N,) int64, temperature, impl, in the dtype
+- ``LogitsInputs``: logits (B, T, V) or (N, V), ids, temperature, softcap, impl (``token_logprobs``, ``grpo_loss``);
+- ``HeadInputs``: hidden as (N, H), the lm_head weight / bias, ids as (N,) int64, temperature, softcap, impl, in the dtype
   the head runs in (``linear_token_logprobs``, ``fused_linear_grpo_loss``). This is the one place where autocast
   decides that dtype, as it would for ``F.linear``;
 - ``LossInputs``: the per-token tensors of the loss on the (B, T) completion grid, with the one place that turns the
@@ -32,10 +32,14 @@ class LogitsInputs:
     ids: torch.Tensor
     temperature: float
     impl: str
+    softcap: float | None = None
 
     @classmethod
-    def validate(cls, logits, ids, temperature, impl, dims=(2, 3), inplace_backward: bool = False) -> "LogitsInputs":
+    def validate(cls, logits, ids, temperature, impl, dims=(2, 3), inplace_backward: bool = False,
+                 softcap=None) -> "LogitsInputs":
+        """softcap: None or the cap of ``z = softcap * tanh(logits / softcap) / temperature``."""
         temperature = _checks.temperature(temperature)
+        softcap = _checks.softcap(softcap)
         _checks.tensor("logits", logits, floating=True, dims=dims)
         if inplace_backward and torch.compiler.is_compiling():
             raise ValueError("inplace_backward=True is not supported under torch.compile (d logits cannot be written "
@@ -56,7 +60,7 @@ class LogitsInputs:
         impl = resolve_impl(impl, logits, ids)
         if impl == "triton":
             _checks.kernel_dtype("logits", logits)
-        return cls(logits, ids, temperature, impl)
+        return cls(logits, ids, temperature, impl, softcap)
 
 
 @dataclass(frozen=True)
@@ -78,13 +82,16 @@ class HeadInputs:
     temperature: float
     impl: str
     dtype: torch.dtype
+    softcap: float | None = None
 
     @classmethod
     def validate(cls, hidden, weight, ids, bias, temperature, impl, ids_dims=None,
-                 check_ids: bool = True) -> "HeadInputs":
+                 check_ids: bool = True, softcap=None) -> "HeadInputs":
         """check_ids=False: ids index a vocabulary larger than weight's (a vocab-parallel shard; its caller checks
-        them against the whole vocabulary)."""
+        them against the whole vocabulary). softcap: None or the cap of
+        ``z = softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature``."""
         temperature = _checks.temperature(temperature)
+        softcap = _checks.softcap(softcap)
         _checks.tensor("hidden", hidden, floating=True, dims=(2, 3))
         _checks.tensor("weight", weight, floating=True, dims=(2,))
         _checks.tensor("ids", ids, integer=True, dims=ids_dims)
@@ -124,7 +131,8 @@ class HeadInputs:
             hidden2d = hidden2d if hidden2d.stride(-1) == 1 else hidden2d.contiguous()
             weight = weight if weight.stride(-1) == 1 else weight.contiguous()
             bias = None if bias is None else bias.contiguous()
-        return cls(hidden2d, weight, bias, ids.reshape(N).long().contiguous(), ids.shape, temperature, impl, dtype)
+        return cls(hidden2d, weight, bias, ids.reshape(N).long().contiguous(), ids.shape, temperature, impl, dtype,
+                   softcap)
 
     def cast_bytes(self, *, hidden: bool = True, weight: bool = True) -> int:
         """Bytes of the copies ``in_compute_dtype`` makes (tensors not already in the compute dtype)."""

@@ -27,7 +27,8 @@ def plan_token_logprobs(inputs: LogitsInputs, inplace_backward: bool, memory_bud
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
-                   impl: str = "auto", inplace_backward: bool = False, memory_budget: int | None = None):
+                   impl: str = "auto", inplace_backward: bool = False, memory_budget: int | None = None,
+                   softcap: float | None = None):
     """Log-probability of ``ids`` under ``softmax(logits / temperature)``, differentiable w.r.t. logits.
 
     logits: (B, T, V) or (N, V), float32 / bfloat16 / float16 (float64 with impl="torch"); position t scores
@@ -38,18 +39,22 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     (saves one B x T x V tensor; use it only when nothing else reads the logits afterwards; refused for logits
     whose elements overlap in memory). impl: "auto" (Triton on CUDA, chunked PyTorch on CPU), "triton", "torch".
     memory_budget: bytes of transient memory the call may allocate (GRPOLossConfig.memory_budget's meaning).
+    softcap: None, or soft-cap the logits first: ``softmax(softcap * tanh(logits / softcap) / temperature)``
+    (Gemma 2's ``final_logit_softcapping``), inside the kernels.
     """
-    inputs = LogitsInputs.validate(logits, ids, temperature, impl, inplace_backward=inplace_backward)
+    inputs = LogitsInputs.validate(logits, ids, temperature, impl, inplace_backward=inplace_backward,
+                                   softcap=softcap)
     plan = plan_token_logprobs(inputs, bool(inplace_backward), memory_budget)
     logp, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward)
     return (logp, entropy) if return_entropy else logp
 
 
 def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, impl="auto", mask=None,
-                           process_group=None, vocab_start=None, **_ignored):
+                           process_group=None, vocab_start=None, softcap=None, **_ignored):
     """(inputs, shard | None) of one ``linear_token_logprobs`` call (also what ``explain`` shows)."""
     def local():
-        inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl, check_ids=process_group is None)
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl, check_ids=process_group is None,
+                                     softcap=softcap)
         _checks.mask_like(mask, tuple(ids.shape), " (the shape of ids)")
         return inputs, mask, None
 
@@ -72,8 +77,11 @@ def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
                           temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
                           deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
-                          vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None):
-    """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+                          vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None,
+                          softcap: float | None = None):
+    """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``, or under
+    ``softmax(softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature)`` with ``softcap`` (Gemma 2's
+    ``final_logit_softcapping``, applied inside the kernels on every path).
 
     hidden: (B, T, H) or (N, H); weight: (V, H) in hidden's dtype; bias: (V,) or None; ids: (B, T) or (N,)
     with one id per hidden row, values in [0, V). Returns float32 logp shaped like ids (and the entropy when
@@ -102,7 +110,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     with sharded_head.gathered(gather_head):
         inputs, shard = validate_head_logprobs(hidden=hidden, weight=weight, ids=ids, bias=bias,
                                                temperature=temperature, impl=impl, mask=mask,
-                                               process_group=process_group, vocab_start=vocab_start)
+                                               process_group=process_group, vocab_start=vocab_start,
+                                               softcap=softcap)
         rows = ValidRows.of(mask, inputs.ids.numel())
         plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic)
         if shard is not None:

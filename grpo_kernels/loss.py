@@ -27,7 +27,8 @@ def validate_logits_loss(*, logits, ids, advantages, mask=None, old_logps=None, 
                          inplace_backward=False, config_overrides=None, **_ignored):
     """(inputs, batch, cfg, plan) of one ``grpo_loss`` call (also what ``explain`` shows)."""
     cfg = resolve_config(config, config_overrides or {})
-    inputs = LogitsInputs.validate(logits, ids, cfg.temperature, impl, dims=(3,), inplace_backward=inplace_backward)
+    inputs = LogitsInputs.validate(logits, ids, cfg.temperature, impl, dims=(3,), inplace_backward=inplace_backward,
+                                   softcap=cfg.softcap)
     B, T = ids.shape
     batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
                                 sampling_logps, num_items_in_batch)
@@ -68,7 +69,7 @@ def validate_head_loss(*, hidden, weight, ids, advantages, mask=None, bias=None,
 
     def local():
         inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,),
-                                     check_ids=process_group is None)
+                                     check_ids=process_group is None, softcap=cfg.softcap)
         B, T = ids.shape
         batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
                                     sampling_logps, num_items_in_batch)

@@ -27,7 +27,7 @@ from .config import GRPOLossConfig
 
 # The loss options the loss kernels read, passed to the ops as scalars (an op takes no dataclass).
 _CFG_FIELDS = ("loss_type", "beta", "epsilon_low", "epsilon_high", "delta", "temperature", "use_bias_correction_kl",
-               "sapo_temperature_pos", "sapo_temperature_neg", "entropy_coef")
+               "sapo_temperature_pos", "sapo_temperature_neg", "entropy_coef", "softcap")
 
 
 def config_args(cfg: GRPOLossConfig) -> dict:
@@ -36,12 +36,12 @@ def config_args(cfg: GRPOLossConfig) -> dict:
 
 
 def config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature, use_bias_correction_kl,
-                     sapo_temperature_pos, sapo_temperature_neg, entropy_coef) -> GRPOLossConfig:
+                     sapo_temperature_pos, sapo_temperature_neg, entropy_coef, softcap=None) -> GRPOLossConfig:
     """The config an op was given as ``config_args`` (the options the kernels read; the others at their default)."""
     return GRPOLossConfig(loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                           delta=delta, temperature=temperature, use_bias_correction_kl=use_bias_correction_kl,
                           sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                          entropy_coef=entropy_coef)
+                          entropy_coef=entropy_coef, softcap=softcap)
 
 
 def acc_dtype(x: torch.Tensor) -> torch.dtype:

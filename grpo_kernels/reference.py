@@ -16,13 +16,30 @@ from .loss_types import LOSS_TABLE, reduction_weights
 _LOG_1E_8 = math.log(1e-8)
 
 
-def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
-    """Full-logits log-softmax, gather and entropy; fp32 out (float64 for float64 logits).
+def soft_cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The soft cap of the logits, ``softcap * tanh(x / softcap)`` (x itself when softcap is None), applied before
+    the temperature as in transformers' Gemma 2 (``final_logit_softcapping``). Its derivative is
+    ``1 - tanh^2 = 1 - (capped / softcap)^2`` (``soft_cap_derivative``)."""
+    return x if softcap is None else softcap * torch.tanh(x / softcap)
+
+
+def soft_cap_derivative(capped: torch.Tensor, softcap: float | None):
+    """d capped / d x from the capped value: ``1 - (capped / softcap)^2`` (1 when softcap is None)."""
+    if softcap is None:
+        return 1.0
+    t = capped / softcap
+    return 1.0 - t * t
+
+
+def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                         softcap: float | None = None):
+    """Full-logits log-softmax, gather and entropy of ``z = soft_cap(logits, softcap) / temperature``; fp32 out
+    (float64 for float64 logits).
 
     logits (..., V), ids (...) -> logp (...), entropy (...). Materializes the whole softmax: reference only.
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    z = logits.to(dtype) / temperature
+    z = soft_cap(logits.to(dtype), softcap) / temperature
     logz = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1) - logz
     p = torch.softmax(z, dim=-1)
@@ -237,7 +254,7 @@ def reference_grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_
                         num_items_in_batch=None, sampling_logps=None, config: GRPOLossConfig | None = None):
     """Full-logits eager GRPO loss (the ground truth of the tests): logits (B, T, V) -> (loss, metrics)."""
     cfg = config or GRPOLossConfig()
-    logps, entropy = logprobs_and_entropy(logits, ids, cfg.temperature)
+    logps, entropy = logprobs_and_entropy(logits, ids, cfg.temperature, cfg.softcap)
     return loss_from_logps(logps, advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
                            is_ratio=is_ratio, entropy=entropy, num_items_in_batch=num_items_in_batch,
                            sampling_logps=sampling_logps, config=cfg)

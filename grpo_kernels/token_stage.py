@@ -57,11 +57,13 @@ def _token_stage(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_log
                  weights: torch.Tensor, loss_type: str, beta: float, epsilon_low: float, epsilon_high: float,
                  delta: Optional[float], temperature: float, use_bias_correction_kl: bool,
                  sapo_temperature_pos: float, sapo_temperature_neg: float,
-                 entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 entropy_coef: float,
+                 softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss fp32 0-dim, term sums fp64, d loss / d logps (B, T) fp32) of the Triton per-token stage."""
     from .kernels.token_loss_kernels import token_loss_forward
     cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
-                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
+                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef,
+                               softcap)
     tokens = LossTokens(advantages, mask_f, weights, old_logps, ref_logps, is_ratio)
     grad, sums = token_loss_forward(logps, tokens, cfg, LOSS_TABLE[loss_type].policy_kind)
     return sums[0].to(torch.float32), sums, grad

@@ -119,14 +119,16 @@ def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                     dtype: torch.dtype, rows: int, need_hidden: bool, need_weight: bool, need_bias: bool,
                     loss_type: str, beta: float, epsilon_low: float, epsilon_high: float, delta: Optional[float],
                     temperature: float, use_bias_correction_kl: bool, sapo_temperature_pos: float,
-                    sapo_temperature_neg: float, entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor,
+                    sapo_temperature_neg: float, entropy_coef: float,
+                    softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                torch.Tensor, torch.Tensor,
                                                                                torch.Tensor]:
     """(loss, term sums fp64, d hidden, d weight fp32, d bias fp32) of ``head.fast`` at an incoming gradient of 1;
     a gradient not wanted is an empty (0,) tensor."""
     from ..kernels.linear_epilogue_kernels import head_loss_and_grads
     cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
-                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
+                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef,
+                               softcap)
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
     hidden_rows, ids, adv, w, old, ref, isr = ops.take_rows(index, hidden, ids, adv, w, old, ref, isr)

@@ -7,6 +7,8 @@ online logsumexp of the row sweeps, and the testing override (docs/kernels.md).
 - ``exp2``: ``ex2.approx.ftz.f32`` (one MUFU instruction) in compiled code; Triton's ``tl.exp2`` lowers to the
   non-FTZ form, four instructions with its denormal rescaling. Flushing a result below 2^-126 to 0 changes no
   logsumexp (the row maximum contributes 1 to the sum).
+- ``soft_cap`` / ``soft_cap_grad``: the logit soft cap ``c tanh(x / c)`` and its derivative, the one Triton
+  definition (``reference.soft_cap`` is the PyTorch one); a constexpr flag compiles them away when off.
 - ``lane_fold`` / ``lanes_to_row``: the online logsumexp + entropy statistics in base-2 units, kept per lane
   (one running max, sum and entropy sum per row of a ``(lanes, k)`` tile, all inside one thread) and combined
   across lanes once per row. Used by the logits sweeps, the head epilogue and the fused-linear forward's tiles.
@@ -118,6 +120,43 @@ def exp2(x):
                                          is_pure=True, pack=1)
     else:
         return tl.exp2(x)
+
+
+@triton.jit
+def rcp(x):
+    """1 / x in fp32 (``rcp.approx.ftz.f32``, one MUFU instruction compiled: a relative error of ~1 ulp, which the
+    soft cap's ``tanh`` needs no better than); 1 / inf = 0."""
+    if FAST_EXP2:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def soft_cap(x, softcap, SOFTCAP: tl.constexpr):
+    """The soft cap of fp32 logits, ``softcap * tanh(x / softcap)`` (x itself when SOFTCAP is off: no instruction).
+
+    Why ``c - 2c / (2^(2 x log2(e) / c) + 1)``: one MUFU.EX2, one MUFU.RCP and three FMA-class instructions per
+    element, exact at both ends (x = +inf gives c, x = -inf gives -c, as torch's tanh) and NaN for NaN; its absolute
+    error near 0 is ~c 2^-23, far below what a bf16 logit carries. The caller keeps masked-out entries at -inf
+    after the cap where a sweep needs them there (they would otherwise be -c)."""
+    if SOFTCAP:
+        e = exp2(x * ((2.0 * LOG2E) / softcap))
+        return softcap - (2.0 * softcap) * rcp(e + 1.0)
+    else:
+        return x
+
+
+@triton.jit
+def soft_cap_grad(dz, capped, softcap, SOFTCAP: tl.constexpr):
+    """d loss / d raw logit from d loss / d capped logit: ``dz (1 - (capped / softcap)^2)`` (dz when SOFTCAP is
+    off). Two instructions per element; the capped value is recomputed by ``soft_cap``, never stored."""
+    if SOFTCAP:
+        t = capped * (1.0 / softcap)
+        return dz * (1.0 - t * t)
+    else:
+        return dz
 
 
 @triton.jit

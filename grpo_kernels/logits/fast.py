@@ -65,13 +65,15 @@ def _logits_loss_fast(logits: torch.Tensor, ids: torch.Tensor, mask_f: torch.Ten
                       is_ratio: Optional[torch.Tensor], count: torch.Tensor, loss_type: str, beta: float,
                       epsilon_low: float, epsilon_high: float, delta: Optional[float], temperature: float,
                       use_bias_correction_kl: bool, sapo_temperature_pos: float, sapo_temperature_neg: float,
-                      entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      entropy_coef: float,
+                      softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss fp32 0-dim, term sums fp64 (N_TERMS,), d logits of the loss) from the ``logits.fast`` row kernel;
     count: the 0-dim valid-token count (>= 1) of the entropy bonus."""
     from ..kernels.logits_loss_kernels import grad_in_forward
     from ..metrics import ENTROPY, LOSS
     cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
-                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef)
+                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef,
+                               softcap)
     h_scale = None if entropy_coef == 0.0 else (-entropy_coef / count).float().reshape(1)
     tokens = LossTokens(advantages, mask_f.contiguous(), weights, old_logps, ref_logps, is_ratio)
     dlogits, terms = grad_in_forward(logits, ids, tokens, h_scale, cfg, LOSS_TABLE[loss_type].policy_kind, False)
