@@ -229,8 +229,10 @@ def test_ops_pass_opcheck():
     h = hidden.reshape(-1, H).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     bias = torch.randn(V, requires_grad=True)
-    # args after the mask: path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, working_bytes
-    _opcheck("head_logprobs", (h, w, bias, ids.reshape(-1), mask.reshape(-1), "head.torch", 0.7, True, 4, 0, 0, 0))
+    # args after the mask: path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, working_bytes,
+    # softcap
+    _opcheck("head_logprobs", (h, w, bias, ids.reshape(-1), mask.reshape(-1), "head.torch", 0.7, True, 4, 0, 0, 0,
+                               3.0))
     from grpo_kernels._triton import interpreting
     if not interpreting():  # the Triton ops on CUDA: test_compiled_step_on_cuda
         return
@@ -240,7 +242,7 @@ def test_ops_pass_opcheck():
     _opcheck("token_stage", (logps, old, ref, adv, None, mask, weights), cfg)
     _opcheck("logits_loss_fast", (logits, ids, mask, weights, old, ref, adv, None, mask.sum()), cfg)
     _opcheck("head_logprobs", (h, w, None, ids.reshape(-1), mask.reshape(-1), "head.light", 0.7, True, 0, 0, 0,
-                               1 << 20))
+                               1 << 20, None))
 
     def flat(x):
         return x.reshape(-1).float().contiguous()

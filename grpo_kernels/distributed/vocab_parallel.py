@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from ..head.light import head_token_logprobs
 from ..head.torch_tiles import accumulation_dtype
 from ..inputs import HeadInputs, ValidRows
+from ..reference import soft_cap, soft_cap_derivative
 
 # Rows per chunk of the target-logit gather (bounds its fp32 scratch to TARGET_CHUNK_ROWS x H).
 TARGET_CHUNK_ROWS = 4096
@@ -98,11 +99,11 @@ class _GatherReplicated(torch.autograd.Function):
 
 
 class _TargetLogit(torch.autograd.Function):
-    """z_c = (h . W[c] + b[c]) / tau for one shard-local id c per row, in the accumulation dtype; chunks of
+    """z_c = soft_cap(h . W[c] + b[c]) / tau for one shard-local id c per row, in the accumulation dtype; chunks of
     TARGET_CHUNK_ROWS rows keep its scratch small, and the backward scatters dW / dbias rows (fp32 accumulation)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_ids, temperature):
+    def forward(ctx, hidden, weight, bias, local_ids, temperature, softcap=None):
         acc = accumulation_dtype(hidden)
         z = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         for r0 in range(0, hidden.shape[0], TARGET_CHUNK_ROWS):
@@ -111,6 +112,9 @@ class _TargetLogit(torch.autograd.Function):
             z[r0:r0 + c.shape[0]] = rows.sum(-1)
         if bias is not None:
             z += bias.index_select(0, local_ids).to(acc)
+        z = soft_cap(z, softcap)
+        # the cap's derivative at the target, (N,): the backward's only extra state
+        ctx.cap_grad = soft_cap_derivative(z, softcap)
         z /= temperature
         ctx.save_for_backward(hidden, weight, bias, local_ids)
         ctx.temperature = temperature
@@ -121,7 +125,7 @@ class _TargetLogit(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, bias, local_ids = ctx.saved_tensors
         acc = accumulation_dtype(hidden)
-        g = grad.to(acc) / ctx.temperature
+        g = grad.to(acc) / ctx.temperature * ctx.cap_grad
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -136,13 +140,13 @@ class _TargetLogit(torch.autograd.Function):
         if need_b and bias is not None:
             d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device).index_add_(0, local_ids, g)
             d_bias = d_bias.to(bias.dtype)
-        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype), d_bias, None, None)
+        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype), d_bias, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------------- validation
 
 _FIELDS = ("ok", "size", "start", "n", "n_valid", "h", "id_min", "id_max", "ids_sum", "mask_sum", "bias",
-           "temperature", "hidden_grad", "msg_len")
+           "temperature", "softcap", "hidden_grad", "msg_len")
 
 
 def _checksum(x: torch.Tensor) -> torch.Tensor:
@@ -168,6 +172,7 @@ def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None
            "h": inputs.hidden.shape[-1], "id_min": lo, "id_max": hi, "ids_sum": _checksum(ids),
            "mask_sum": 0 if valid is None else _checksum(valid), "bias": int(inputs.bias is not None),
            "temperature": int(torch.tensor(inputs.temperature, dtype=torch.float64).view(torch.int64)),
+           "softcap": int(torch.tensor(inputs.softcap or 0.0, dtype=torch.float64).view(torch.int64)),
            "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad), "msg_len": 0}
     values = [v.to(device=device, dtype=torch.int64).reshape(1) if isinstance(v, torch.Tensor)
               else torch.tensor([v], dtype=torch.int64, device=device) for v in (row[f] for f in _FIELDS)]
@@ -195,6 +200,7 @@ def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | 
                         ("n_valid", "the number of valid tokens in mask"), ("mask_sum", "mask"),
                         ("bias", "whether a bias is given (1) or not (0)"),
                         ("temperature", "temperature (as float64 bits)"),
+                        ("softcap", "softcap (as float64 bits, 0 for None)"),
                         ("hidden_grad", "whether hidden requires grad (1) or not (0): its backward all-reduces")):
         error = same(field, what)
         if error:
@@ -270,7 +276,7 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: Val
     local_ids = (ids - shard.start).clamp(0, shard.size - 1)
     local = replace(inputs, hidden=hidden, ids=local_ids, shape=local_ids.shape)
     logp_r, entropy_r, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()), deterministic)
-    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.temperature)
+    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.temperature, inputs.softcap)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
     table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]), shard)
     # the entropy of a mixture of the shards' softmaxes with weights w_r = exp(lse_r - lse): sum_r w_r H_r + H(w).

@@ -32,6 +32,7 @@ class LightParams:
     path: str
     temperature: float
     deterministic: bool = True
+    softcap: float | None = None
     chunk_rows: int | None = None
     chunk_bytes: int | None = None
     row_block: int | None = None
@@ -42,11 +43,12 @@ class LightParams:
 def _forward(hidden, weight, bias, ids, p: LightParams):
     if p.path == "head.no_grad":
         from ..kernels.linear_epilogue_kernels import head_logprobs_chunked
-        return head_logprobs_chunked(hidden, weight, bias, ids, p.temperature, p.chunk_rows * 4 * weight.shape[0])
+        return head_logprobs_chunked(hidden, weight, bias, ids, p.temperature, p.chunk_rows * 4 * weight.shape[0],
+                                     softcap=p.softcap)
     if p.path == "head.light":
         from ..kernels.linear_forward_kernels import linear_logprobs_forward
-        return linear_logprobs_forward(hidden, weight, bias, ids, p.temperature)
-    return torch_linear_logprobs_forward(hidden, weight, bias, ids, p.temperature, p.chunk_rows)
+        return linear_logprobs_forward(hidden, weight, bias, ids, p.temperature, softcap=p.softcap)
+    return torch_linear_logprobs_forward(hidden, weight, bias, ids, p.temperature, p.chunk_rows, softcap=p.softcap)
 
 
 def _backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, needs, p: LightParams):
@@ -54,10 +56,10 @@ def _backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, 
         from ..kernels.linear_backward_kernels import linear_logprobs_backward
         return linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy,
                                         p.temperature, *needs, p.deterministic, chunk_bytes=p.chunk_bytes,
-                                        row_block=p.row_block)
+                                        row_block=p.row_block, softcap=p.softcap)
     if p.path == "head.torch":
         return torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy,
-                                              p.temperature, *needs, p.chunk_rows)
+                                              p.temperature, *needs, p.chunk_rows, softcap=p.softcap)
     raise RuntimeError("linear_token_logprobs ran its no-gradient path (the call had no input requiring grad, or ran "
                        "under torch.no_grad): it has no backward")
 
@@ -92,8 +94,9 @@ class _HeadLogprobs(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None
 
 
-def _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block):
-    return LightParams(path, temperature, deterministic, chunk_rows or None, chunk_bytes or None, row_block or None)
+def _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, softcap):
+    return LightParams(path, temperature, deterministic, softcap, chunk_rows or None, chunk_bytes or None,
+                       row_block or None)
 
 
 def _deferred_layout(p, n, weight, dtype, device, working_bytes, needs):
@@ -115,10 +118,10 @@ def _deferred_layout(p, n, weight, dtype, device, working_bytes, needs):
 @custom_op("grpo_kernels::head_logprobs", mutates_args=())
 def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
                    row_mask: Optional[torch.Tensor], path: str, temperature: float, deterministic: bool,
-                   chunk_rows: int, chunk_bytes: int, row_block: int,
-                   working_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   chunk_rows: int, chunk_bytes: int, row_block: int, working_bytes: int,
+                   softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy, lse) (N,) of the fused head, in the accumulation dtype; 0 at the rows ``row_mask`` drops."""
-    p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block)
+    p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, softcap)
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
     h, i = ops.take_rows(index, hidden, ids)
@@ -129,7 +132,7 @@ def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 @_head_logprobs.register_fake
 def _(hidden, weight, bias, ids, row_mask, path, temperature, deterministic, chunk_rows, chunk_bytes, row_block,
-      working_bytes):
+      working_bytes, softcap):
     dtype = ops.acc_dtype(hidden) if path == "head.torch" else torch.float32
     return tuple(hidden.new_empty((hidden.shape[0],), dtype=dtype) for _ in range(3))
 
@@ -140,10 +143,10 @@ def _head_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
                             entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
                             path: str, temperature: float, deterministic: bool,
                             chunk_rows: int, chunk_bytes: int, row_block: int, working_bytes: int,
-                            need_hidden: bool, need_weight: bool,
+                            softcap: Optional[float], need_hidden: bool, need_weight: bool,
                             need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d weight, d bias); an empty (0,) tensor stands for a gradient not wanted (an op returns no None)."""
-    p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block)
+    p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, softcap)
     needs = (need_hidden, need_weight, need_bias and bias is not None)
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
@@ -159,7 +162,7 @@ def _head_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
 
 @_head_logprobs_backward.register_fake
 def _(hidden, weight, bias, ids, row_mask, lse, entropy, grad_logp, grad_entropy, path, temperature, deterministic,
-      chunk_rows, chunk_bytes, row_block, working_bytes, need_hidden, need_weight, need_bias):
+      chunk_rows, chunk_bytes, row_block, working_bytes, softcap, need_hidden, need_weight, need_bias):
     need_bias = need_bias and bias is not None
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty((0,)),
             torch.empty_like(weight) if need_weight else hidden.new_empty((0,)),
@@ -192,7 +195,7 @@ def _compiled_head_logprobs(hidden, weight, bias, ids, row_mask, params):
     ``ValidRows.deferred``."""
     return _head_logprobs(hidden, weight, bias, ids, row_mask, params.path, params.temperature, params.deterministic,
                           params.chunk_rows or 0, params.chunk_bytes or 0, params.row_block or 0,
-                          params.working_bytes or 0)
+                          params.working_bytes or 0, params.softcap)
 
 
 def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, deterministic: bool = True, gather_head=None):
@@ -202,8 +205,8 @@ def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, deterministic
     N x V x H matmuls nor their backward. gather_head: see ``LightParams`` (the caller holds it open around this)."""
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
-    params = LightParams(plan.path, inputs.temperature, bool(deterministic), plan.chunk_rows, plan.chunk_bytes,
-                         plan.row_block, gather_head, plan.working_bytes)
+    params = LightParams(plan.path, inputs.temperature, bool(deterministic), inputs.softcap, plan.chunk_rows,
+                         plan.chunk_bytes, plan.row_block, gather_head, plan.working_bytes)
     if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
         logp, entropy, lse = _compiled_head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params)
     else:

@@ -1,7 +1,9 @@
 """The fused head's ``head.torch`` path: tiled eager PyTorch (the CPU default, and ``impl="torch"``).
 
 Tiles of ``tile_rows`` x ``TORCH_HEAD_TILE_VOCAB`` logits (rows from the plan, so that the tile temporaries fit the
-memory budget) with an online logsumexp; the backward recomputes each tile. Never holds an N x V tensor.
+memory budget) with an online logsumexp; the backward recomputes each tile. Never holds an N x V tensor. A soft cap
+(``softcap``) is applied to each tile in place, before the temperature (``reference.soft_cap``), and its derivative
+multiplies the tile's d logits in the backward.
 """
 from __future__ import annotations
 
@@ -27,15 +29,17 @@ def _weight_tile(weight, v0, v1, acc):
     return weight[v0:v1].to(acc)
 
 
-def _tile_logits(h, w_tile, bias, v0, v1, inv_t, acc):
-    """One (rows x vocab-tile) block of z = (h W^T + b) / tau in the accumulation dtype (one new tile)."""
+def _tile_logits(h, w_tile, bias, v0, v1, inv_t, acc, softcap=None):
+    """One (rows x vocab-tile) block of z = soft_cap(h W^T + b) / tau in the accumulation dtype (one new tile)."""
     z = h @ w_tile.T
     if bias is not None:
         z += bias[v0:v1].to(acc)
+    if softcap is not None:  # reference.soft_cap, formed in the tile's buffer
+        z.div_(softcap).tanh_().mul_(softcap)
     return z.mul_(inv_t)
 
 
-def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_rows: int):
+def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_rows: int, softcap=None):
     """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy).
 
     At most two (tile_rows, TORCH_HEAD_TILE_VOCAB) temporaries at a time (the logits tile and its exponentials),
@@ -54,7 +58,7 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_r
         z_target = torch.zeros(n, dtype=acc, device=h.device)
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
-            z = _tile_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, inv_t, acc)
+            z = _tile_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, inv_t, acc, softcap)
             # online logsumexp; `a` carries sum exp(z - m) (z - m) for the entropy, relative to the running max so
             # that H = log s - a / s never subtracts two large numbers (low temperatures)
             m_new = torch.maximum(m, z.amax(-1))
@@ -79,10 +83,10 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_r
 
 
 def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature,
-                                   need_hidden, need_weight, need_bias, tile_rows: int):
+                                   need_hidden, need_weight, need_bias, tile_rows: int, softcap=None):
     """Tiled eager backward (always deterministic): recompute each tile, form dz in place, accumulate dh, dW, db
     in the accumulation dtype (fp32 accumulators for half-precision inputs, counted by the plan). Two tiles at a
-    time, as in the forward."""
+    time, as in the forward (a soft cap's derivative costs a third, transient one)."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden)
     inv_t = 1.0 / temperature
@@ -101,7 +105,10 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
             w_tile = _weight_tile(weight, v0, v1, acc)
-            log_p = _tile_logits(h, w_tile, bias, v0, v1, inv_t, acc).sub_(row_lse)
+            log_p = _tile_logits(h, w_tile, bias, v0, v1, inv_t, acc, softcap)
+            # d capped / d raw = 1 - (capped / softcap)^2 (reference.soft_cap_derivative), from the capped tile
+            cap_grad = None if softcap is None else log_p.mul(temperature / softcap).square_().neg_().add_(1.0)
+            log_p.sub_(row_lse)
             p = log_p.exp()
             if grad_entropy is None:
                 dz = p.mul_(-g)  # g (onehot - p): the onehot part is added below
@@ -113,6 +120,9 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad
             local = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
             dz.scatter_add_(-1, local, torch.where(inside, g, 0.0))
             dz.mul_(inv_t)
+            if cap_grad is not None:
+                dz.mul_(cap_grad)
+                del cap_grad
             if need_hidden:
                 d_hidden[r0:r0 + n].addmm_(dz, w_tile)
             if need_weight:

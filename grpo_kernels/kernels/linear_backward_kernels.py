@@ -124,7 +124,8 @@ def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     tl.store(out, to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
 def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
                              need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool,
-                             chunk_bytes: int | None = None, row_block: int | None = None):
+                             chunk_bytes: int | None = None, row_block: int | None = None,
+                             softcap: float | None = None):
     """(d_hidden | None, d_weight | None, d_bias | None) in hidden's / weight's / bias' dtype.
 
     Inputs as in ``linear_logprobs_forward`` plus the forward's lse and entropy and the per-token grads grad_logp
@@ -134,6 +135,8 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
     chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32 logits) and
     row_block its rows (None: all N), both from the plan (``backward_layout``).
     """
+    if softcap is not None:  # placeholder until the head kernels apply the cap (this session's next commit)
+        raise NotImplementedError("softcap on the Triton head kernels")
     N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
     need_bias = bool(need_bias) and bias is not None
     dev = hidden.device

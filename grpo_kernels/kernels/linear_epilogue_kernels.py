@@ -289,10 +289,13 @@ def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: 
            ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS)
 
 
-def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None):
+def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None,
+                          softcap: float | None = None):
     """(logp, lse, entropy), fp32 (N,): per row chunk, cuBLAS logits (fp32) + the fold kernel; no gradient work.
 
     Extra memory: one fp32 (R, V) chunk, R = rows within ``chunk_bytes`` (at least one row)."""
+    if softcap is not None:  # placeholder until the head kernels apply the cap (this session's next commit)
+        raise NotImplementedError("softcap on the Triton head kernels")
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
