@@ -9,10 +9,19 @@ module is the root unit: its forward gathers the embeddings, final norm and head
 plain unsharded ``lm_head.weight``.
 
 The head goes through ``grpo_kernels.integrations.transformers.get_lm_head``, the package's one fused-head
-compatibility check: a model whose logits are ``logit_scale * (h @ W.T + b)`` is scored at temperature
-``temperature / logit_scale`` (exact, as in ``causal_lm_token_logprobs``); soft-capped or non-linear heads are
-refused with a UsageError. Ids the sampler never draws (``grpo/rollout.py``) get ``SUPPRESSED_LOGIT`` added to
-their logits, so the loss normalizes over the same ids as the sampler.
+compatibility check: a model whose logits are ``cap * tanh(logit_scale * (h @ W.T + b) / cap)`` (no cap unless the
+config sets ``final_logit_softcapping``, as Gemma 2 does) is scored with the loss options
+``temperature / logit_scale`` and ``softcap = cap / logit_scale`` (exact: ``fold_logit_scale``, as in
+``causal_lm_token_logprobs``); the kernels apply the cap. The soft cap is a property of the model, so it comes from
+its config, never from the loss options (``grpo/cli.py`` ``FROM_MODEL``). Non-linear heads and invalid scales or
+caps are refused with a UsageError.
+
+Ids the sampler never draws (``grpo/rollout.py``) get ``SUPPRESSED_LOGIT`` added to their logits, so the loss
+normalizes over the same ids as the sampler: exactly (their probability underflows to 0) without a soft cap. With
+a cap the bias goes in before it (the kernels cap ``h @ W.T + b``), so a suppressed id's capped logit is ``-cap``,
+not ``-1e4``: the loss gives the suppressed ids together a probability of at most
+``n_suppressed * exp(-(cap + z_max) / T)`` (z_max the largest capped logit), about ``n * 1e-13`` at Gemma 2's cap of
+30 and T = 1 when z_max >= 0, below fp32 resolution; the sampler, which sets them to -inf, never draws them.
 
 Alignment: the sequence is ``[prompt (P tokens, left-padded) | completion (T tokens)]``; the hidden state at
 position t predicts token t + 1, so completion token j is predicted by ``hidden[:, P - 1 + j]``, i.e. the slice
@@ -26,7 +35,7 @@ import torch
 from torch import nn
 
 import grpo_kernels as gk
-from grpo_kernels.integrations.transformers import cast_to, get_lm_head
+from grpo_kernels.integrations.transformers import cast_to, fold_logit_scale, get_lm_head
 
 from .errors import UsageError
 from .rollout import SUPPRESSED_LOGIT, position_ids_from_mask
@@ -46,7 +55,8 @@ class GRPOPolicy(nn.Module):
     batch: ``input_ids`` (B, P+T), ``attention_mask`` (B, P+T), ``prompt_length`` P (int), ``completion_ids``
     (B, T), ``completion_mask`` (B, T) bool, ``advantages`` (B,), optional ``old_logps`` / ``ref_logps`` (B, T).
     ``compute_dtype`` (e.g. bfloat16 under autocast) is the dtype the fused head runs in; the fp32 master
-    weights receive the gradient through the cast. ``banned_ids``: ids the sampler never draws.
+    weights receive the gradient through the cast. ``banned_ids``: ids the sampler never draws. ``loss_config``'s
+    ``softcap`` must be None or the model's own ``final_logit_softcapping`` (it is read from the model).
     """
 
     def __init__(self, lm: nn.Module, loss_config: gk.GRPOLossConfig, impl: str = "auto",
@@ -55,8 +65,12 @@ class GRPOPolicy(nn.Module):
         super().__init__()
         self.lm = lm
         head = checked_lm_head(lm)
-        # Logit scaling folds exactly into the temperature: z = scale * l / T = l / (T / scale).
-        self.loss_config = loss_config.replace(temperature=loss_config.temperature / head.logit_scale)
+        if loss_config.softcap is not None and loss_config.softcap != head.softcap:
+            raise UsageError(f"loss softcap={loss_config.softcap} differs from the model's final_logit_softcapping="
+                             f"{head.softcap}: the soft cap is read from the model's config; leave it None")
+        # The logit scale folds exactly into the temperature and the cap: cap*tanh(s*l/cap)/T, as the model computes.
+        temperature, softcap = fold_logit_scale(loss_config.temperature, head.logit_scale, head.softcap)
+        self.loss_config = loss_config.replace(temperature=temperature, softcap=softcap)
         self.impl = impl
         self.compute_dtype = compute_dtype
         self.autocast_dtype = autocast_dtype
@@ -98,8 +112,9 @@ class GRPOPolicy(nn.Module):
 
     @torch.no_grad()
     def token_logprobs(self, batch: dict) -> torch.Tensor:
-        """(B, T) fp32 log-probs of the completion tokens at the loss temperature (old / reference policy)."""
+        """(B, T) fp32 log-probs of the completion tokens at the loss temperature and soft cap (old / reference
+        policy)."""
         hidden, weight, bias = self._hidden_and_head(batch)
         return gk.linear_token_logprobs(hidden, weight, batch["completion_ids"], bias=bias,
-                                        temperature=self.loss_config.temperature, impl=self.impl,
-                                        mask=batch["completion_mask"])
+                                        temperature=self.loss_config.temperature, softcap=self.loss_config.softcap,
+                                        impl=self.impl, mask=batch["completion_mask"])

@@ -138,23 +138,27 @@ def sample_completions(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
 
     Rows of one prompt are consecutive, pad after EOS. One forward of the backbone over the (unrepeated) prompts
     fills the KV cache, which is then repeated ``repeats`` times; each further forward feeds one token per row.
-    Logits come from the head as the loss sees it (``get_lm_head``: ``scale * (h @ W.T + b)``). Stops early once
+    Logits come from the head as the loss sees it (``get_lm_head``: ``cap * tanh(scale * (h @ W.T + b) / cap)``,
+    folded as the loss folds it, ``fold_logit_scale``; no cap unless the model has one). Stops early once
     every row has emitted an EOS; under FSDP2 on several ranks (``synced_decoding``) a rank whose rows are done keeps
     running the backbone on pad tokens until every rank is done (its outputs unchanged), since each forward is a
     collective. ``keep_graph``: run the backbone with autograd on and return the final hidden
     states that predicted each completion token, so that the loss can backpropagate through this very forward
     instead of recomputing it (``hidden[:, t]`` predicts ``ids[:, t]``).
     """
-    from grpo_kernels.integrations.transformers import get_lm_head
+    from grpo_kernels.integrations.transformers import fold_logit_scale, get_lm_head
+    from grpo_kernels.reference import soft_cap
 
     device = prompt_ids.device
     backbone, head = model.base_model, get_lm_head(model)
     cache_arg = _cache_argument(backbone)
+    # The logits at temperature 1 as the loss computes them: soft_cap(x, cap / s) / (1 / s) (= cap * tanh(s x / cap)).
+    unit_temperature, softcap = fold_logit_scale(1.0, head.logit_scale, head.softcap)
 
     def logits_of(h: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            z = torch.nn.functional.linear(h.detach(), head.weight, head.bias).float()
-            return z if head.logit_scale == 1.0 else z * head.logit_scale
+            z = soft_cap(torch.nn.functional.linear(h.detach(), head.weight, head.bias).float(), softcap)
+            return z if unit_temperature == 1.0 else z / unit_temperature
 
     with torch.set_grad_enabled(keep_graph):
         positions = position_ids_from_mask(prompt_mask)

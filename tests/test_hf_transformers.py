@@ -147,13 +147,14 @@ def test_autocast_bf16_close_to_model():
     torch.testing.assert_close(logp.double(), expected, rtol=0, atol=0.1)
 
 
-def test_refuses_softcap():
+def test_refuses_an_invalid_softcap():
+    """A cap that is not a finite number > 0 (valid caps run: tests/test_hf_models.py)."""
     torch.manual_seed(0)
     cfg = Gemma2Config(**{k: v for k, v in SMALL.items() if k != "pad_token_id"}, head_dim=8,
-                       final_logit_softcapping=30.0)
+                       final_logit_softcapping=0.0)
     model = Gemma2ForCausalLM(cfg)
     ids, mask = _batch()
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+    with pytest.raises(ValueError, match="final_logit_softcapping=0.0"):
         causal_lm_token_logprobs(model, ids, mask, 2)
 
 

@@ -232,12 +232,14 @@ def test_head_matches_trl_function(logit_scale):
 
 
 def test_head_falls_back_to_trl():
-    """Soft-cap warns once and runs TRL's kernel; extra outputs and empty batches fall back silently. ZeRO-3 no
-    longer falls back (tests/test_dist_zero3_emulated.py)."""
+    """A logit scale or soft cap that is not a finite number > 0 warns once and runs TRL's kernel; extra outputs and
+    empty batches fall back silently. ZeRO-3 and valid soft caps no longer fall back (tests/test_dist_zero3_emulated.py,
+    tests/test_softcap_trl.py)."""
     patch_trl()
     inputs = _head_inputs()
     cases = [
-        (dict(final_logit_softcapping=5.0), "final_logit_softcapping=5.0"),
+        (dict(final_logit_softcapping=-5.0), "final_logit_softcapping=-5.0"),
+        (dict(logit_scale=-1.0), "logit_scale=-1.0"),
         (dict(outputs=("log_probs", "entropy", "is_top1")), None),
     ]
     for kw, warning in cases:
@@ -253,20 +255,28 @@ def test_head_falls_back_to_trl():
     assert TRLLogProbFunction.apply(*empty, 1.0, 32768, None, 1.0, ("log_probs",))[0].shape == (0,)
 
 
-
-def test_strict_refuses_softcap_model_at_setup():
-    """patch_trl(strict=True) raises where GRPOTrainer adds the fused head, naming the option."""
+def test_strict_refuses_an_invalid_cap_or_scale_at_setup_and_accepts_a_soft_cap():
+    """patch_trl(strict=True) raises where GRPOTrainer adds the fused head, naming the option, for a cap or a scale
+    that is not a finite number > 0; a valid soft cap (Gemma 2's 30) passes in silence: it runs on grpo_kernels."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
     config.final_logit_softcapping = 30.0
     model = LlamaForCausalLM(config)
     patch_trl(strict=True)
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         trl_grpo.add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
-    patch_trl(strict=False)
-    with pytest.warns(UserWarning, match="final_logit_softcapping=30.0"):
-        trl_grpo.add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+    for option, value in (("final_logit_softcapping", 0.0), ("logit_scale", 0.0)):
+        config.final_logit_softcapping, config.logit_scale = 30.0, None
+        setattr(config, option, value)
+        model = LlamaForCausalLM(config)
+        patch_trl(strict=True)
+        with pytest.raises(ValueError, match=f"strict=True\\): {option}=0.0 is not supported"):
+            trl_grpo.add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+        patch_trl(strict=False)
+        with pytest.warns(UserWarning, match=f"{option}=0.0"):
+            trl_grpo.add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
 
 
 def test_bf16_autocast_at_least_as_accurate_as_trl():
@@ -293,8 +303,9 @@ def test_patch_returns_a_report_and_logs_one_line(caplog):
     assert report.trl_version == trl.__version__
     assert report.patched == ("trl.trainer.utils._ChunkedLogProbFunction",
                               "trl.trainer.grpo_trainer.add_fused_lm_head")
-    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 3
-    assert any("final_logit_softcapping" in r.calls and "warned once" in r.why for r in report.fallbacks)
+    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 4
+    assert any("final_logit_softcapping" in r.calls for r in report.kernel_calls)
+    assert any("soft cap not finite > 0" in r.calls and "warned once" in r.why for r in report.fallbacks)
     text = str(report).splitlines()
     assert text[0] == (f"grpo_kernels.patch_trl: TRL {trl.__version__} patched (strict=False); swapped: "
                        "trl.trainer.utils._ChunkedLogProbFunction, trl.trainer.grpo_trainer.add_fused_lm_head")

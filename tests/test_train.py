@@ -221,9 +221,10 @@ def test_builtin_tokenizer_covers_printable_ascii():
     assert len(tok) == 4 + 96
 
 
-def test_fused_head_check_folds_logit_scale_and_refuses_softcapping():
+def test_fused_head_check_folds_logit_scale_and_refuses_an_invalid_softcap():
     """The trainer goes through grpo_kernels' get_lm_head: Cohere's logit_scale folds into the temperature (log-probs
-    equal the model's own logits' log-softmax); Gemma 2's soft-capping is refused with a UsageError."""
+    equal the model's own logits' log-softmax); an invalid soft cap is refused with a UsageError (valid ones train:
+    tests/test_train_gemma.py)."""
     from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
@@ -240,8 +241,8 @@ def test_fused_head_check_folds_logit_scale_and_refuses_softcapping():
                                atol=1e-5, rtol=1e-5)
     gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=4, num_key_value_heads=4, head_dim=8,
-                                           final_logit_softcapping=30.0))
-    with pytest.raises(UsageError, match="final_logit_softcapping"):
+                                           final_logit_softcapping=0.0))
+    with pytest.raises(UsageError, match="final_logit_softcapping=0.0"):
         GRPOPolicy(gemma, gk.GRPOLossConfig())
 
 

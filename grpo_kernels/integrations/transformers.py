@@ -4,27 +4,30 @@
 final hidden states of the positions that predict the kept tokens, and sends them with ``lm_head.weight`` through
 ``grpo_kernels.linear_token_logprobs``: the (B, T, V) logits are never written, in the forward or the backward.
 
-What the fused path can express: ``logits = logit_scale * (h @ W.T + b)`` with ``lm_head`` a plain ``nn.Linear``
-(tied or untied to the input embeddings) and a positive scalar ``logit_scale``, which folds exactly into the
-temperature (``z = logits / tau = (h @ W.T + b) / (tau / logit_scale)``). The scale is read from the text config
-under the same names TRL's fused head uses (``logit_scale`` for Cohere, ``output_multiplier``,
-``lm_head_multiplier`` for Falcon-H1, ``logits_scaling`` for Granite / MiniCPM3 / HyperCLOVA X). Like TRL's fused
-head, this assumes ``*ForCausalLM.forward`` does nothing else between the backbone and ``lm_head``; an architecture
-that transforms the hidden states there in another way is not detected.
+What the fused path can express: ``logits = cap * tanh(logit_scale * (h @ W.T + b) / cap)`` with ``lm_head`` a
+plain ``nn.Linear`` (tied or untied to the input embeddings), a positive scalar ``logit_scale`` and an optional
+soft cap ``cap`` (``final_logit_softcapping``: Gemma 2, whose default is 30, or a Gemma 3 config that sets it),
+scored at a temperature ``tau`` as ``z = logits / tau``: the order of transformers' Gemma 2 forward (the cap on the
+scaled lm_head output) and of TRL's fused head (scale, then cap, then temperature). Since
+``cap * tanh(s * x / cap) = s * (cap / s) * tanh(x / (cap / s))``, the scale folds exactly into the kernels'
+temperature and cap: ``linear_token_logprobs(..., temperature=tau / s, softcap=cap / s)``
+(``fold_logit_scale``, the one place that does it). The scale is read from the text config under the same names
+TRL's fused head uses (``logit_scale`` for Cohere, ``output_multiplier``, ``lm_head_multiplier`` for Falcon-H1,
+``logits_scaling`` for Granite / MiniCPM3 / HyperCLOVA X). Like TRL's fused head, this assumes
+``*ForCausalLM.forward`` does nothing else between the backbone and ``lm_head``; an architecture that transforms
+the hidden states there in another way is not detected.
 
 Refused with a ValueError (there is no fallback here, since a fallback would have to build the logits):
-- ``final_logit_softcapping`` (Gemma 2/3): ``cap * tanh(x / cap)`` is nonlinear, so it cannot be folded into the
-  linear head; use the model's own forward for those models;
 - a PEFT (LoRA, ...) adapter on ``lm_head``: merge it (``model.merge_adapter()``) or leave ``lm_head`` out of
   ``target_modules``; adapters elsewhere in the model are fine, they run inside the backbone;
-- an ``lm_head`` that is not an ``nn.Linear`` (custom heads), a scale that is not a finite number > 0, and a
-  DeepSpeed ZeRO-3 partitioned ``lm_head`` (``zero3_blocker``): gathering it would be easy (``gather_head=``), but
-  ``causal_lm_token_logprobs`` and ``grpo``'s policy call the backbone and the head outside the model's own
-  forward, where ZeRO-3 cannot take the head's gradient (the contract of TRL's ``maybe_gather_lm_head_ctx``;
-  measured with DeepSpeed 0.19.8, docs/distributed.md "DeepSpeed ZeRO-3": gathered in the forward and the
-  backward, the head's full gradient still fails to accumulate into its emptied partition). Under ZeRO-3 use TRL
-  with ``patch_trl()``, whose fused head runs inside the model's forward and gathers the head through
-  ``gather_head``.
+- an ``lm_head`` that is not an ``nn.Linear`` (custom heads), a scale that is not a finite number > 0, a
+  ``final_logit_softcapping`` that is neither None nor a finite number > 0, and a DeepSpeed ZeRO-3 partitioned
+  ``lm_head`` (``zero3_blocker``): gathering it would be easy (``gather_head=``), but ``causal_lm_token_logprobs``
+  and ``grpo``'s policy call the backbone and the head outside the model's own forward, where ZeRO-3 cannot take
+  the head's gradient (the contract of TRL's ``maybe_gather_lm_head_ctx``; measured with DeepSpeed 0.19.8,
+  docs/distributed.md "DeepSpeed ZeRO-3": gathered in the forward and the backward, the head's full gradient still
+  fails to accumulate into its emptied partition). Under ZeRO-3 use TRL with ``patch_trl()``, whose fused head runs
+  inside the model's forward and gathers the head through ``gather_head``.
 
 An FSDP2-sharded ``lm_head`` (a DTensor weight) is gathered by ``get_lm_head`` with the gradient averaged back
 over the mesh, like every other FSDP2 parameter (``grpo_kernels/distributed/sharded_head.py``): a collective, so every rank
@@ -38,8 +41,8 @@ from torch import nn
 
 from ..distributed.sharded_head import check_dtensor_head, gathered_dtensor_head
 
-__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "fused_head_blocker",
-           "zero3_blocker", "cast_to"]
+__all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "fold_logit_scale",
+           "fused_head_blocker", "zero3_blocker", "cast_to"]
 
 
 class LMHead:
@@ -47,12 +50,14 @@ class LMHead:
 
     weight (V, H), bias (V,) or None (plain tensors, gathered from DTensors when sharded by FSDP2, with the
     gradient averaged back over the mesh; the module's parameters as they are with ``get_lm_head(gather=False)``),
-    and
-    ``logit_scale`` (float > 0), the factor the model multiplies its logits by before any softmax.
+    ``logit_scale`` (float > 0), the factor the model multiplies its logits by before any softmax, and ``softcap``
+    (float > 0, or None): the model's ``final_logit_softcapping``, ``cap * tanh(.. / cap)`` applied to the scaled
+    logits. ``fold_logit_scale`` turns both into the kernels' ``temperature`` / ``softcap``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float):
-        self.weight, self.bias, self.logit_scale = weight, bias, logit_scale
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float,
+                 softcap: float | None = None):
+        self.weight, self.bias, self.logit_scale, self.softcap = weight, bias, logit_scale, softcap
 
 
 def _text_config(model):
@@ -78,6 +83,21 @@ def logit_scale_of(config) -> float:
     return 1.0 if scale is None else scale
 
 
+def fold_logit_scale(temperature: float, logit_scale: float, softcap: float | None) -> tuple[float, float | None]:
+    """``(temperature', softcap')`` for ``linear_token_logprobs`` / ``GRPOLossConfig`` that score the model's logits
+    ``cap * tanh(s * x / cap)`` (x = h @ W.T + b, s = ``logit_scale``, cap = ``softcap`` or no cap when None) at
+    ``temperature``: the one place that folds the scale (used by ``causal_lm_token_logprobs``, the TRL patch, and
+    ``grpo``'s policy and sampler).
+
+    The order is TRL's ``ChunkedLogProbFunction`` (scale, then cap, then temperature) and transformers' Gemma 2
+    (the cap on the lm_head output). The kernels compute ``softcap' * tanh(x / softcap') / temperature'``, and
+    ``cap * tanh(s x / cap) / T = (cap / s) * tanh(x / (cap / s)) / (T / s)`` for any s > 0, so the fold is exact:
+    ``temperature' = T / s``, ``softcap' = cap / s``. Arguments are checked by ``fused_head_blocker``.
+    """
+    temperature = float(temperature) / float(logit_scale)
+    return temperature, None if softcap is None else float(softcap) / float(logit_scale)
+
+
 def zero3_enabled() -> bool:
     try:
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -86,17 +106,21 @@ def zero3_enabled() -> bool:
     return bool(is_deepspeed_zero3_enabled())
 
 
+def _positive_finite(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def fused_head_blocker(softcap=None, logit_scale=1.0) -> tuple[str, str] | None:
     """``(option, reason)`` when a head cannot go through the fused path, else None: the one compatibility check of
     the standalone helper (``get_lm_head``), the TRL patch and ``grpo.train``.
 
-    softcap: the config's ``final_logit_softcapping``; logit_scale: ``logit_scale_of(config)``.
+    softcap: the config's ``final_logit_softcapping`` (None, or a finite number > 0: the kernels apply it);
+    logit_scale: ``logit_scale_of(config)``.
     """
-    if softcap is not None:
-        return (f"final_logit_softcapping={softcap}",
-                "the soft-cap cap*tanh(logits/cap) is nonlinear and cannot be folded into the linear head")
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or \
-            not math.isfinite(logit_scale) or logit_scale <= 0:
+    if softcap is not None and not _positive_finite(softcap):
+        return (f"final_logit_softcapping={softcap!r}", "a soft cap cap*tanh(logits/cap) needs a finite cap > 0 "
+                "(None: no cap)")
+    if not _positive_finite(logit_scale):
         return (f"logit_scale={logit_scale!r}", "only a finite logit scale > 0 (logit_scale / output_multiplier / "
                 "lm_head_multiplier / logits_scaling) folds into the temperature")
     return None
@@ -153,18 +177,18 @@ def get_lm_head(model, gather: bool = True) -> LMHead:
             f"lm_head must be a torch.nn.Linear for the fused linear head, got {type(head).__name__}"
         )
     scale = logit_scale_of(config)
-    blocker = fused_head_blocker(getattr(config, "final_logit_softcapping", None), scale) or \
-        zero3_blocker(head.weight)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    blocker = fused_head_blocker(softcap, scale) or zero3_blocker(head.weight)
     if blocker is not None:
         option, reason = blocker
         raise ValueError(f"{option} ({type(model).__name__}) is not supported by the fused linear head: {reason}")
     if not gather:
         check_dtensor_head(head.weight, head.bias)  # the layout checks of the gather, without its collective
-        return LMHead(head.weight, head.bias, float(scale))
+        return LMHead(head.weight, head.bias, float(scale), None if softcap is None else float(softcap))
     # FSDP2 shards parameters as DTensors; the kernel needs plain tensors. Unlike a bare full_tensor() (whose
     # backward keeps only this rank's own gradient), the gather averages the gradient over the mesh, as FSDP2 does.
     weight, bias = gathered_dtensor_head(head.weight, head.bias)
-    return LMHead(weight, bias, float(scale))
+    return LMHead(weight, bias, float(scale), None if softcap is None else float(softcap))
 
 
 def cast_to(dtype: torch.dtype, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -183,7 +207,8 @@ def causal_lm_token_logprobs(model, input_ids: torch.Tensor, attention_mask: tor
         and right padding of completions both work as they do in the model's own forward).
     logits_to_keep: the number T of trailing tokens to score, 1 <= T <= L - 1; None scores tokens 1..L-1.
         Position ``L - T - 1 + t`` predicts ``input_ids[:, L - T + t]``, as TRL's ``logits_to_keep``.
-    temperature: the logits are divided by it (> 0), like TRL's sampling temperature.
+    temperature: the logits (soft-capped first when the model has ``final_logit_softcapping``) are divided by it
+        (> 0), like TRL's sampling temperature.
     return_entropy: also return the entropy of each predicted distribution.
     impl: "auto" | "triton" | "torch", forwarded to ``grpo_kernels.linear_token_logprobs``.
     model_kwargs: extra backbone inputs (position_ids, pixel_values, ...).
@@ -221,5 +246,6 @@ def causal_lm_token_logprobs(model, input_ids: torch.Tensor, attention_mask: tor
     if weight.dtype != hidden.dtype:  # e.g. an fp32 head on a bf16 backbone: compute in the wider dtype
         hidden, weight, bias = cast_to(torch.promote_types(hidden.dtype, weight.dtype), hidden, weight, bias)
     # under autocast linear_token_logprobs runs the head in the autocast dtype, as F.linear would
-    return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=temperature / head.logit_scale,
-                                    return_entropy=return_entropy, impl=impl)
+    kernel_temperature, kernel_softcap = fold_logit_scale(temperature, head.logit_scale, head.softcap)
+    return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=kernel_temperature,
+                                    softcap=kernel_softcap, return_entropy=return_entropy, impl=impl)

@@ -30,8 +30,13 @@ Consequently every loss option of TRL (all loss types, importance_sampling_level
 mask_truncated_completions, off_policy_mask_threshold, vLLM importance-sampling correction, beta with a reference
 model, num_iterations, gradient accumulation, entropy bonus) works unchanged.
 
+Soft-capped heads (``final_logit_softcapping``: Gemma 2, a Gemma 3 config that sets it) run on grpo_kernels too:
+TRL scores ``cap * tanh(logit_scale * x / cap) / temperature`` (scale, cap, temperature), which is exactly
+``linear_token_logprobs(..., temperature=temperature / logit_scale, softcap=cap / logit_scale)``
+(``grpo_kernels.integrations.transformers.fold_logit_scale``); the kernels apply the cap inside their sweeps.
+
 Calls the fused path cannot express are served by TRL's own ``ChunkedLogProbFunction``, unchanged:
-- ``final_logit_softcapping`` (Gemma 2/3; nonlinear) and a logit scale that is not a finite number > 0: warned once;
+- a logit scale or a ``final_logit_softcapping`` that is not a finite number > 0: warned once;
 - requested outputs other than ``log_probs`` / ``entropy`` (SFT's ``is_top1``, DPO's ``mean_logits``...): silent,
   since those trainers are not what this patch targets;
 - an empty batch of scored positions (TRL's compact path): silent, TRL's function keeps the graph connected;
@@ -61,7 +66,7 @@ import warnings
 
 import torch
 
-from .transformers import zero3_enabled, cast_to, fused_head_blocker, logit_scale_of
+from .transformers import zero3_enabled, cast_to, fold_logit_scale, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction",
            "TRLPatchReport"]
@@ -115,7 +120,9 @@ class TRLLogProbFunction:
 
     ``apply(hidden (N, H), weight (V, H), bias (V,) | None, targets (N,) int64, temperature, chunk_size,
     final_logit_softcapping=None, logit_scale=1.0, outputs=(...))`` returns TRL's 5-tuple
-    ``(log_probs (N,) fp32, entropy (N,) fp32 | None, None, None, None)``.
+    ``(log_probs (N,) fp32, entropy (N,) fp32 | None, None, None, None)`` of
+    ``z = cap * tanh(logit_scale * (hidden @ weight.T + bias) / cap) / temperature`` (no cap when None), TRL's order.
+    ``chunk_size`` (TRL's vocabulary tile) is ignored: grpo_kernels' planner chooses its own chunking.
     """
 
     @staticmethod
@@ -144,10 +151,11 @@ class TRLLogProbFunction:
         # the head in the autocast dtype, as TRL's cuBLAS tiles do.
         head_params = (weight, bias)
         hidden, weight, bias = cast_to(hidden.dtype, hidden, weight, bias)
-        # logits * logit_scale / temperature == logits / (temperature / logit_scale) for any scale > 0.
-        out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias,
-                                       temperature=float(temperature) / float(logit_scale),
-                                       return_entropy=want_entropy, gather_head=_zero3_gather(*head_params))
+        # cap * tanh(s * x / cap) / T == (cap / s) * tanh(x / (cap / s)) / (T / s) for any scale s > 0.
+        kernel_temperature, kernel_softcap = fold_logit_scale(temperature, logit_scale, final_logit_softcapping)
+        out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=kernel_temperature,
+                                       softcap=kernel_softcap, return_entropy=want_entropy,
+                                       gather_head=_zero3_gather(*head_params))
         logp, entropy = out if want_entropy else (out, None)
         return logp, entropy, None, None, None
 
@@ -164,7 +172,8 @@ def _zero3_gather(weight, bias):
 
 
 def _checked_add_fused_lm_head(model, *args, **kwargs):
-    """TRL's ``add_fused_lm_head`` preceded by a setup-time check of what the fused path cannot serve.
+    """TRL's ``add_fused_lm_head`` preceded by a setup-time check of what the fused path cannot serve (a logit scale
+    or soft cap that is not a finite number > 0; a valid soft cap runs on grpo_kernels).
 
     Non-strict: warns (once) and the affected calls run TRL's kernel. Strict: raises a ValueError naming the option.
     """
@@ -257,8 +266,8 @@ def _routes(strict: bool) -> tuple[Route, ...]:
         Route("GRPO/RLOO policy log-probs + entropy", "grpo_kernels", _backend()),
         Route("reference model log-probs (beta > 0)", "grpo_kernels", "same fused head, no gradient"),
         Route("ZeRO-3 / FSDP2 sharded lm_head", "grpo_kernels", "TRL gathers the head around the call"),
-        Route("final_logit_softcapping (Gemma 2/3)", "TRL", f"nonlinear, cannot fold into the head; {refused}"),
-        Route("logit scale not a finite number > 0", "TRL", f"cannot fold into the temperature; {refused}"),
+        Route("final_logit_softcapping (Gemma 2/3)", "grpo_kernels", "cap applied in the kernels; scale folded"),
+        Route("logit scale / soft cap not finite > 0", "TRL", f"no such head to fold; {refused}"),
         Route("other outputs (SFT is_top1, DPO mean_logits)", "TRL", "not computed by grpo_kernels; silent"),
         Route("float64 on a GPU", "TRL", "the Triton kernels take fp32/bf16/fp16; silent"),
         Route("an empty batch of scored positions", "TRL", "TRL's kernel keeps the graph connected; silent"),
@@ -270,8 +279,8 @@ def patch_trl(strict: bool = False) -> TRLPatchReport:
 
     Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
     do not). Idempotent; ``unpatch_trl()`` restores TRL exactly, as does leaving ``with patch_trl():``.
-    strict: raise a ValueError naming the option (soft-capped logits, a logit scale that is not > 0)
-        instead of warning and running TRL's own kernel for those calls.
+    strict: raise a ValueError naming the option (a logit scale or a ``final_logit_softcapping`` that is not a
+        finite number > 0) instead of warning and running TRL's own kernel for those calls.
     Returns a ``TRLPatchReport`` (printable table of what was patched and what runs where) and logs one INFO line
     on the ``grpo_kernels`` logger.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.
