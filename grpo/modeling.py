@@ -54,12 +54,14 @@ def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_
 
 
 def choose_attn_implementation(requested: str, device: torch.device) -> str | None:
-    """'auto' -> flash_attention_2 when flash_attn is installed and the run is on CUDA, else sdpa."""
+    """'auto' -> flash_attention_2 when flash_attn is installed and the run is on CUDA, else None: transformers'
+    default for the model (sdpa where the architecture supports it, eager otherwise; Gemma 2's soft-capped
+    attention has no sdpa kernel)."""
     if requested != "auto":
         return requested
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return "sdpa"
+    return None
 
 
 def load_pretrained(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False):

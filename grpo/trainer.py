@@ -155,7 +155,7 @@ class Trainer:
             lm = build_tiny_model(tokenizer, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
                                   max_positions=max(128, 8 + cfg.max_new_tokens + (cfg.max_prompt_length or 64)))
             attn = choose_attn_implementation(cfg.attn_implementation, self.device)
-            lm.config._attn_implementation = "sdpa" if attn == "flash_attention_2" else attn
+            lm.config._attn_implementation = "sdpa" if attn in (None, "flash_attention_2") else attn
             lm = lm.to(dtype)
         else:
             attn = choose_attn_implementation(cfg.attn_implementation, self.device)

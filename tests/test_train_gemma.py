@@ -137,7 +137,8 @@ def test_loss_softcap_must_be_the_models():
 def test_grpo_train_on_a_local_gemma2_checkpoint(tmp_path, capsys):
     """--model PATH with a saved tiny Gemma 2 (soft cap 30) and its character tokenizer: a 2-step run finishes with
     finite losses, and there is no soft-cap flag (a property of the model). transformers' Gemma 2 has no sdpa
-    attention (its attention logits are soft-capped too), hence --attn-implementation eager on a CPU."""
+    attention (its attention logits are soft-capped too): the default --attn-implementation auto leaves the choice to
+    transformers (eager here) instead of asking for sdpa."""
     tok = build_char_tokenizer(PRINTABLE_ASCII)
     lm = _gemma(tok, dtype=torch.float32)
     model_dir, data, out = tmp_path / "gemma2", tmp_path / "copy.jsonl", tmp_path / "run"
@@ -147,7 +148,7 @@ def test_grpo_train_on_a_local_gemma2_checkpoint(tmp_path, capsys):
                             for w in ("ab", "ba", "abc", "cab", "bb", "ca")))
     assert train.main(["--model", str(model_dir), "--dataset", str(data), "--reward", "copy", "--max-steps", "2",
                        "--max-new-tokens", "4", "--prompts-per-step", "2", "-G", "4", "--no-progress",
-                       "--attn-implementation", "eager", "--output-dir", str(out)]) == 0
+                       "--output-dir", str(out)]) == 0
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
