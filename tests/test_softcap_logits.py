@@ -266,6 +266,29 @@ def test_grpo_loss_matches_trl_on_capped_logits(loss_type, impl):
         assert metrics[name].item() == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-7), name
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_torch_path_keeps_two_temporaries_per_chunk(dtype):
+    """logits.torch with the cap and the entropy bonus (the backward's heaviest branch), several chunks: the traced
+    transient memory is the plan's (two chunk temporaries, planner.plan_logits), not a third chunk for the cap."""
+    from grpo_kernels.explain import plan_call
+
+    from .memory_trace import transient_peak
+
+    inputs = make_inputs(_CASE, B=4, T=8, V=1024, dtype=dtype, seed=1)
+    x = inputs["logits"].requires_grad_(True)
+    args = (x, inputs["ids"], inputs["advantages"], inputs["mask"])
+    options = dict(config=_ENTROPY_KL, impl="torch", memory_budget=100_000, **_rest(inputs))
+    plan = plan_call(gk.grpo_loss, *args, **options)
+    assert plan.path == planner.LOGITS_TORCH and plan.chunk_rows < 32
+
+    def run():
+        loss, metrics = gk.grpo_loss(*args, **options)
+        loss.backward()
+        return [loss, *metrics.values(), x.grad]
+    traced = transient_peak(run)
+    assert traced <= 1.10 * plan.transient_bytes, f"planned {plan.transient_bytes} B ({plan.transient}), traced {traced}"
+
+
 # ---------------------------------------------------------------------------------------------------- cap off
 
 
