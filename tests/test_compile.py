@@ -225,7 +225,8 @@ def test_ops_pass_opcheck():
     T = 6
     hidden, weight, ids, adv, mask, old, ref = _batch(T)
     logits = (hidden @ weight.T).requires_grad_(True)
-    _opcheck("logits_logprobs", (logits, ids, 0.7, "torch", 5, None))
+    # args: temperature, impl, chunk_rows, row_mask, softcap
+    _opcheck("logits_logprobs", (logits, ids, 0.7, "torch", 5, None, 3.0))
     h = hidden.reshape(-1, H).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     bias = torch.randn(V, requires_grad=True)

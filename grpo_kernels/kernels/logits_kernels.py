@@ -4,7 +4,9 @@ backward that writes d logits (optionally into the logits buffer itself).
 Layout: logits (B, T, V) with any batch/time strides and a unit vocab stride (slices such as
 ``logits[:, :-1]`` need no copy); one program per token on a 1-D grid over B*T (a 2-D grid breaks at
 T >= 65536); int64 offsets (B*T*V exceeds 2^31 at real sizes); fp32 accumulation for every input dtype.
-Lengths and the temperature are runtime arguments, so a new T, V or temperature does not recompile.
+Lengths, the temperature and the soft cap's value are runtime arguments, so a new T, V, temperature or cap does
+not recompile; whether there is a cap at all is a constexpr (``SOFTCAP``: the kernels without it are the same code
+as before the cap existed).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
+from .common import soft_cap
 from .logits_rows import RowTiles, row_logsumexp_entropy, row_tiles, vec_for, write_row_dlogits
 
 triton, tl = import_triton()
@@ -22,8 +25,8 @@ triton, tl = import_triton()
 # divisibility-by-16 class so that the row sweeps vectorize (see logits_rows).
 @triton.jit(do_not_specialize=["T"])
 def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entropy_ptr,
-                        T, V, stride_b, stride_t, inv_temperature,
-                        HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+                        T, V, stride_b, stride_t, inv_temperature, softcap,
+                        HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     # Why one row per program: a token's statistics need the whole vocab row; rows are independent.
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
@@ -33,10 +36,11 @@ def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entrop
         keep = tl.load(mask_ptr + row) != 0
     else:
         keep = row >= 0
-    lse, entropy = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, VEC, "")
+    lse, entropy = row_logsumexp_entropy(base, V, keep, inv_temperature, softcap, SOFTCAP, BLOCK_V, VEC, "")
     # Why a scalar load for the target: gathering inside the sweep would cost a compare per element.
     target = tl.load(ids_ptr + row)
-    z_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32) * inv_temperature
+    x_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32)
+    z_target = soft_cap(x_target, softcap, SOFTCAP) * inv_temperature
     tl.store(logp_ptr + row, tl.where(keep, z_target - lse, 0.0))
     tl.store(lse_ptr + row, lse)
     tl.store(entropy_ptr + row, entropy)
@@ -44,8 +48,9 @@ def logits_logprobs_fwd(logits_ptr, ids_ptr, mask_ptr, logp_ptr, lse_ptr, entrop
 
 @triton.jit(do_not_specialize=["T"])
 def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-                        dlogits_ptr, T, V, stride_b, stride_t, out_stride_b, out_stride_t, inv_temperature,
-                        HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+                        dlogits_ptr, T, V, stride_b, stride_t, out_stride_b, out_stride_t, inv_temperature, softcap,
+                        SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                        VEC: tl.constexpr):
     # Why recompute p from the saved logsumexp: storing softmax would be a second B x T x V tensor.
     row = tl.program_id(0).to(tl.int64)
     b = row // T
@@ -60,12 +65,13 @@ def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr
         h = tl.load(entropy_ptr + row)
         active = active | (g_h != 0.0)
     # Why `active`: a token without gradient (padding) writes zeros and reads nothing.
-    # Why store in the logits dtype: in-place mode writes back into the logits buffer; the target's logit is read
-    # before the sweep overwrites it.
+    # Why store in the logits dtype: in-place mode writes back into the logits buffer; the target's raw logit is
+    # read before the sweep overwrites it (write_row_dlogits caps it from that register value).
     base = logits_ptr + b * stride_b + t * stride_t
     z_target = tl.load(base + target, mask=active & (target >= 0) & (target < V), other=0.0).to(tl.float32)
     write_row_dlogits(base, dlogits_ptr + b * out_stride_b + t * out_stride_t, V, active, target, z_target,
-                      tl.load(lse_ptr + row), h, g, g_h, inv_temperature, HAS_ENTROPY_GRAD, BLOCK_V, VEC)
+                      tl.load(lse_ptr + row), h, g, g_h, inv_temperature, softcap, SOFTCAP, HAS_ENTROPY_GRAD,
+                      BLOCK_V, VEC)
 
 
 def as_btv(logits: torch.Tensor) -> torch.Tensor:
@@ -74,18 +80,26 @@ def as_btv(logits: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def softcap_arg(softcap: float | None) -> float:
+    """The kernels' runtime ``softcap`` argument: the cap, or 1.0 when there is none (then unread: ``SOFTCAP`` is
+    False). A float always, so that a cap's value never changes the compiled signature."""
+    return 1.0 if softcap is None else float(softcap)
+
+
 def tiles(kernel: str, x: torch.Tensor, block_v: int | None = None) -> RowTiles:
     """The tile table's launch configuration for ``kernel`` on ``x``'s device and dtype, the vocab block capped
     by ``block_v`` (or the testing override's ``max_block_v``) when given."""
     return row_tiles(kernel, x.dtype, x.shape[-1], x.device, block_v)
 
 
-def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, block_v: int | None = None,
+def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float,
+                            softcap: float | None = None, block_v: int | None = None,
                             row_mask: torch.Tensor | None = None):
     """logits (B, T, V) or (N, V) fp32/bf16/fp16, ids like logits[..., 0] -> (logp, lse, entropy), fp32 (N,).
 
-    lse is the logsumexp of ``z = logits / temperature``; the caller has validated ids and shapes. Rows where
-    ``row_mask`` (shaped like ids) is 0 are skipped and get 0 in all three outputs.
+    lse is the logsumexp of ``z = logits / temperature``, or of ``z = softcap * tanh(logits / softcap) /
+    temperature`` with ``softcap``; the caller has validated ids and shapes. Rows where ``row_mask`` (shaped like
+    ids) is 0 are skipped and get 0 in all three outputs.
     """
     x = as_btv(logits)
     B, T, V = x.shape
@@ -96,14 +110,17 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
         cfg = tiles("forward", x, block_v)
         mask = None if row_mask is None else (row_mask.reshape(N) != 0).to(torch.int8)
         launch(logits_logprobs_fwd, (N,), x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy,
-               T, V, x.stride(0), x.stride(1), 1.0 / temperature, HAS_MASK=mask is not None, BLOCK_V=cfg.block_v,
-               VEC=vec_for(cfg.block_v, x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               T, V, x.stride(0), x.stride(1), 1.0 / temperature, softcap_arg(softcap), HAS_MASK=mask is not None,
+               SOFTCAP=softcap is not None, BLOCK_V=cfg.block_v, VEC=vec_for(cfg.block_v, x.dtype),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return logp, lse, entropy
 
 
 def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
-                             inplace: bool = False, block_v: int | None = None) -> torch.Tensor:
-    """d loss / d logits from per-token grads of logp and entropy (fp32 (N,); grad_entropy may be None).
+                             softcap: float | None = None, inplace: bool = False,
+                             block_v: int | None = None) -> torch.Tensor:
+    """d loss / d logits from per-token grads of logp and entropy (fp32 (N,); grad_entropy may be None), with
+    ``softcap`` the same as the forward's (lse / entropy are then the capped row's; the cap's derivative is applied).
 
     Returns a tensor shaped like ``logits`` in its dtype: a new buffer, or ``logits`` itself when ``inplace``.
     """
@@ -120,7 +137,8 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
         launch(logits_logprobs_bwd, (N,), x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
                grad_entropy.contiguous() if has_h else grad_logp, out,
                T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
-               HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v, VEC=vec_for(cfg.block_v, x.dtype),
+               softcap_arg(softcap), SOFTCAP=softcap is not None, HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v,
+               VEC=vec_for(cfg.block_v, x.dtype),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
 
@@ -159,4 +177,16 @@ def aot_launches():
             logits_logprobs_forward(logits, ids, 1.0)
     scenarios += [("logits_fwd_bf16_vodd", lambda: odd_vocab(False)), ("logits_bwd_bf16_logp_vodd",
                                                                       lambda: odd_vocab(True))]
+
+    # The soft cap on (suffix _softcap: reported with its own cost, not held to the budget of the sweeps without it).
+    def capped(kind):
+        logits = torch.zeros(2, 3, 151936, dtype=torch.bfloat16)
+        ids, lse = torch.zeros(2, 3, dtype=torch.long), torch.zeros(6)
+        if kind == "fwd":
+            logits_logprobs_forward(logits, ids, 1.0, softcap=30.0)
+        else:
+            logits_logprobs_backward(logits, ids, lse, lse, lse, lse if kind == "entropy" else None, 1.0,
+                                     softcap=30.0)
+    scenarios += [(f"logits_{name}_softcap", lambda k=kind: capped(k))
+                  for name, kind in (("fwd_bf16", "fwd"), ("bwd_bf16_logp", "logp"), ("bwd_bf16_entropy", "entropy"))]
     return scenarios

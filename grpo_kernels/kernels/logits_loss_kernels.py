@@ -9,7 +9,8 @@ then sweeps the row again writing ``d logits = (g (onehot - p) - g_h p (log p + 
 logits buffer itself (in place) or a new one. Three passes over HBM (read forward, read + write backward) become
 one read and one write when the second sweep hits L2: programs are persistent, one per SM (rows in flight = SMs,
 see ``logits_rows``'s table), and the second sweep runs the row backwards. Each row also writes its loss and metric
-terms; the caller sums them in a fixed order (deterministic, no atomics).
+terms; the caller sums them in a fixed order (deterministic, no atomics). A soft cap (``cfg.softcap``) is applied to
+every logit the two sweeps read and to the target's, in registers (``logits_rows``); its value is a runtime argument.
 
 Layout as ``logits_kernels``: any batch/time strides, unit vocab stride, a 1-D grid, int64 offsets, fp32 maths.
 """
@@ -20,8 +21,8 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .logits_kernels import as_btv, tiles
-from .common import num_sms
+from .logits_kernels import as_btv, softcap_arg, tiles
+from .common import num_sms, soft_cap
 from .logits_rows import row_logsumexp_entropy, vec_for, write_row_dlogits
 from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
 from .token_terms import token_terms_at
@@ -39,11 +40,12 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
                                 is_ptr, h_scale_ptr, terms_ptr,
                                 N, T, V, stride_b, stride_t, out_stride_b, out_stride_t,
                                 adv_stride_b, adv_stride_t, is_stride_b, is_stride_t,
-                                inv_temperature, eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg,
-                                KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
+                                inv_temperature, eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg, softcap,
+                                SOFTCAP: tl.constexpr, KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
                                 HAS_IS: tl.constexpr, HAS_DELTA: tl.constexpr, USE_BETA: tl.constexpr,
                                 BIAS_CORRECTION: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
                                 BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    # Why softcap is the last runtime argument: the kernel without a cap keeps its parameter layout, hence its SASS.
     # Why persistent programs striding over rows: few rows in flight (one per program) keep each row in L2
     # between its two sweeps; consecutive programs take consecutive rows.
     h_scale = 0.0
@@ -59,10 +61,12 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
         # Why `keep`: padded tokens read no logits; their d logits are written as zeros.
         keep = m != 0.0
         base = logits_ptr + b * stride_b + t * stride_t
-        lse, h = row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V, VEC, "evict_last")
+        lse, h = row_logsumexp_entropy(base, V, keep, inv_temperature, softcap, SOFTCAP, BLOCK_V, VEC,
+                                       "evict_last")
         target = tl.load(ids_ptr + row)
+        # Why the raw target logit is kept in a register: in place, the second sweep overwrites it in memory.
         z_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32)
-        logp = z_target * inv_temperature - lse
+        logp = soft_cap(z_target, softcap, SOFTCAP) * inv_temperature - lse
         w = tl.load(w_ptr + row)
         adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
         policy, d_policy, kl, rho, rho1 = token_terms_at(logp, old_ptr, ref_ptr, is_ptr, row,
@@ -73,7 +77,7 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
         g = tl.where(keep, w * d_policy, 0.0)
         g_h = tl.where(keep, h_scale * m, 0.0)
         write_row_dlogits(base, dlogits_ptr + b * out_stride_b + t * out_stride_t, V, keep, target, z_target, lse, h,
-                          g, g_h, inv_temperature, HAS_ENTROPY_GRAD, BLOCK_V, VEC)
+                          g, g_h, inv_temperature, softcap, SOFTCAP, HAS_ENTROPY_GRAD, BLOCK_V, VEC)
 
         low = tl.where((rho1 < 1.0 - eps_low) & (adv < 0), 1.0, 0.0)
         high = tl.where((rho1 > 1.0 + eps_high) & (adv > 0), 1.0, 0.0)
@@ -111,8 +115,9 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, kind: int, inplace: bool)
     """One sweep pair per row: returns (d logits shaped like ``logits`` for a loss scaled by 1, per-row terms
     (B*T, N_TERMS) fp32). ``tokens``: an ``inputs.LossTokens`` (mask, weights, advantages, old / reference
     log-probs, importance weight); ``h_scale`` a one-element fp32 tensor
-    ``-entropy_coef / max(n_valid, 1)`` or None; ``kind`` the policy term's index. With ``inplace`` the d logits
-    overwrite the logits buffer (a copy is made only when the vocab dim is strided)."""
+    ``-entropy_coef / max(n_valid, 1)`` or None; ``cfg`` the loss options (the kernel reads the temperature, the soft
+    cap ``cfg.softcap`` and the policy's hyper-parameters); ``kind`` the policy term's index. With ``inplace`` the
+    d logits overwrite the logits buffer (a copy is made only when the vocab dim is strided)."""
     x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
@@ -132,7 +137,8 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, kind: int, inplace: bool)
                N, T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), adv_sb, adv_st, is_sb, is_st,
                1.0 / cfg.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0),
                float(cfg.beta), float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
-               KIND=kind, HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_IS=isr is not None,
+               softcap_arg(cfg.softcap), SOFTCAP=cfg.softcap is not None, KIND=kind, HAS_OLD=old is not None,
+               HAS_REF=ref is not None, HAS_IS=isr is not None,
                HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
                BLOCK_V=cfg_t.block_v, VEC=vec_for(cfg_t.block_v, x.dtype), num_warps=cfg_t.num_warps,
@@ -154,15 +160,16 @@ def scale_dlogits_(dlogits: torch.Tensor, scale: torch.Tensor, mask_f: torch.Ten
 
 def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: the launchers above on small CPU tensors of the GPU shape class
-    (V = 151936): bf16 with every option for each policy kind, plain bf16, and fp32 / fp16 with every option."""
+    (V = 151936): bf16 with every option for each policy kind, plain bf16, and fp32 / fp16 with every option; the
+    bf16 clipped ones also with the soft cap on (suffix _softcap: reported, not held to the budget of the others)."""
     from ..config import GRPOLossConfig
     from ..inputs import LossTokens
 
-    def scenario(dtype, kind, full):
+    def scenario(dtype, kind, full, softcap=None):
         def thunk():
             logits = torch.zeros(2, 3, 151936, dtype=dtype)
             bt = torch.zeros(2, 3)
-            cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None)
+            cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None, softcap=softcap)
             tokens = LossTokens(torch.zeros(2), bt, bt, bt if full else None, bt if full else None,
                                 bt if full else None)
             grad_in_forward(logits, torch.zeros(2, 3, dtype=torch.long), tokens, torch.zeros(1) if full else None,
@@ -172,6 +179,8 @@ def aot_launches():
     names = {KIND_CLIPPED: "clipped", KIND_CISPO: "cispo", KIND_SAPO: "sapo"}
     scenarios = [(f"logits_loss_bf16_{names[k]}_all_options", scenario(torch.bfloat16, k, True)) for k in names]
     scenarios.append(("logits_loss_bf16_clipped_plain", scenario(torch.bfloat16, KIND_CLIPPED, False)))
+    scenarios += [(f"logits_loss_bf16_clipped_{flags}_softcap", scenario(torch.bfloat16, KIND_CLIPPED, full, 30.0))
+                  for flags, full in (("plain", False), ("all_options", True))]
     scenarios += [(f"logits_loss_{ty}_clipped_all_options", scenario(dt, KIND_CLIPPED, True))
                   for dt, ty in ((torch.float32, "fp32"), (torch.float16, "fp16"))]
     for dt, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):

@@ -17,6 +17,11 @@ coalesced layout puts each lane wholly in one thread. The online logsumexp then 
 lane (``common.lane_fold``: register ops, no shuffle, no barrier inside the loop) and combines the lanes once per
 row; the d-logits sweep writes ``-g p`` everywhere and fixes the target's column with one scalar store after the
 row (no per-element id compare). Instruction budget and measurements: docs/kernels.md.
+
+Soft cap (``softcap`` runtime value, ``SOFTCAP`` constexpr): every sweep caps each loaded logit first
+(``common.soft_cap``, ``c tanh(x / c)``) and works on the capped value as it would on a raw one; the d-logits sweep
+multiplies each value it writes by the cap's derivative (``common.soft_cap_grad``). With ``SOFTCAP`` false both
+compile to nothing, so the sweeps are the same code as without a cap.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from .._triton import import_triton
-from .common import LOG2E, dlogits_values, generation, lane_fold, lanes_to_row, overrides, row_lse_entropy
+from .common import (LOG2E, dlogits_values, generation, lane_fold, lanes_to_row, overrides, row_lse_entropy, soft_cap,
+                     soft_cap_grad)
 
 triton, tl = import_triton()
 
@@ -88,12 +94,12 @@ def _block_offsets(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
-                          EVICTION: tl.constexpr):
-    """(lse, entropy) of ``z = row / temperature`` for the row at ``base`` (unit stride); a row with ``keep``
-    false reads nothing and returns (0, 0). A NaN anywhere in the row makes both NaN (the sum carries it).
-    VEC: values per 16 bytes (``vec_width``). EVICTION: the L2 hint of the loads, "evict_last" when the row is
-    swept again right after, else ""."""
+def row_logsumexp_entropy(base, V, keep, inv_temperature, softcap, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+                          VEC: tl.constexpr, EVICTION: tl.constexpr):
+    """(lse, entropy) of ``z = soft_cap(row) / temperature`` for the row at ``base`` (unit stride; the cap only when
+    SOFTCAP); a row with ``keep`` false reads nothing and returns (0, 0). A NaN anywhere in the row makes both NaN
+    (the sum carries it). VEC: values per 16 bytes (``vec_width``). EVICTION: the L2 hint of the loads,
+    "evict_last" when the row is swept again right after, else ""."""
     offs = _block_offsets(BLOCK_V, VEC)
     c = inv_temperature * LOG2E
     m = tl.full([BLOCK_V // VEC], float("-inf"), tl.float32)
@@ -107,7 +113,9 @@ def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr,
     x_next = tl.load(base + offs, mask=offs < tl.where(n_blocks > 0, BLOCK_V, 0), other=float("-inf"),
                      eviction_policy=EVICTION)
     for i in range(0, n_blocks):
-        x = x_next.to(tl.float32)
+        # Why the cap needs no mask here: every lane of a full block is a real logit (a real -inf caps to -c,
+        # as reference.soft_cap).
+        x = soft_cap(x_next.to(tl.float32), softcap, SOFTCAP)
         start = tl.multiple_of((i + 1) * BLOCK_V, BLOCK_V)
         x_next = tl.load(base + start + offs, mask=offs < tl.where(i + 1 < n_blocks, BLOCK_V, 0),
                          other=float("-inf"), eviction_policy=EVICTION)
@@ -116,6 +124,9 @@ def row_logsumexp_entropy(base, V, keep, inv_temperature, BLOCK_V: tl.constexpr,
     if keep & (n_full < V):
         v = n_full + offs
         x = tl.load(base + v, mask=v < V, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
+        if SOFTCAP:
+            # Why back to -inf past the row's end: the cap would make those lanes -c, a weight exp(-c / T) each.
+            x = tl.where(v < V, soft_cap(x, softcap, SOFTCAP), float("-inf"))
         m, s, a = lane_fold(x, m, s, a, c)
     m_row, s_row, a_row = lanes_to_row(m, s, a, c)
     lse, entropy = row_lse_entropy(m_row, s_row, a_row, inv_temperature)
@@ -135,12 +146,28 @@ def dlogits_coefficients(keep, lse, h, g, g_h, inv_temperature):
 
 
 @triton.jit
-def write_row_dlogits(base, out, V, keep, target, z_target, lse, h, g, g_h, inv_temperature,
-                      HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+def _dlogits_of_raw(x, inv_temperature, softcap, lse, coef_a, coef_b, SOFTCAP: tl.constexpr,
+                    HAS_ENTROPY_GRAD: tl.constexpr):
+    """d logits (fp32) of raw logits ``x`` off the target column: ``common.dlogits_values`` at the capped logit,
+    times the cap's derivative there (x and dlogits_values alone when SOFTCAP is off).
+
+    Why no -inf mask after the cap (unlike the logsumexp sweep): lanes past the row's end are not stored, and a row
+    that is not kept has zero coefficients, so its capped lanes (-c, finite) give exact zeros; -inf there would
+    make the derivative 1 - inf^2 and 0 * -inf = NaN."""
+    capped = soft_cap(x, softcap, SOFTCAP)
+    dz = dlogits_values(capped, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+    return soft_cap_grad(dz, capped, softcap, SOFTCAP)
+
+
+@triton.jit
+def write_row_dlogits(base, out, V, keep, target, z_target, lse, h, g, g_h, inv_temperature, softcap,
+                      SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                      VEC: tl.constexpr):
     """Write ``d loss / d logits`` of one row to ``out`` (unit stride) in ``out``'s dtype, from the row's lse /
     entropy and per-token gradients ``g = d loss / d logp``, ``g_h = d loss / d entropy``; ``z_target`` is the
     target's raw logit, read before the sweep (``out`` may be the logits row itself). A row with ``keep`` false
-    reads nothing and gets zeros.
+    reads nothing and gets zeros. With SOFTCAP the statistics are those of the capped row and every value written
+    is d loss / d raw logit (the cap's derivative applied).
 
     Why backwards (tail first, then the full blocks from the last): right after a forward sweep of the same row
     the blocks read last are the likeliest to still be in L2."""
@@ -150,7 +177,7 @@ def write_row_dlogits(base, out, V, keep, target, z_target, lse, h, g, g_h, inv_
     if n_full < V:
         v = n_full + offs
         x = tl.load(base + v, mask=v < tl.where(keep, V, 0), other=float("-inf")).to(tl.float32)
-        dz = dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+        dz = _dlogits_of_raw(x, inv_temperature, softcap, lse, coef_a, coef_b, SOFTCAP, HAS_ENTROPY_GRAD)
         tl.store(out + v, dz.to(out.dtype.element_ty), mask=v < V)
     # Why these masks: constant over the block (all or nothing), so loads stay predicated 16-byte vectors; and
     # as in the first sweep the next block's load is issued before the current block is computed and stored.
@@ -164,12 +191,15 @@ def write_row_dlogits(base, out, V, keep, target, z_target, lse, h, g, g_h, inv_
         more = keep & (i + 1 < n_blocks)
         x_next = tl.load(base + start - BLOCK_V + offs, mask=offs < tl.where(more, BLOCK_V, 0),
                          other=float("-inf"), eviction_policy="evict_first")
-        dz = dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+        dz = _dlogits_of_raw(x, inv_temperature, softcap, lse, coef_a, coef_b, SOFTCAP, HAS_ENTROPY_GRAD)
         tl.store(out + start + offs, dz.to(out.dtype.element_ty))
-    # The target's column: g' (onehot) on top of its -g' p value, computed from the logit read before the sweep.
+    # The target's column: g' (onehot) on top of its -g' p value, computed from the logit read before the sweep,
+    # the whole value times the cap's derivative at the target.
     # Why the barrier: another thread stored the block holding it; one barrier per row orders the two stores.
     tl.debug_barrier()
-    dz_t = g_t + dlogits_values(z_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+    capped_t = soft_cap(z_target, softcap, SOFTCAP)
+    dz_t = soft_cap_grad(g_t + dlogits_values(capped_t, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+                         capped_t, softcap, SOFTCAP)
     tl.store(out + target, dz_t.to(out.dtype.element_ty), mask=keep & (target >= 0) & (target < V))
 
 

@@ -1,6 +1,7 @@
 """``grpo_loss``'s fast path (``planner.LOGITS_FAST``): one Triton kernel per row computes the logsumexp, the
 per-token loss terms and their gradient, and rewrites the row as d logits in the forward; the backward only
-scales them by the incoming gradient (docs/kernels.md, "Logits path").
+scales them by the incoming gradient (docs/kernels.md, "Logits path"). The soft cap (``cfg.softcap``) travels in the
+config to ``grad_in_forward``, whose kernel caps every logit it reads and applies the cap's derivative to d logits.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class LogitsFastParams:
 
 
 class _LogitsLossInForward(torch.autograd.Function):
-    """logits -> (loss, term sums), with d loss / d logits computed by the forward kernel."""
+    """logits -> (loss, term sums), with d loss / d logits computed by the forward kernel (``params.cfg`` carries
+    the temperature and the soft cap to it)."""
 
     @staticmethod
     def forward(ctx, logits, params: LogitsFastParams):
@@ -68,7 +70,7 @@ def _logits_loss_fast(logits: torch.Tensor, ids: torch.Tensor, mask_f: torch.Ten
                       entropy_coef: float,
                       softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss fp32 0-dim, term sums fp64 (N_TERMS,), d logits of the loss) from the ``logits.fast`` row kernel;
-    count: the 0-dim valid-token count (>= 1) of the entropy bonus."""
+    count: the 0-dim valid-token count (>= 1) of the entropy bonus; softcap: None or the logits' cap (in ``cfg``)."""
     from ..kernels.logits_loss_kernels import grad_in_forward
     from ..metrics import ENTROPY, LOSS
     cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,

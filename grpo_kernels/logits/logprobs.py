@@ -3,7 +3,9 @@
 
 Neither path creates a second B x T x V tensor in the forward; the backward writes one d logits buffer, or reuses
 the logits buffer with ``inplace_backward=True``. The PyTorch path's rows per chunk come from the plan (its fp32
-temporaries fit the memory budget).
+temporaries fit the memory budget). A soft cap (``softcap``: ``z = softcap * tanh(logits / softcap) / temperature``)
+is applied by both paths: in the kernels' registers, and in the PyTorch path's chunk buffers (``reference.soft_cap``'s
+maths, in place), with its derivative on d logits; the PyTorch path keeps its two temporaries per chunk with it.
 """
 from __future__ import annotations
 
@@ -24,8 +26,17 @@ TORCH_LOGITS_TEMPS = 2
 NEG_BIG = -1e30
 
 
-def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_rows: int):
-    """Chunked eager path: fp32 out (fp64 for fp64 logits); two chunk_rows x V temporaries at a time."""
+def _capped_chunk(x_rows: torch.Tensor, acc: torch.dtype, softcap: float) -> torch.Tensor:
+    """A new ``acc`` buffer holding ``softcap * tanh(x_rows / softcap)`` (``reference.soft_cap``'s maths, formed in
+    place), never a view of the logits."""
+    z = x_rows.div(softcap) if x_rows.dtype == acc else x_rows.to(acc).div_(softcap)
+    return z.tanh_().mul_(softcap)
+
+
+def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_rows: int,
+                   softcap: float | None = None):
+    """Chunked eager path: fp32 out (fp64 for fp64 logits); two chunk_rows x V temporaries at a time. With
+    ``softcap`` the logits are capped in the chunk's buffer before the temperature."""
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
     flat_ids = ids.reshape(-1)
@@ -34,7 +45,10 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
     logp, lse, entropy = (torch.empty(N, dtype=acc, device=x.device) for _ in range(3))
     for start in range(0, N, chunk_rows):
         rows = slice(start, start + chunk_rows)
-        z = x[rows].to(acc).mul(1.0 / temperature) if x.dtype == acc else x[rows].to(acc).mul_(1.0 / temperature)
+        if softcap is None:
+            z = x[rows].to(acc).mul(1.0 / temperature) if x.dtype == acc else x[rows].to(acc).mul_(1.0 / temperature)
+        else:
+            z = _capped_chunk(x[rows], acc, softcap).mul_(1.0 / temperature)
         m = z.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1)
@@ -50,8 +64,34 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
     return logp, lse, entropy
 
 
-def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, inplace, chunk_rows):
-    """d logits, chunk by chunk, formed in place: two chunk_rows x V temporaries at a time."""
+def _capped_dlogits(x_rows, ids_rows, lse_rows, h, g, g_h, inv_t, acc, softcap):
+    """d logits of one chunk with the soft cap, in two chunk-sized buffers (as without it):
+    ``soft_cap'(x) (g onehot - p (g + g_h (log p + H))) / T`` with ``p`` the capped softmax.
+
+    Why this order: buffer A holds the capped logits and B = log p; A then becomes the cap's derivative
+    ``1 - (capped / c)^2`` (``reference.soft_cap_derivative``), read at the target for the onehot term before A is
+    reused. With an entropy gradient, log p and p are both needed beside the derivative, so A becomes
+    ``soft_cap' p`` as ``exp(log soft_cap' + log p)`` (no third buffer; soft_cap' = 0 gives log = -inf and exactly 0,
+    and soft_cap' >= 0 since |capped| <= c in floating point too)."""
+    capped = _capped_chunk(x_rows, acc, softcap)
+    log_p = capped.mul(inv_t).sub_(lse_rows.unsqueeze(-1))
+    derivative = capped.div_(softcap).square_().neg_().add_(1.0)
+    del capped
+    onehot = g * derivative.gather(-1, ids_rows.unsqueeze(-1))
+    if g_h is None:
+        dz = log_p.exp_().mul_(derivative).mul_(-g)
+    else:
+        weighted_p = derivative.log_().add_(log_p).exp_()
+        # -soft_cap' p (g + g_h (log p + H)), formed in log_p's buffer
+        dz = log_p.clamp_(min=NEG_BIG).add_(h).mul_(g_h).add_(g).mul_(weighted_p).neg_()
+    del derivative
+    return dz.scatter_add_(-1, ids_rows.unsqueeze(-1), onehot).mul_(inv_t)
+
+
+def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, inplace, chunk_rows,
+                    softcap: float | None = None):
+    """d logits, chunk by chunk, formed in place: two chunk_rows x V temporaries at a time (with or without
+    ``softcap``)."""
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
     out = x if inplace and x.data_ptr() == logits.data_ptr() else torch.empty_like(x)
@@ -60,22 +100,27 @@ def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperat
     inv_t = 1.0 / temperature
     for start in range(0, x.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
-        log_p = x[rows].to(acc).mul(inv_t) if x.dtype == acc else x[rows].to(acc).mul_(inv_t)
-        log_p.sub_(lse[rows].unsqueeze(-1))
-        p = log_p.exp()
         g = grad_logp[rows].to(acc).unsqueeze(-1)
         active = g != 0
-        if grad_entropy is None:
-            dz = p.mul_(-g)
-        else:
+        h = g_h = None
+        if grad_entropy is not None:
             h = entropy[rows].unsqueeze(-1)
             g_h = grad_entropy[rows].to(acc).unsqueeze(-1)
-            # -p (g + g_h (log p + H)), formed in log_p's buffer
-            dz = log_p.clamp_(min=NEG_BIG).add_(h).mul_(g_h).add_(g).mul_(p).neg_()
             active = active | (g_h != 0)
-        del log_p, p
-        dz.scatter_add_(-1, flat_ids[rows].unsqueeze(-1), g)
-        dz.mul_(inv_t)
+        if softcap is not None:
+            dz = _capped_dlogits(x[rows], flat_ids[rows], lse[rows], h, g, g_h, inv_t, acc, softcap)
+        else:
+            log_p = x[rows].to(acc).mul(inv_t) if x.dtype == acc else x[rows].to(acc).mul_(inv_t)
+            log_p.sub_(lse[rows].unsqueeze(-1))
+            p = log_p.exp()
+            if grad_entropy is None:
+                dz = p.mul_(-g)
+            else:
+                # -p (g + g_h (log p + H)), formed in log_p's buffer
+                dz = log_p.clamp_(min=NEG_BIG).add_(h).mul_(g_h).add_(g).mul_(p).neg_()
+            del log_p, p
+            dz.scatter_add_(-1, flat_ids[rows].unsqueeze(-1), g)
+            dz.mul_(inv_t)
         # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits hold
         # NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
         dz.masked_fill_(~active, 0.0)
@@ -87,13 +132,15 @@ def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperat
 @dataclass(frozen=True)
 class LogitsSweepParams:
     """The non-differentiable inputs of ``_TokenLogprobs``: impl "triton" | "torch", the PyTorch path's rows per
-    chunk, and the rows the Triton forward may skip (``row_mask``: their outputs are 0 and get no gradient)."""
+    chunk, the rows the Triton forward may skip (``row_mask``: their outputs are 0 and get no gradient), and the
+    soft cap (None: none)."""
 
     temperature: float
     impl: str
     inplace: bool
     chunk_rows: int | None = None
     row_mask: torch.Tensor | None = None
+    softcap: float | None = None
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -103,9 +150,10 @@ class _TokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits, ids, params: LogitsSweepParams):
         if params.impl == "triton":
             from ..kernels.logits_kernels import logits_logprobs_forward
-            logp, lse, entropy = logits_logprobs_forward(logits, ids, params.temperature, row_mask=params.row_mask)
+            logp, lse, entropy = logits_logprobs_forward(logits, ids, params.temperature, softcap=params.softcap,
+                                                         row_mask=params.row_mask)
         else:
-            logp, lse, entropy = _torch_forward(logits, ids, params.temperature, params.chunk_rows)
+            logp, lse, entropy = _torch_forward(logits, ids, params.temperature, params.chunk_rows, params.softcap)
         ctx.save_for_backward(logits, ids, lse, entropy)
         ctx.params = params
         ctx.set_materialize_grads(False)
@@ -133,28 +181,28 @@ class _TokenLogprobs(torch.autograd.Function):
         if params.impl == "triton":
             from ..kernels.logits_kernels import logits_logprobs_backward
             dlogits = logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
-                                               params.temperature, inplace=params.inplace)
+                                               params.temperature, softcap=params.softcap, inplace=params.inplace)
         else:
             dlogits = _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, params.temperature,
-                                      params.inplace, params.chunk_rows)
+                                      params.inplace, params.chunk_rows, params.softcap)
         return dlogits, None, None
 
 
 @custom_op("grpo_kernels::logits_logprobs", mutates_args=())
 def _logits_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, impl: str,
-                     chunk_rows: int, row_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor]:
-    """(logp, entropy, lse) flat (N,), fp32 (fp64 for fp64 logits on the PyTorch path)."""
+                     chunk_rows: int, row_mask: Optional[torch.Tensor],
+                     softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, lse) flat (N,), fp32 (fp64 for fp64 logits on the PyTorch path); softcap: None or the cap."""
     if impl == "triton":
         from ..kernels.logits_kernels import logits_logprobs_forward
-        logp, lse, entropy = logits_logprobs_forward(logits, ids, temperature, row_mask=row_mask)
+        logp, lse, entropy = logits_logprobs_forward(logits, ids, temperature, softcap=softcap, row_mask=row_mask)
     else:
-        logp, lse, entropy = _torch_forward(logits, ids, temperature, chunk_rows)
+        logp, lse, entropy = _torch_forward(logits, ids, temperature, chunk_rows, softcap)
     return logp.reshape(-1), entropy.reshape(-1), lse.reshape(-1)
 
 
 @_logits_logprobs.register_fake
-def _(logits, ids, temperature, impl, chunk_rows, row_mask):
+def _(logits, ids, temperature, impl, chunk_rows, row_mask, softcap):
     dtype = ops.acc_dtype(logits) if impl == "torch" else torch.float32
     return tuple(logits.new_empty((ids.numel(),), dtype=dtype) for _ in range(3))
 
@@ -162,25 +210,26 @@ def _(logits, ids, temperature, impl, chunk_rows, row_mask):
 @custom_op("grpo_kernels::logits_logprobs_backward", mutates_args=())
 def _logits_logprobs_backward(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
                               grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], temperature: float,
-                              impl: str, chunk_rows: int) -> torch.Tensor:
+                              impl: str, chunk_rows: int, softcap: Optional[float]) -> torch.Tensor:
     """d logits (a new buffer shaped like logits)."""
     if impl == "triton":
         from ..kernels.logits_kernels import logits_logprobs_backward
         return logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature,
-                                        inplace=False)
-    return _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, False, chunk_rows)
+                                        softcap=softcap, inplace=False)
+    return _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, False, chunk_rows,
+                           softcap)
 
 
 @_logits_logprobs_backward.register_fake
-def _(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, impl, chunk_rows):
+def _(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, impl, chunk_rows, softcap):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _logits_setup(ctx, inputs, output):
-    logits, ids, temperature, impl, chunk_rows, _row_mask = inputs
+    logits, ids, temperature, impl, chunk_rows, _row_mask, softcap = inputs
     _logp, entropy, lse = output
     ctx.save_for_backward(logits, ids, lse, entropy)
-    ctx.args = (temperature, impl, chunk_rows)
+    ctx.args = (temperature, impl, chunk_rows, softcap)
 
 
 def _logits_backward(ctx, grad_logp, grad_entropy, _grad_lse):
@@ -188,7 +237,7 @@ def _logits_backward(ctx, grad_logp, grad_entropy, _grad_lse):
     grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).to(lse.dtype)
     grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).to(lse.dtype)
     dlogits = _logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, *ctx.args)
-    return dlogits, None, None, None, None, None
+    return dlogits, None, None, None, None, None, None
 
 
 _logits_logprobs.register_autograd(_logits_backward, setup_context=_logits_setup)
@@ -197,18 +246,18 @@ _logits_logprobs.register_autograd(_logits_backward, setup_context=_logits_setup
 def _compiled_logprobs(logits, ids, params):
     """``_TokenLogprobs`` through the registered op (under torch.compile): (logp, entropy, lse) shaped like ids."""
     logp, entropy, lse = _logits_logprobs(logits, ids, params.temperature, params.impl, params.chunk_rows or 0,
-                                          params.row_mask)
+                                          params.row_mask, params.softcap)
     shape = ids.shape
     return logp.view(shape), entropy.view(shape), lse.view(shape)
 
 
 def logits_token_logprobs(inputs: LogitsInputs, plan, inplace_backward: bool = False, row_mask=None):
-    """(logp, entropy, lse) shaped like the ids, from validated inputs and their plan.
+    """(logp, entropy, lse) shaped like the ids, from validated inputs (their ``softcap`` included) and their plan.
 
     row_mask (like ids, optional): the Triton path skips rows where it is 0 (their outputs are 0 and they must get
     no gradient); the loss passes its mask so padded tokens cost no logits traffic."""
     params = LogitsSweepParams(inputs.temperature, inputs.impl, bool(inplace_backward), plan.chunk_rows,
-                               row_mask if inputs.impl == "triton" else None)
+                               row_mask if inputs.impl == "triton" else None, inputs.softcap)
     if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
         return _compiled_logprobs(inputs.logits, inputs.ids, params)
     return _TokenLogprobs.apply(inputs.logits, inputs.ids, params)
