@@ -12,6 +12,10 @@ ratio, vespo's row weights, the off-policy row mask) take the same route with ch
 the fold kernel gives log-probs and entropies, autograd through the reference loss on the chunk's sequences gives
 their gradients, and the d-logits epilogue and GEMMs follow.
 
+A soft cap (``cfg.softcap``, Gemma 2's ``final_logit_softcapping``) is applied by the epilogue kernels themselves,
+before the temperature, in the fold and in the d-logits sweep (which multiplies by its derivative): the GEMMs see
+raw logits and raw-logit gradients, so nothing here changes but the option passed on.
+
 The head runs on the tensors as given: under autocast the Function casts hidden / weight to the compute dtype
 itself, so that an fp32 (master) weight's gradient accumulates straight into its fp32 gradient (no second V x H
 buffer); a half-precision weight's gradient accumulates in an fp32 buffer and is handed out rounded once.
@@ -35,8 +39,9 @@ from ..reference import loss_from_logps
 
 @dataclass(frozen=True)
 class FastParams:
-    """The non-differentiable inputs of the fast paths' Functions: the compute dtype, temperature and, per path,
-    the row chunking (``rows``), the per-token inputs (``tokens``) or the sequence chunks and their gradients."""
+    """The non-differentiable inputs of the fast paths' Functions: the compute dtype, the loss options ``cfg``
+    (temperature and soft cap included, read by the kernels' launchers) and, per path, the row chunking (``rows``),
+    the per-token inputs (``tokens``) or the sequence chunks and their gradients."""
 
     dtype: torch.dtype
     cfg: GRPOLossConfig
@@ -218,7 +223,8 @@ class _HeadSequenceGradsInForward(torch.autograd.Function):
         (h, w, b), needs = _compute_dtype(ctx, hidden, weight, bias, p.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             logp, ent, dh, dw32, db32 = head_sequence_grads(h, w, b, ids, list(p.bounds), p.token_grads,
-                                                            p.cfg.temperature, *needs, grad_ids=p.grad_ids)
+                                                            p.cfg.temperature, *needs, grad_ids=p.grad_ids,
+                                                            softcap=p.cfg.softcap)
         del h, w, b
         ctx.grads = (None if dh is None else dh.to(hidden.dtype), dw32, db32)
         ctx.mark_non_differentiable(logp, ent)
@@ -241,7 +247,9 @@ def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GR
 
     shard_view (a vocabulary shard, ``distributed/vocab_parallel.py``): ``shard_view(hidden, ids)`` -> (hidden whose
     gradient is summed over the ranks, ids clamped into the shard, one-hot ids (-1 where another rank owns the id),
-    ``combine(r0, r1, logp, lse, entropy)`` turning a chunk's shard statistics into whole-vocabulary ones in place)."""
+    ``combine(r0, r1, logp, lse, entropy)`` turning a chunk's shard statistics into whole-vocabulary ones in place).
+    With ``cfg.softcap`` the fold kernel's (logp, lse, entropy) are already those of the capped logits, so the combine
+    (which works on them alone) and the d-logits epilogue (which recomputes the cap) need nothing more."""
     B, T = inputs.shape
     dev = inputs.hidden.device
     weights = batch.token_weights(cfg, B, T, dev)

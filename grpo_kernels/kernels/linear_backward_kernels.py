@@ -2,6 +2,10 @@
 recomputing the logit tiles from the saved logsumexp. Kernels and their launcher ``linear_logprobs_backward``;
 shared helpers and the tile table in ``linear_tiles.py``.
 
+With a soft cap (``softcap``) every route recomputes the capped logits from the raw ones and multiplies d logits
+by the cap's derivative (``linear_tiles.dlogits_tile``, the epilogue's ``dlogits_chunk``), so what reaches the
+GEMMs is the gradient with respect to the raw logits h W^T + b.
+
 ``deterministic=True`` (the default): no float atomics anywhere. Rows run in blocks of ``row_block`` (all N when the
 plan allows, ``planner.plan_head`` / ``backward_layout``); per block the vocab is cut into chunks of Vc columns; per
 chunk a kernel writes d logits (Rb, Vc) in the input dtype (every program owns its output tile), then fixed-order
@@ -40,7 +44,7 @@ from .common import cdiv, overrides
 from .launch import launch
 from .fp32_gemm import addmm_f32_, logits_f32
 from .linear_epilogue_kernels import dlogits_chunk, half_view
-from .linear_tiles import dlogits_tile, grouped_tile, logits_tile, mma, to_input_dtype, tl, triton
+from .linear_tiles import cap_args, dlogits_tile, grouped_tile, logits_tile, mma, to_input_dtype, tl, triton
 
 # d logits chunk of the deterministic backward when the caller gives no budget: this fraction of N x V fp32 logits.
 DETERMINISTIC_CHUNK_FRACTION = 0.01
@@ -49,9 +53,9 @@ DETERMINISTIC_CHUNK_FRACTION = 0.01
 @triton.jit(do_not_specialize=["N", "n_m_blocks", "n_v_blocks"])
 def linear_bwd_atomic_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr,
                              dh_ptr, dw_ptr, db_ptr,
-                             N, V, H, stride_h, stride_w, inv_temperature, n_m_blocks, n_v_blocks,
+                             N, V, H, stride_h, stride_w, inv_temperature, n_m_blocks, n_v_blocks, softcap,
                              HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, NEED_H: tl.constexpr,
-                             NEED_W: tl.constexpr, NEED_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                             NEED_W: tl.constexpr, NEED_B: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                              DOT_FP32: tl.constexpr):
     """One (token block, vocab block) tile of the backward; partial dh, dW, dbias go out by fp32 atomic adds.
@@ -68,10 +72,10 @@ def linear_bwd_atomic_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_
     cols_c = tl.minimum(cols, V - 1)
     # Why recompute the logit tile (2 * BLOCK_M * BLOCK_V * H FLOPs) instead of loading it: N x V logits are
     # never stored; recomputing is the price of O(N + V) extra memory.
-    z = logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature,
-                     HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
+    z = logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature, softcap,
+                    HAS_BIAS, SOFTCAP, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
     dl = dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
-                       HAS_ENTROPY_GRAD)
+                      softcap, HAS_ENTROPY_GRAD, SOFTCAP)
     if NEED_B:
         tl.atomic_add(db_ptr + cols, tl.sum(dl, axis=0), mask=col_ok, sem="relaxed")
     if NEED_H or NEED_W:
@@ -100,7 +104,8 @@ def linear_bwd_atomic_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_
 @triton.jit(do_not_specialize=["N", "n_m_blocks", "n_v_blocks", "v_begin", "v_end"])
 def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, dl_ptr,
                           N, V, H, stride_h, stride_w, stride_dl, inv_temperature, n_m_blocks, n_v_blocks, v_begin, v_end,
-                          HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          softcap, HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
+                          BLOCK_M: tl.constexpr,
                           BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                           DOT_FP32: tl.constexpr):
     """Deterministic backward, step 1: d logits for vocab columns [v_begin, v_end) of all N tokens.
@@ -117,11 +122,13 @@ def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     col_ok = cols < v_end
     rows_c = tl.minimum(rows, N - 1)
     z = logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
-                     HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
+                    softcap, HAS_BIAS, SOFTCAP, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
     dl = dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
-                       HAS_ENTROPY_GRAD)
+                      softcap, HAS_ENTROPY_GRAD, SOFTCAP)
     out = dl_ptr + rows.to(tl.int64)[:, None] * stride_dl + (cols - v_begin)[None, :]
     tl.store(out, to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
+
+
 def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
                              need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool,
                              chunk_bytes: int | None = None, row_block: int | None = None,
@@ -130,13 +137,12 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
 
     Inputs as in ``linear_logprobs_forward`` plus the forward's lse and entropy and the per-token grads grad_logp
     and grad_entropy (fp32 (N,); grad_entropy may be None: its term is then not compiled in). Per element
-    dz_v = grad_logp (onehot_v - p_v) - grad_entropy p_v (log p_v + entropy), d logits = dz / temperature.
+    dz_v = grad_logp (onehot_v - p_v) - grad_entropy p_v (log p_v + entropy), d logits = dz / temperature, times
+    1 - (y_v / softcap)^2 with a soft cap (y = softcap tanh(x / softcap); lse / entropy are the capped logits').
     ``deterministic`` selects the atomic-free path (see the module docstring for both paths and their memory);
     chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32 logits) and
     row_block its rows (None: all N), both from the plan (``backward_layout``).
     """
-    if softcap is not None:  # placeholder until the head kernels apply the cap (this session's next commit)
-        raise NotImplementedError("softcap on the Triton head kernels")
     N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
     need_bias = bool(need_bias) and bias is not None
     dev = hidden.device
@@ -150,7 +156,7 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
                 torch.zeros_like(bias) if need_bias else None)
     common = dict(hidden=hidden, weight=weight, bias=bias, ids=ids, lse=lse, entropy=entropy if has_ent else lse,
                   grad_logp=grad_logp, grad_entropy=grad_entropy if has_ent else grad_logp,
-                  inv_temperature=1.0 / temperature, has_ent=has_ent)
+                  inv_temperature=1.0 / temperature, has_ent=has_ent, softcap=softcap)
     if deterministic:
         if chunk_bytes is None:
             chunk_bytes = int(DETERMINISTIC_CHUNK_FRACTION * 4 * N * V)
@@ -170,7 +176,7 @@ def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp,
         HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent, NEED_H=need_hidden, NEED_W=need_weight,
         NEED_B=need_bias, BLOCK_M=tile.block_m, BLOCK_V=tile.block_v, BLOCK_K=tile.block_k, GROUP_M=tiles.GROUP_M,
         DOT_FP32=dot_fp32,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(softcap))
     return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype))
 
@@ -302,7 +308,7 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, chunk_bytes: int, d_hidde
             logits_f32(hidden, weight[v0:v1], z)
             dl = half_view(z, dtype)
             dlogits_chunk(z, dl, bias, c["ids"], c["lse"], c["entropy"], c["grad_logp"],
-                          c["grad_entropy"] if c["has_ent"] else None, v0, c["inv_temperature"])
+                          c["grad_entropy"] if c["has_ent"] else None, v0, c["inv_temperature"], softcap=c["softcap"])
         else:
             dl = buf[:, : v1 - v0]
             dlogits_tiles(c, buf, tile, dot_fp32, N, V, H, v0, v1)
@@ -336,7 +342,7 @@ def dlogits_tiles(c: dict, buf, tile, dot_fp32: int, N: int, V: int, H: int, v0:
            c["grad_entropy"], buf, N, V, H, hidden.stride(0), weight.stride(0), buf.stride(0), c["inv_temperature"],
            n_m, n_v, v0, v1, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=c["has_ent"], BLOCK_M=tile.block_m,
            BLOCK_V=tile.block_v, BLOCK_K=tile.block_k, GROUP_M=tiles.GROUP_M, DOT_FP32=dot_fp32,
-           num_warps=tile.num_warps, num_stages=tile.num_stages)
+           num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(c["softcap"]))
 
 
 def dlogits_by_gemm(dtype: torch.dtype, device: torch.device) -> bool:
@@ -355,13 +361,14 @@ def dlogits_by_gemm(dtype: torch.dtype, device: torch.device) -> bool:
 
 def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: both backward modes per dtype, bias and entropy gradient; the
-    atomic kernel also per combination of requested gradients (each is a separate compiled variant)."""
-    def scenario(dtype, has_bias, has_ent, need, deterministic):
+    atomic kernel also per combination of requested gradients (each is a separate compiled variant); and the bf16
+    / fp32 tile kernels of both modes, heaviest flags, with the soft cap on (``_softcap``)."""
+    def scenario(dtype, has_bias, has_ent, need, deterministic, softcap=None):
         def thunk():
             hidden, weight, bias, ids = tiles.aot_inputs(dtype, has_bias)
             stats = torch.zeros(hidden.shape[0])
             linear_logprobs_backward(hidden, weight, bias, ids, stats, stats, stats, stats if has_ent else None, 1.0,
-                                     *need, deterministic)
+                                     *need, deterministic, softcap=softcap)
         return thunk
 
     scenarios = []
@@ -376,6 +383,11 @@ def aot_launches():
                     flags = "".join(n for n, f in zip("hwb", need) if f)
                     scenarios.append((f"linear_bwd_atomic_{ty}_{b}_{e}_{flags}",
                                       scenario(dtype, has_bias, has_ent, need, False)))
+    for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        scenarios += [(f"linear_dlogits_{ty}_bias_ent_softcap", scenario(dtype, True, True, (True, True, True), True,
+                                                                         30.0)),
+                      (f"linear_bwd_atomic_{ty}_bias_ent_hwb_softcap", scenario(dtype, True, True, (True, True, True),
+                                                                                False, 30.0))]
     return scenarios
 
 

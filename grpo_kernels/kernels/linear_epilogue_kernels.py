@@ -11,8 +11,10 @@ Triton program per row then sweeps that row:
   dH[chunk] = dZ W and accumulates dW += dZ^T h into an fp32 buffer (never a per-chunk bf16 rounding), dbias
   likewise: 6NHV for a trainable head, 4NHV for a frozen one (no dW GEMM at all).
 
-Bias and 1 / temperature are applied in the epilogue (z = (x + b) * inv_temperature), so the GEMM is a plain
-``h @ W.T``. Why one program per row: a row of V fp32 logits is a contiguous stream; each program reads it with
+Bias, the soft cap and 1 / temperature are applied in the epilogue (z = soft_cap(x + b) * inv_temperature), so the
+GEMM is a plain ``h @ W.T``. The soft cap (``common.soft_cap``, a SOFTCAP constexpr: no instruction when off) is
+recomputed in every sweep from the raw logit, never stored; the d-logits sweep multiplies each value by its
+derivative (``common.soft_cap_grad``). A raw -inf (a -inf bias entry) is capped to -softcap, as ``torch.tanh`` does. Why one program per row: a row of V fp32 logits is a contiguous stream; each program reads it with
 16-byte vector loads in an unmasked main loop plus one masked tail block, keeps per-lane online statistics (no
 cross-lane reduction inside the loop) and combines the lanes once at the end.
 
@@ -33,10 +35,10 @@ import torch
 from .._checks import alloc
 from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
-from .common import LOG2E, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy
+from .common import LOG2E, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy, soft_cap, soft_cap_grad
 from .fp32_gemm import addmm_f32_, logits_f32
 from .launch import launch, target_arch
-from .linear_tiles import to_input_dtype
+from .linear_tiles import cap_args, to_input_dtype
 from .token_terms import token_terms_at
 
 triton, tl = import_triton()
@@ -63,8 +65,9 @@ def _lane_offsets(BLOCK: tl.constexpr, LANE: tl.constexpr):
 
 
 @triton.jit
-def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """(logsumexp, entropy) of one row of fp32 logits, z = (x + b) * inv_temperature: per-lane online
+def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """(logsumexp, entropy) of one row of fp32 logits, z = soft_cap(x + b) * inv_temperature: per-lane online
     statistics over unmasked (16-byte vector) full blocks and one masked tail, lanes combined once.
 
     Why the lane width: a lane must sit in one thread (common.lane_fold). Four fp32 logits are one 16-byte vector;
@@ -82,33 +85,38 @@ def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS: tl.constexpr, B
         x = tl.load(z_row + v0 + offs)
         if HAS_BIAS:
             x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-        m, s, a = lane_fold(x, m, s, a, c)
+        m, s, a = lane_fold(soft_cap(x, softcap, SOFTCAP), m, s, a, c)
     cols = v_main + offs
     ok = cols < V
     x = tl.load(z_row + cols, mask=ok, other=float("-inf"))
     if HAS_BIAS:
         x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        # Why the select: the cap maps the masked lanes' -inf to -softcap, a finite logit that would count in the
+        # sum; they must keep weight 0.
+        x = tl.where(ok, soft_cap(x, softcap, SOFTCAP), float("-inf"))
     m, s, a = lane_fold(x, m, s, a, c)
     m_row, s_row, a_row = lanes_to_row(m, s, a, c)
     return row_lse_entropy(m_row, s_row, a_row, inv_temperature)
 
 
 @triton.jit
-def _target_logit(z_row, b_ptr, target, ok, HAS_BIAS: tl.constexpr):
-    """The raw logit x + b of column ``target`` (0 where ``ok`` is false)."""
+def _target_logit(z_row, b_ptr, target, ok, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The capped logit soft_cap(x + b) of column ``target``, before the temperature (0 where ``ok`` is false)."""
     x = tl.load(z_row + target, mask=ok, other=0.0)
     if HAS_BIAS:
         x += tl.load(b_ptr + target, mask=ok, other=0.0).to(tl.float32)
-    return x
+    return soft_cap(x, softcap, SOFTCAP)
 
 
 @triton.jit
-def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, inv_temperature,
-                 HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """A row's d logits (g (onehot - p) - g_H p (log p + H)) * inv_temperature over columns [0, V), stored in
-    ``out_row``'s dtype: -g p (and the entropy term) in unmasked full blocks and one masked tail, then the target
-    column (``x_target``: its raw logit, read before the sweep) by one scalar store.
+def _dlogits_row(z_row, out_row, b_ptr, target, y_target, lse, ent, g, g_h, V, inv_temperature, softcap,
+                 HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's d logits (g (onehot - p) - g_H p (log p + H)) * inv_temperature over columns [0, V), times the soft
+    cap's derivative 1 - (y / softcap)^2 at y = soft_cap(x) when SOFTCAP, stored in ``out_row``'s dtype: -g p (and
+    the entropy term) in unmasked full blocks and one masked tail, then the target column (``y_target``: its capped
+    logit, read before the sweep) by one scalar store.
 
     Why the barriers, and why so few: a half-precision row written in place over its fp32 row (see the module
     docstring) stores block j into fp32 elements [j B / 2, (j + 1) B / 2). Once every thread has read blocks
@@ -128,8 +136,9 @@ def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, i
         x = tl.load(z_row + v0 + offs)
         if HAS_BIAS:
             x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-        dz = to_input_dtype(dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
-                            out_row.dtype.element_ty, ROUND_BY_HAND)
+        y = soft_cap(x, softcap, SOFTCAP)
+        dz = to_input_dtype(soft_cap_grad(dlogits_values(y, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+                                          y, softcap, SOFTCAP), out_row.dtype.element_ty, ROUND_BY_HAND)
         if HALF:
             k = v0 // BLOCK
             if ((k + 2) & (k + 1)) == 0:
@@ -140,27 +149,31 @@ def _dlogits_row(z_row, out_row, b_ptr, target, x_target, lse, ent, g, g_h, V, i
     x = tl.load(z_row + cols, mask=ok, other=0.0)
     if HAS_BIAS:
         x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    dz = to_input_dtype(dlogits_values(x, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
-                        out_row.dtype.element_ty, ROUND_BY_HAND)
+    # (masked lanes hold 0, a finite capped value, and are not stored)
+    y = soft_cap(x, softcap, SOFTCAP)
+    dz = to_input_dtype(soft_cap_grad(dlogits_values(y, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+                                      y, softcap, SOFTCAP), out_row.dtype.element_ty, ROUND_BY_HAND)
     # Why a barrier here too: the tail's block index may be due one, and the target's column below was stored
     # by whichever thread held it.
     tl.debug_barrier()
     tl.store(out_row + cols, dz, mask=ok)
     tl.debug_barrier()
-    dz_t = g_t + dlogits_values(x_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD)
+    dz_t = soft_cap_grad(g_t + dlogits_values(y_target, inv_temperature, lse, coef_a, coef_b, HAS_ENTROPY_GRAD),
+                         y_target, softcap, SOFTCAP)
     tl.store(out_row + target, to_input_dtype(dz_t, out_row.dtype.element_ty, ROUND_BY_HAND),
              mask=(target >= 0) & (target < V))
 
 
 @triton.jit(do_not_specialize=["row0", "V"])
 def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V, stride_z, inv_temperature,
-                     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """Row r of the fp32 chunk z_ptr (row stride stride_z) -> logp, lse, entropy of token row0 + r."""
+                     softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of the fp32 chunk z_ptr (row stride stride_z) -> logp, lse, entropy of token row0 + r (softcap: the
+    cap of the raw logits when SOFTCAP, any value otherwise)."""
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
-    zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), True, HAS_BIAS) * inv_temperature
+    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS, SOFTCAP, BLOCK)
+    zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), True, softcap, HAS_BIAS, SOFTCAP) * inv_temperature
     tl.store(lse_ptr + tok, lse)
     tl.store(logp_ptr + tok, zt - lse)
     tl.store(ent_ptr + tok, ent)
@@ -169,24 +182,25 @@ def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V,
 @triton.jit(do_not_specialize=["row0", "V"])
 def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, isr_ptr, w_ptr, ge_ptr,
                           logp_ptr, ent_ptr, terms_ptr, row0, V, stride_z, stride_out, inv_temperature,
-                          eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg,
+                          eps_low, eps_high, delta, beta, sapo_t_pos, sapo_t_neg, softcap,
                           KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS: tl.constexpr,
                           HAS_DELTA: tl.constexpr, USE_BETA: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
                           HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                          ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+                          SOFTCAP: tl.constexpr, ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
     """Row r of the chunk: fold, per-token loss terms and gradient, then (WRITE_GRAD) d logits in place.
 
     Per-token inputs (old, ref, adv, isr, reduction weight w) are fp32 (N,) indexed by token row0 + r; ge_ptr holds
     d loss / d entropy (one fp32 value for every valid token). Writes logp, entropy, the token's 8 metric terms and
-    d logits = (g (onehot - p) - g_H p (log p + H)) * inv_temperature to out_ptr's row r (row stride stride_out).
+    d logits = (g (onehot - p) - g_H p (log p + H)) * inv_temperature to out_ptr's row r (row stride stride_out),
+    times the soft cap's derivative when SOFTCAP.
     """
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, HAS_BIAS, BLOCK)
+    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS, SOFTCAP, BLOCK)
     target = tl.load(ids_ptr + tok)
-    x_target = _target_logit(z_row, b_ptr, target, True, HAS_BIAS)
-    logp = x_target * inv_temperature - lse
+    y_target = _target_logit(z_row, b_ptr, target, True, softcap, HAS_BIAS, SOFTCAP)
+    logp = y_target * inv_temperature - lse
     tl.store(logp_ptr + tok, logp)
     tl.store(ent_ptr + tok, ent)
 
@@ -217,20 +231,21 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
             g_h = tl.load(ge_ptr)
         # Why a second sweep rather than keeping the row on chip: V fp32 logits (600 KB at V = 152k) do not fit;
         # the second read of the row is the price of writing d logits without a recompute GEMM.
-        _dlogits_row(z_row, out_ptr + r.to(tl.int64) * stride_out, b_ptr, target, x_target, lse, ent, g, g_h, V,
-                     inv_temperature, HAS_BIAS, HAS_ENTROPY_GRAD, ROUND_BY_HAND, BLOCK)
+        _dlogits_row(z_row, out_ptr + r.to(tl.int64) * stride_out, b_ptr, target, y_target, lse, ent, g, g_h, V,
+                     inv_temperature, softcap, HAS_BIAS, HAS_ENTROPY_GRAD, SOFTCAP, ROUND_BY_HAND, BLOCK)
 
 
 @triton.jit(do_not_specialize=["v0", "Vc"])
 def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, v0, Vc, stride_z,
-                        stride_out, inv_temperature, HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-                        ROUND_BY_HAND: tl.constexpr, BLOCK: tl.constexpr):
+                        stride_out, inv_temperature, softcap, HAS_BIAS: tl.constexpr,
+                        HAS_ENTROPY_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """Light-path backward: row r of an fp32 (N, Vc) logits chunk (vocab v0 .. v0 + Vc) -> its d logits in place.
 
     From the forward's saved lse / entropy and the per-token gradients g = d loss / d logp (gl_ptr) and
     g_H = d loss / d entropy (ge_ptr): d logits = (g (onehot - p) - g_H p (log p + H)) * inv_temperature, written
-    in out_ptr's dtype to its row r (row stride stride_out; out may alias z, see the module docstring).
-    b_ptr points at bias[v0].
+    in out_ptr's dtype to its row r (row stride stride_out; out may alias z, see the module docstring), times the
+    soft cap's derivative when SOFTCAP (p then from the capped logits). b_ptr points at bias[v0].
     """
     r = tl.program_id(0)
     z_row = z_ptr + r.to(tl.int64) * stride_z
@@ -238,14 +253,15 @@ def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     lse = tl.load(lse_ptr + r)
     g = tl.load(gl_ptr + r)
     local_target = tl.load(ids_ptr + r) - v0
-    x_target = _target_logit(z_row, b_ptr, local_target, (local_target >= 0) & (local_target < Vc), HAS_BIAS)
+    y_target = _target_logit(z_row, b_ptr, local_target, (local_target >= 0) & (local_target < Vc), softcap,
+                             HAS_BIAS, SOFTCAP)
     g_h = 0.0
     ent = 0.0
     if HAS_ENTROPY_GRAD:
         g_h = tl.load(ge_ptr + r)
         ent = tl.load(ent_ptr + r)
-    _dlogits_row(z_row, out_row, b_ptr, local_target, x_target, lse, ent, g, g_h, Vc, inv_temperature, HAS_BIAS,
-                 HAS_ENTROPY_GRAD, ROUND_BY_HAND, BLOCK)
+    _dlogits_row(z_row, out_row, b_ptr, local_target, y_target, lse, ent, g, g_h, Vc, inv_temperature, softcap,
+                 HAS_BIAS, HAS_ENTROPY_GRAD, SOFTCAP, ROUND_BY_HAND, BLOCK)
 
 
 def half_view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -267,18 +283,23 @@ def chunk_rows(budget_bytes: int, V: int, N: int) -> int:
     return -(-N // n_chunks)
 
 
-def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float) -> None:
-    """logp / lse / entropy of tokens row0 .. row0 + len(z) from their fp32 logits rows z (R, V)."""
+def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float,
+               softcap: float | None = None) -> None:
+    """logp / lse / entropy of tokens row0 .. row0 + len(z) from their fp32 raw logits rows z (R, V), of
+    z = soft_cap(x + bias) / temperature (no cap when softcap is None)."""
     R, V = z.shape
     if R == 0:
         return
     launch(head_fold_kernel, (R,), z, z if bias is None else bias, ids, logp, lse, ent, row0, V, z.stride(0),
-           1.0 / temperature, HAS_BIAS=bias is not None, BLOCK=_row_block(), num_warps=ROW_WARPS)
+           1.0 / temperature, HAS_BIAS=bias is not None, BLOCK=_row_block(), num_warps=ROW_WARPS,
+           **cap_args(softcap))
 
 
-def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: int, inv_temperature: float) -> None:
-    """d logits of vocab columns v0 .. v0 + Vc for every token from their fp32 logits z (N, Vc), into ``out``
-    (N, Vc) in the input dtype (``half_view(z)`` to write in place). grad_entropy None: no entropy term."""
+def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: int, inv_temperature: float,
+                  softcap: float | None = None) -> None:
+    """d logits of vocab columns v0 .. v0 + Vc for every token from their fp32 raw logits z (N, Vc), into ``out``
+    (N, Vc) in the input dtype (``half_view(z)`` to write in place). grad_entropy None: no entropy term. softcap:
+    lse / entropy are those of the capped logits, and d logits is taken through the cap (its derivative included)."""
     N, Vc = z.shape
     if N == 0:
         return
@@ -286,16 +307,16 @@ def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: 
     launch(head_dlogits_kernel, (N,), z, out, z if bias is None else bias[v0:], ids, lse,
            entropy if has_ent else lse, grad_logp, grad_entropy if has_ent else lse, v0, Vc, z.stride(0),
            out.stride(0), inv_temperature, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent,
-           ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS)
+           ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS,
+           **cap_args(softcap))
 
 
 def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None,
                           softcap: float | None = None):
-    """(logp, lse, entropy), fp32 (N,): per row chunk, cuBLAS logits (fp32) + the fold kernel; no gradient work.
+    """(logp, lse, entropy), fp32 (N,) of z = soft_cap(hidden @ weight.T + bias) / temperature: per row chunk,
+    cuBLAS logits (fp32) + the fold kernel; no gradient work.
 
     Extra memory: one fp32 (R, V) chunk, R = rows within ``chunk_bytes`` (at least one row)."""
-    if softcap is not None:  # placeholder until the head kernels apply the cap (this session's next commit)
-        raise NotImplementedError("softcap on the Triton head kernels")
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
@@ -305,7 +326,7 @@ def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_b
         r1 = min(N, r0 + R)
         z = buf[: r1 - r0]
         logits_f32(hidden[r0:r1], weight, z)
-        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature)
+        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap)
     return logp, lse, ent
 
 
@@ -314,7 +335,7 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind: int, rows:
     """The gradient-in-forward pass over row chunks of ``rows`` tokens.
 
     tokens: an ``inputs.HeadTokens`` (fp32 (N,) per-token advantage, reduction weight, optional old / ref / is_ratio,
-    and the entropy bonus' d loss / d entropy). Returns (logp, entropy, terms (N, 8) fp32,
+    and the entropy bonus' d loss / d entropy); cfg: the loss options (``cfg.softcap`` caps the logits). Returns (logp, entropy, terms (N, 8) fp32,
     d_hidden in hidden's dtype | None, d_weight fp32 | None, d_bias fp32 | None); d_weight and d_bias accumulate
     over chunks in fp32. Extra memory: the fp32 (rows, V) chunk, plus the fp32 dW / dbias accumulators.
     """
@@ -350,7 +371,8 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind: int, rows:
                HAS_IS=opt["isr"] is not None, HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_BIAS=bias is not None,
                HAS_ENTROPY_GRAD=ge is not None, WRITE_GRAD=write_grad,
-               ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS)
+               ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS,
+               **cap_args(cfg.softcap))
         if write_grad:
             chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
     return logp, ent, terms, d_hidden, dw32, db32
@@ -371,7 +393,8 @@ def chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0: int) -> None:
 
 
 def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperature: float,
-                        need_hidden: bool, need_weight: bool, need_bias: bool, grad_ids=None):
+                        need_hidden: bool, need_weight: bool, need_bias: bool, grad_ids=None,
+                        softcap: float | None = None):
     """The gradient-in-forward pass for losses whose per-token gradient needs more than the token: chunks of rows
     whose gradients ``token_grads`` forms from the chunk's statistics (whole sequences for GSPO's sequence ratio,
     vespo's row weights, the off-policy row mask; the vocab-parallel head combines the shards' statistics there).
@@ -380,7 +403,8 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperat
     entropy of ``ids``), ``token_grads(r0, r1, logp, lse, entropy)`` -> (d loss / d logp, d loss / d entropy or
     None), fp32 for rows r0 .. r1 (it receives views and may overwrite them, e.g. with statistics over the whole
     vocabulary), then the d-logits epilogue in place (its one-hot at ``grad_ids``, default ``ids``; an id outside
-    [0, V) adds none) and the cuBLAS gradient GEMMs. Returns (logp, entropy, d_hidden | None, d_weight fp32 | None,
+    [0, V) adds none) and the cuBLAS gradient GEMMs. softcap: the logits are capped in both kernels (the
+    statistics ``token_grads`` receives are those of the capped logits). Returns (logp, entropy, d_hidden | None, d_weight fp32 | None,
     d_bias fp32 | None).
     """
     N, H = hidden.shape
@@ -401,11 +425,11 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperat
             continue
         z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
         logits_f32(h, weight, z)
-        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature)
+        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap)
         g, g_h = token_grads(r0, r1, logp[r0:r1], lse[r0:r1], ent[r0:r1])
         if write_grad:
             dlogits_chunk(z, dz, bias, grad_ids[r0:r1], lse[r0:r1], ent[r0:r1], g.contiguous(),
-                          None if g_h is None else g_h.contiguous(), 0, 1.0 / temperature)
+                          None if g_h is None else g_h.contiguous(), 0, 1.0 / temperature, softcap=softcap)
             chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
     return logp, ent, d_hidden, dw32, db32
 
@@ -413,17 +437,19 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperat
 def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel with / without bias, the d-logits epilogue,
     and the loss-gradient epilogue per policy kind and dtype, plain and with every option (old, ref, is_ratio,
-    delta, bias, entropy)."""
+    delta, bias, entropy); and the bf16 fold, d-logits and loss-gradient epilogues with the soft cap on (names
+    ending in ``_softcap``: their cost is reported, the instruction budget is that of the cap off)."""
     from ..config import GRPOLossConfig
     from .linear_tiles import TRITON_DTYPES, aot_inputs
 
-    def fold(has_bias):
+    def fold(has_bias, softcap=None):
         def thunk():
             hidden, weight, bias, ids = aot_inputs(torch.bfloat16, has_bias)
-            head_logprobs_chunked(hidden, weight, bias, ids, 0.7, chunk_bytes=64 * 4 * weight.shape[0])
+            head_logprobs_chunked(hidden, weight, bias, ids, 0.7, chunk_bytes=64 * 4 * weight.shape[0],
+                                  softcap=softcap)
         return thunk
 
-    def loss(dtype, kind, full):
+    def loss(dtype, kind, full, softcap=None):
         def thunk():
             hidden, weight, bias, ids = aot_inputs(dtype, full)
             N = hidden.shape[0]
@@ -431,17 +457,18 @@ def aot_launches():
             tokens = HeadTokens(adv=x, w=x)
             if full:
                 tokens = HeadTokens(adv=x, w=x, old=x, ref=x, isr=x, ge=torch.zeros(1))
-            cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None)
+            cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None, softcap=softcap)
             head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind, 64, True, False, full)
         return thunk
 
     from ..loss_types import POLICY_TERMS
-    def dlogits(dtype, has_ent, has_bias=True):
+    def dlogits(dtype, has_ent, has_bias=True, softcap=None):
         def thunk():
             hidden, weight, bias, ids = aot_inputs(dtype, has_bias)
             N, V = hidden.shape[0], weight.shape[0]
             z, x = torch.zeros(N, V), torch.zeros(N)
-            dlogits_chunk(z, half_view(z, dtype), bias, ids, x, x, x, x if has_ent else None, 0, 1.0)
+            dlogits_chunk(z, half_view(z, dtype), bias, ids, x, x, x, x if has_ent else None, 0, 1.0,
+                          softcap=softcap)
         return thunk
 
     scenarios = [(f"head_fold_{'bias' if b else 'nobias'}", fold(b)) for b in (False, True)]
@@ -457,4 +484,11 @@ def aot_launches():
                     continue  # fp32 / fp16 change only the d-logits store: one variant each
                 scenarios.append((f"head_loss_grad_{ty}_{name}_{'all_options' if full else 'plain'}",
                                   loss(dtype, POLICY_TERMS.index(name), full)))
+    # The soft cap on (a constexpr: separate compiled variants), bf16, plain and heaviest flags.
+    clipped = POLICY_TERMS.index("clipped")
+    scenarios += [("head_fold_nobias_softcap", fold(False, 30.0)), ("head_fold_bias_softcap", fold(True, 30.0)),
+                  ("head_dlogits_bf16_nobias_noent_softcap", dlogits(torch.bfloat16, False, False, 30.0)),
+                  ("head_dlogits_bf16_bias_ent_softcap", dlogits(torch.bfloat16, True, True, 30.0)),
+                  ("head_loss_grad_bf16_clipped_plain_softcap", loss(torch.bfloat16, clipped, False, 30.0)),
+                  ("head_loss_grad_bf16_clipped_all_options_softcap", loss(torch.bfloat16, clipped, True, 30.0))]
     return scenarios

@@ -3,7 +3,8 @@ without writing the N x V logits. Kernels and their launcher ``linear_logprobs_f
 tile table in ``linear_tiles.py``.
 
 Grid: n_m_blocks x n_splits programs, split fastest. A program keeps a (BLOCK_M, BLOCK_V) logit tile on chip
-(tl.dot over H in BLOCK_K chunks) and folds it into per-token online statistics (max m, sum e^(z-m),
+(tl.dot over H in BLOCK_K chunks; bias, soft cap and temperature applied there, ``linear_tiles.logits_tile``) and
+folds it into per-token online statistics (max m, sum e^(z-m),
 sum e^(z-m) (z-m), target z) over its vocab split; it writes them as fp32 partials (4, n_splits, N). n_splits is
 chosen so the grid is about two waves of the GPU (N / BLOCK_M = 32 programs at N = 4k would leave 100 of 132 SMs
 idle). A tiny merge kernel combines the splits in a fixed order: deterministic. Extra memory: 16 n_splits N bytes.
@@ -16,7 +17,7 @@ from .._checks import alloc
 from . import linear_tiles as tiles
 from .common import GENERATIONS, LN2, LOG2E, cdiv, lane_fold
 from .launch import launch
-from .linear_tiles import NEG_BIG, logits_tile, tl, triton
+from .linear_tiles import NEG_BIG, cap_args, logits_tile, tl, triton
 
 MERGE_BLOCK_N = 256
 
@@ -24,9 +25,10 @@ MERGE_BLOCK_N = 256
 @triton.jit(do_not_specialize=["N", "n_m_blocks", "n_splits", "v_per_split"])
 def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
                               N, V, H, stride_h, stride_w, inv_temperature, n_m_blocks, n_splits, v_per_split,
-                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                              BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Per (token block, vocab split): online logsumexp statistics over the split's vocab range.
+                              softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Per (token block, vocab split): online logsumexp statistics over the split's vocab range, of the capped
+    logits when SOFTCAP.
 
     part_ptr: fp32 (4, n_splits, N) = running max m, sum exp(z - m), sum exp(z - m) * (z - m), target z
     (0 in the splits that do not hold the target). 1-D grid of n_m_blocks * n_splits programs.
@@ -51,9 +53,9 @@ def linear_fwd_partial_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, part_ptr,
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         z = logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, V - 1), H, stride_h, stride_w, inv_temperature,
-                         HAS_BIAS, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
+                        softcap, HAS_BIAS, SOFTCAP, BLOCK_M, BLOCK_V, BLOCK_K, DOT_FP32)
         # Why a finite floor for the padded columns: exp gives exactly 0 there and e * (z - m) stays 0 * finite,
-        # so no NaN needs masking.
+        # so no NaN needs masking (set after the cap, which would have made it -softcap).
         z = tl.where(col_ok[None, :], z, NEG_BIG)
         # The online logsumexp of the row sweeps (common.lane_fold), a tile row being a lane: running max m,
         # s = sum e^(z-m) and a = sum 2^u u with u = (z - m) log2(e) (z already includes 1 / temperature). Why
@@ -123,13 +125,12 @@ def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.devi
 
 def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor,
                             temperature: float, softcap: float | None = None):
-    """(logp, lse, entropy), each fp32 (N,), of z = (hidden @ weight.T + bias) / temperature at ``ids``.
+    """(logp, lse, entropy), each fp32 (N,), of z = soft_cap(hidden @ weight.T + bias) / temperature at ``ids``
+    (``softcap * tanh(x / softcap)``; no cap when softcap is None).
 
     hidden (N, H) and weight (V, H) of one dtype (fp32/bf16/fp16), bias (V,) or None, ids (N,) int64 in [0, V).
     lse = logsumexp(z); entropy = lse - sum softmax(z) * z. Extra memory: 16 * n_splits * N bytes.
     """
-    if softcap is not None:  # placeholder until the head kernels apply the cap (this session's next commit)
-        raise NotImplementedError("softcap on the Triton head kernels")
     N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
     dev = hidden.device
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
@@ -143,7 +144,7 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
         hidden, weight, weight if bias is None else bias, ids, part,
         N, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_m, n_splits, v_per_split,
         HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_V=tile.block_v, BLOCK_K=tile.block_k,
-        DOT_FP32=dot_fp32, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        DOT_FP32=dot_fp32, num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(softcap))
     launch(linear_fwd_merge_kernel, (cdiv(N, MERGE_BLOCK_N),), part, logp, lse, ent, N, n_splits,
            BLOCK_N=MERGE_BLOCK_N, num_warps=4)
     return logp, lse, ent
@@ -152,9 +153,12 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
 
 
 def aot_launches():
-    """(name, thunk) scenarios for ``tools/aot.py``: the forward launcher per dtype, with and without bias."""
-    def scenario(dtype, has_bias):
-        return lambda: linear_logprobs_forward(*tiles.aot_inputs(dtype, has_bias), 1.0)
+    """(name, thunk) scenarios for ``tools/aot.py``: the forward launcher per dtype, with and without bias, and the
+    bf16 / fp32 forward with bias and the soft cap on (``_softcap``)."""
+    def scenario(dtype, has_bias, softcap=None):
+        return lambda: linear_logprobs_forward(*tiles.aot_inputs(dtype, has_bias), 1.0, softcap=softcap)
 
     return [(f"linear_fwd_{ty}_{'bias' if has_bias else 'nobias'}", scenario(dtype, has_bias))
-            for dtype, ty in tiles.TRITON_DTYPES.items() for has_bias in (False, True)]
+            for dtype, ty in tiles.TRITON_DTYPES.items() for has_bias in (False, True)] + \
+        [(f"linear_fwd_{ty}_bias_softcap", scenario(dtype, True, 30.0))
+         for dtype, ty in tiles.TRITON_DTYPES.items() if ty in ("bf16", "fp32")]

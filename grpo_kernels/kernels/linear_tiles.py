@@ -7,9 +7,10 @@ set any time before then takes effect (docs/DESIGN.md section 5). Kernels live a
 interpreter re-executes a kernel's source against its module globals only.
 
 Notation: hidden h (N, H), weight W (V, H), optional bias b (V,), logits = h W^T + b,
-z = logits * inv_temperature. Pointers to hidden/weight/bias share one dtype (fp32, bf16 or fp16); every statistic
-and accumulator is fp32. N, V, H, strides and inv_temperature are runtime arguments (a new length or temperature
-does not recompile); only block sizes and HAS_* / NEED_* / DOT_FP32 flags are constexpr. Row/column offsets are
+z = soft_cap(logits) * inv_temperature (``common.soft_cap``; the identity unless SOFTCAP). Pointers to
+hidden/weight/bias share one dtype (fp32, bf16 or fp16); every statistic and accumulator is fp32. N, V, H, strides,
+inv_temperature and softcap are runtime arguments (a new length, temperature or cap does not recompile); only block
+sizes and HAS_* / NEED_* / SOFTCAP / DOT_FP32 flags are constexpr. Row/column offsets are
 int64 (N*V and V*H exceed 2^31).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from .._precision import fp32_matmuls_use_tf32
 from .._triton import import_triton, interpreting
-from .common import generation, num_sms, overrides
+from .common import generation, num_sms, overrides, soft_cap, soft_cap_grad
 from .launch import target_arch
 
 triton, tl = import_triton()
@@ -92,6 +93,12 @@ def check_inputs(hidden, weight, bias, ids) -> tuple[int, int, int]:
     return hidden.shape[0], weight.shape[0], hidden.shape[1]
 
 
+def cap_args(softcap: float | None) -> dict:
+    """The soft cap as the fused head's kernels take it: a runtime fp32 ``softcap`` (a new cap does not recompile;
+    1.0, never read, when off) and the ``SOFTCAP`` constexpr that compiles the cap in."""
+    return dict(softcap=1.0 if softcap is None else float(softcap), SOFTCAP=softcap is not None)
+
+
 def per_token(t, n: int) -> torch.Tensor:
     """A per-token fp32 (N,) tensor, made contiguous (autograd hands out expanded, stride-0 gradients)."""
     assert t.shape == (n,) and t.dtype == torch.float32, "per-token tensors: fp32 (N,)"
@@ -138,10 +145,11 @@ def to_input_dtype(x, dtype: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
-    """z tile (BLOCK_M, BLOCK_V) fp32 = (h[rows_c] @ W[cols_c]^T + b[cols_c]) * inv_temperature.
+def logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_temperature, softcap,
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """z tile (BLOCK_M, BLOCK_V) fp32 = soft_cap(h[rows_c] @ W[cols_c]^T + b[cols_c]) * inv_temperature (the cap
+    only when SOFTCAP).
 
     rows_c / cols_c are already clamped into [0, N) / [0, V): out-of-range lanes recompute a valid row or column
     (discarded by the caller) instead of carrying a mask on every load, so only the H tail is masked.
@@ -160,7 +168,8 @@ def logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, H, stride_h, stride_w, inv_
         acc = mma(h, tl.trans(w), acc, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
-    return acc * inv_temperature
+    # Why no mask after the cap: every lane holds a valid (clamped) row and column; the callers mask by position.
+    return soft_cap(acc, softcap, SOFTCAP) * inv_temperature
 
 
 @triton.jit
@@ -178,8 +187,10 @@ def grouped_tile(pid, n_m_blocks, n_v_blocks, GROUP_M: tl.constexpr):
 
 @triton.jit
 def dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, inv_temperature,
-                  HAS_ENTROPY_GRAD: tl.constexpr):
-    """d loss / d logits tile (fp32) from the z tile: (g (onehot - p) - g_H p (log p + H)) * inv_temperature.
+                  softcap, HAS_ENTROPY_GRAD: tl.constexpr, SOFTCAP: tl.constexpr):
+    """d loss / d logits tile (fp32) from the z tile of ``logits_tile``: (g (onehot - p) - g_H p (log p + H)) *
+    inv_temperature, times the soft cap's derivative 1 - (y / softcap)^2 when SOFTCAP (y = z * temperature, the
+    capped logit), so the result is the gradient with respect to the raw logits.
 
     Zero outside the valid rows and columns, so padded lanes add nothing to dW, dbias or dh.
     """
@@ -195,7 +206,10 @@ def dlogits_tile(z, rows_c, cols, row_ok, col_ok, ids_ptr, lse_ptr, ent_ptr, gl_
         g_h = tl.load(ge_ptr + rows_c)
         ent = tl.load(ent_ptr + rows_c)
         dz -= g_h[:, None] * p * tl.where(p > 0.0, logp + ent[:, None], 0.0)
-    return tl.where(row_ok[:, None] & col_ok[None, :], dz * inv_temperature, 0.0)
+    # Why the cap's derivative from z with softcap * inv_temperature: z / (softcap / temperature) = y / softcap, so
+    # the capped logit itself is never formed (no extra instruction per element).
+    dz = soft_cap_grad(dz * inv_temperature, z, softcap * inv_temperature, SOFTCAP)
+    return tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
 
 
 
