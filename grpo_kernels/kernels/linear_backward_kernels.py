@@ -103,11 +103,10 @@ def linear_bwd_atomic_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_
 
 @triton.jit(do_not_specialize=["N", "n_m_blocks", "n_v_blocks", "v_begin", "v_end"])
 def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, dl_ptr,
-                          N, V, H, stride_h, stride_w, stride_dl, inv_temperature, n_m_blocks, n_v_blocks, v_begin, v_end,
-                          softcap, HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
-                          BLOCK_M: tl.constexpr,
-                          BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                          DOT_FP32: tl.constexpr):
+                          N, V, H, stride_h, stride_w, stride_dl, inv_temperature, n_m_blocks, n_v_blocks,
+                          v_begin, v_end, softcap, HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+                          SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
     """Deterministic backward, step 1: d logits for vocab columns [v_begin, v_end) of all N tokens.
 
     dl_ptr (N, v_end - v_begin) in the input dtype, row stride stride_dl; column j holds vocab v_begin + j.

@@ -14,9 +14,12 @@ Triton program per row then sweeps that row:
 Bias, the soft cap and 1 / temperature are applied in the epilogue (z = soft_cap(x + b) * inv_temperature), so the
 GEMM is a plain ``h @ W.T``. The soft cap (``common.soft_cap``, a SOFTCAP constexpr: no instruction when off) is
 recomputed in every sweep from the raw logit, never stored; the d-logits sweep multiplies each value by its
-derivative (``common.soft_cap_grad``). A raw -inf (a -inf bias entry) is capped to -softcap, as ``torch.tanh`` does. Why one program per row: a row of V fp32 logits is a contiguous stream; each program reads it with
-16-byte vector loads in an unmasked main loop plus one masked tail block, keeps per-lane online statistics (no
-cross-lane reduction inside the loop) and combines the lanes once at the end.
+derivative (``common.soft_cap_grad``). A raw -inf (a -inf bias entry) is capped to -softcap, as ``torch.tanh``
+does.
+
+Why one program per row: a row of V fp32 logits is a contiguous stream; each program reads it with 16-byte vector
+loads in an unmasked main loop plus one masked tail block, keeps per-lane online statistics (no cross-lane
+reduction inside the loop) and combines the lanes once at the end.
 
 Why d logits in place: a bf16/fp16 d-logits row needs half the bytes of the fp32 logits row, so it is written
 into the first half of the same row (a strided (R, V) view with row stride 2V); block k of the write covers only
@@ -335,9 +338,10 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind: int, rows:
     """The gradient-in-forward pass over row chunks of ``rows`` tokens.
 
     tokens: an ``inputs.HeadTokens`` (fp32 (N,) per-token advantage, reduction weight, optional old / ref / is_ratio,
-    and the entropy bonus' d loss / d entropy); cfg: the loss options (``cfg.softcap`` caps the logits). Returns (logp, entropy, terms (N, 8) fp32,
-    d_hidden in hidden's dtype | None, d_weight fp32 | None, d_bias fp32 | None); d_weight and d_bias accumulate
-    over chunks in fp32. Extra memory: the fp32 (rows, V) chunk, plus the fp32 dW / dbias accumulators.
+    and the entropy bonus' d loss / d entropy); cfg: the loss options (``cfg.softcap`` caps the logits). Returns
+    (logp, entropy, terms (N, 8) fp32, d_hidden in hidden's dtype | None, d_weight fp32 | None, d_bias fp32 | None);
+    d_weight and d_bias accumulate over chunks in fp32. Extra memory: the fp32 (rows, V) chunk, plus the fp32 dW /
+    dbias accumulators.
     """
     N, H = hidden.shape
     V = weight.shape[0]
@@ -404,8 +408,8 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperat
     None), fp32 for rows r0 .. r1 (it receives views and may overwrite them, e.g. with statistics over the whole
     vocabulary), then the d-logits epilogue in place (its one-hot at ``grad_ids``, default ``ids``; an id outside
     [0, V) adds none) and the cuBLAS gradient GEMMs. softcap: the logits are capped in both kernels (the
-    statistics ``token_grads`` receives are those of the capped logits). Returns (logp, entropy, d_hidden | None, d_weight fp32 | None,
-    d_bias fp32 | None).
+    statistics ``token_grads`` receives are those of the capped logits). Returns (logp, entropy, d_hidden | None,
+    d_weight fp32 | None, d_bias fp32 | None).
     """
     N, H = hidden.shape
     V = weight.shape[0]
