@@ -232,7 +232,8 @@ def test_gpu_sized_tile_under_interpreter(kernel_overrides):
 
 
 def test_only_block_sizes_and_flags_are_constexpr():
-    """Lengths, strides and the temperature are runtime arguments: a new N, V, H or temperature never recompiles."""
+    """Lengths, strides, the temperature and the soft cap are runtime arguments: a new N, V, H, temperature or cap
+    never recompiles (``SOFTCAP`` only says whether there is a cap)."""
     kernels = [lfk.linear_fwd_partial_kernel, lfk.linear_fwd_merge_kernel, lbk.linear_bwd_atomic_kernel,
                lbk.linear_dlogits_kernel]
     for kern in kernels:
@@ -240,7 +241,8 @@ def test_only_block_sizes_and_flags_are_constexpr():
         params = inspect.signature(fn).parameters.values()
         const = {p.name for p in params if "constexpr" in str(p.annotation)}
         assert const, fn.__name__
-        assert all(c.startswith(("BLOCK_", "HAS_", "NEED_", "GROUP_", "DOT_")) for c in const), (fn.__name__, const)
+        assert all(c.startswith(("BLOCK_", "HAS_", "NEED_", "GROUP_", "DOT_", "SOFTCAP")) for c in const), \
+            (fn.__name__, const)
         assert {"N", "inv_temperature"} <= {p.name for p in params} - const or fn.__name__ == "linear_fwd_merge_kernel"
 
 
