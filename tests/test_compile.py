@@ -20,6 +20,8 @@ CONFIGS = {
     "gspo": GRPOLossConfig(importance_sampling_level="sequence"),
     # separate sweeps: logits.sweep / head.light + the Triton per-token stage
     "grpo_two_sweeps": GRPOLossConfig(loss_type="grpo", grad_in_forward=False),
+    # a soft-capped head (Gemma 2) at a sampling temperature: the cap travels through every op as a scalar
+    "softcap": GRPOLossConfig(beta=0.04, softcap=2.0, temperature=0.9),
 }
 
 

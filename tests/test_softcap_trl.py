@@ -28,18 +28,13 @@ from grpo_kernels.integrations.trl import TRLLogProbFunction, patch_trl, unpatch
 from tests.test_hf_trl import (WORDS, _always_unpatched, _assert_informative, _assert_same_run,  # noqa: E402,F401
                                _head_inputs, _run_head, even_words, short)
 
-# The Triton head kernels (head/light.py's linear_logprobs_forward / _backward, head_logprobs_chunked) raise
-# NotImplementedError for softcap until the soft cap lands in them (another branch); re-enable after that merge.
-TRITON_SOFTCAP_PENDING = pytest.mark.skip(reason="the Triton head kernels do not apply final_logit_softcapping yet "
-                                                 "(head/light.py raises NotImplementedError for softcap)")
-
 MODELS = {  # name -> (config class, model class, config overrides)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(final_logit_softcapping=1.0)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(final_logit_softcapping=0.5, logit_scale=0.5)),
 }
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=TRITON_SOFTCAP_PENDING)])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("logit_scale", [1.0, 0.5])
 def test_head_matches_trl_function_with_softcap(logit_scale, impl, monkeypatch):
     """Our drop-in against TRL's ChunkedLogProbFunction with a cap that bites (raw logits up to ~8, cap 3) and a

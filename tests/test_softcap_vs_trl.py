@@ -1,0 +1,119 @@
+"""A soft-capped head gives TRL's numbers on every path (issue "what no peer ships", done-when).
+
+TRL knows nothing of the cap in its loss: the model applies it (transformers' Gemma 2), so the oracle is TRL's own
+``GRPOTrainer._compute_loss`` (tests/oracles.py) on float64 logits capped by ``reference.soft_cap``, with the loss
+options alone. Ours: ``fused_linear_grpo_loss`` / ``grpo_loss`` with ``softcap=`` on each path the planner can take
+(asserted from the plans), the Triton ones under the interpreter. A cap of 1.5 on logits of spread ~1 bends most
+of them; the bias holds one very large logit (far in the flat part of tanh).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels.reference import soft_cap
+
+from .cases import CASES, make_inputs
+from .oracles import trl_compute_loss
+from .test_head_api import HIDDEN, _rest
+from .test_head_paths import _fast_budget
+
+pytestmark = pytest.mark.interpreter
+
+CAP = 1.5
+TOKEN = next(c for c in CASES if c.id == "grpo-beta-kl")
+SEQUENCE = next(c for c in CASES if c.id == "grpo-sequence")
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("GRPO_KERNELS_POISON", "1")
+
+
+def _bias(V):
+    b = torch.randn(V, generator=torch.Generator().manual_seed(7)) * 0.3
+    b[5] = 40.0  # |x| >> cap: the cap's derivative is ~0 there
+    return b
+
+
+def _trl(inputs, case, bias, temperature):
+    """TRL's loss and (d hidden, d weight, d bias) on float64 logits capped like the model would cap them."""
+    h, w, b = (t.double().requires_grad_(True) for t in (inputs["hidden"], inputs["weight"], bias))
+    logits = soft_cap(h @ w.T + b, CAP)
+    rest = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in _rest(inputs).items()}
+    loss, metrics = trl_compute_loss(logits, inputs["ids"], inputs["advantages"].double(), inputs["mask"],
+                                     config=case.config.replace(temperature=temperature), **rest)
+    return loss.detach(), torch.autograd.grad(loss, [h, w, b]), metrics
+
+
+def _fused(inputs, case, bias, impl, temperature, **kw):
+    h, w, b = (t.clone().requires_grad_(True) for t in (inputs["hidden"], inputs["weight"], bias))
+    loss, metrics = gk.fused_linear_grpo_loss(h, w, inputs["ids"], inputs["advantages"], inputs["mask"], bias=b,
+                                              config=case.config, impl=impl, softcap=CAP, temperature=temperature,
+                                              **_rest(inputs), **kw)
+    return loss.detach(), torch.autograd.grad(loss, [h, w, b]), metrics
+
+
+def _close(ours, truth, what, tol):
+    err = ((ours.double() - truth.double()).abs().max() / truth.double().abs().max().clamp(min=1e-9)).item()
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+
+
+def _assert_trl(result, truth, tol=2e-5):
+    (loss, grads, metrics), (t_loss, t_grads, t_metrics) = result, truth
+    assert abs(loss.item() - t_loss.item()) <= tol * max(abs(t_loss.item()), 1e-3)
+    for name, g, t in zip(("d hidden", "d weight", "d bias"), grads, t_grads):
+        _close(g, t, name, tol)
+    checked = [n for n in ("kl", "entropy", "clip_ratio/region_mean") if n in t_metrics]  # kl: logged with beta
+    assert "entropy" in checked
+    for name in checked:
+        assert metrics[name].item() == pytest.approx(float(t_metrics[name]), rel=tol, abs=1e-6), name
+
+
+HEAD_PATHS = [  # (case, impl, extra options, expected path)
+    (TOKEN, "torch", {}, "head.torch"),
+    (TOKEN, "triton", {"fast_rows": 3}, "head.fast"),
+    (SEQUENCE, "triton", {"fast_rows": 10}, "head.fast_sequence"),
+    (TOKEN, "triton", {"grad_in_forward": False}, "head.light"),
+    (TOKEN, "triton", {"grad_in_forward": False, "deterministic": False}, "head.light"),
+]
+
+
+@pytest.mark.parametrize("case,impl,extra,path", HEAD_PATHS,
+                         ids=[f"{p}-{c.id}{'-atomic' if 'deterministic' in e else ''}" for c, _, e, p in HEAD_PATHS])
+def test_fused_head_with_softcap_matches_trl(case, impl, extra, path, knobs, plans):
+    knobs(fast_path_min_rows=1)
+    inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=31)
+    bias = _bias(37)
+    extra = dict(extra)
+    if "fast_rows" in extra:
+        extra["memory_budget"] = _fast_budget(inputs, case, extra.pop("fast_rows"), bias)
+    plans.clear()
+    ours = _fused(inputs, case, bias, impl, 0.8, **extra)
+    assert plans[-1].path == path
+    _assert_trl(ours, _trl(inputs, case, bias, 0.8))
+
+
+@pytest.mark.parametrize("impl,extra,path", [("torch", {}, "logits.torch"), ("triton", {}, "logits.fast"),
+                                             ("triton", {"grad_in_forward": False}, "logits.sweep")])
+def test_logits_loss_with_softcap_matches_trl(impl, extra, path, plans):
+    inputs = make_inputs(TOKEN, V=37, seed=32)
+    logits = inputs.pop("logits")
+    logits[0, 0, 3] = 60.0  # |x| >> cap
+    rest = {k: v for k, v in inputs.items() if k not in ("ids", "advantages", "mask")}
+    x = logits.clone().requires_grad_(True)
+    plans.clear()
+    loss, metrics = gk.grpo_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"], config=TOKEN.config,
+                                 impl=impl, softcap=CAP, temperature=0.8, **rest, **extra)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert plans[-1].path == path
+    x64 = logits.double().requires_grad_(True)
+    rest64 = {k: v.double() if v.is_floating_point() else v for k, v in rest.items()}
+    t_loss, t_metrics = trl_compute_loss(soft_cap(x64, CAP), inputs["ids"], inputs["advantages"].double(),
+                                         inputs["mask"], config=TOKEN.config.replace(temperature=0.8), **rest64)
+    (t_grad,) = torch.autograd.grad(t_loss, x64)
+    assert abs(loss.item() - t_loss.item()) <= 2e-5 * max(abs(t_loss.item()), 1e-3)
+    _close(grad, t_grad, "d logits", 2e-5)
+    for name in ("kl", "entropy", "clip_ratio/region_mean"):
+        assert metrics[name].item() == pytest.approx(float(t_metrics[name]), rel=2e-5, abs=1e-6), name
