@@ -257,3 +257,40 @@ def test_fused_linear_sequence_level_grad_in_forward_on_gpu():
     truth = (t_loss.detach(), *torch.autograd.grad(t_loss, (h64, w64)))
     for name, o, t in zip(("loss", "d hidden", "d weight"), ours, truth):
         assert _rel(o, t) <= 2e-2, name
+
+
+@pytest.mark.parametrize("path", ["logits-fast", "logits-sweep", "head-fast", "head-light", "head-light-atomic",
+                                  "head-no-grad"])
+def test_soft_capped_paths_on_gpu(path):
+    """softcap = 5 on logits of spread ~4 (most are bent; some far in the flat part), temperature 0.9, fp32, compiled:
+    the GPU's approximate exp2 / rcp in the cap (docs/numerics.md, "Soft-capped logits") against fp64 truth."""
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    cfg = case.config.replace(softcap=5.0, temperature=0.9, entropy_coef=0.01,
+                              grad_in_forward=path in ("logits-fast", "head-fast"),
+                              deterministic=path != "head-light-atomic")
+    inputs = {k: (v.to(DEV) if torch.is_tensor(v) else v)
+              for k, v in make_inputs(case, B=4, T=256, V=5000, hidden_size=256).items()}
+    hidden, weight = inputs.pop("hidden"), inputs.pop("weight") * 4
+    args = (inputs.pop("ids"), inputs.pop("advantages"), inputs.pop("mask"))
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    if path == "head-no-grad":
+        with torch.no_grad():
+            logp = gk.linear_token_logprobs(hidden, weight, args[0], temperature=0.9, softcap=5.0, impl="triton")
+            t_logp, _ = logprobs_and_entropy(h64 @ w64.T, args[0], 0.9, 5.0)
+        assert (logp.double() - t_logp).abs().max().item() < 2e-5
+        return
+    if path.startswith("logits"):
+        x = (hidden @ weight.T).detach().requires_grad_(True)
+        loss, _ = gk.grpo_loss(x, *args, config=cfg, impl="triton", **inputs)
+        ours = (loss.detach(), *torch.autograd.grad(loss, x))
+        x64 = x.detach().double().requires_grad_(True)
+        t_loss, _ = reference_grpo_loss(x64, *args, config=cfg, **inputs)
+        truth = (t_loss.detach(), *torch.autograd.grad(t_loss, x64))
+    else:
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, _ = gk.fused_linear_grpo_loss(h, w, *args, config=cfg, impl="triton", **inputs)
+        ours = (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+        t_loss, _ = reference_grpo_loss(h64 @ w64.T, *args, config=cfg, **inputs)
+        truth = (t_loss.detach(), *torch.autograd.grad(t_loss, (h64, w64)))
+    for name, o, t in zip(("loss", "grad 1", "grad 2"), ours, truth):
+        assert _rel(o, t) <= 5e-5, name
