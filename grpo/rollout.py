@@ -10,7 +10,8 @@ tokenizer) are never sampled. The distribution a token is drawn from is therefor
 ``softmax(logits / temperature)`` restricted to the allowed ids (optionally truncated by top-k / top-p). The loss
 scores tokens under the same restricted softmax: the policy adds ``SUPPRESSED_LOGIT`` to the suppressed ids'
 logits (see ``grpo/policy.py``), so their probability is exactly 0 in both places and the normalizer is the
-sampler's. Only top-k / top-p truncation is not modelled by the loss (as in TRL); both are off by default.
+sampler's (with a soft-capped head the bias goes in before the cap: about 1e-13 of probability at Gemma 2's cap,
+``grpo/policy.py``). Only top-k / top-p truncation is not modelled by the loss (as in TRL); both are off by default.
 """
 from __future__ import annotations
 

@@ -33,8 +33,6 @@ class GRPOLossConfig:
     epsilon_low / epsilon_high: PPO clip range ``[1 - eps_low, 1 + eps_high]``; for cispo epsilon_high is the raw
         upper bound of the ratio.
     temperature: logits are divided by it before the softmax.
-    softcap: soft-cap the logits, ``cap * tanh(logits / cap)``, before the temperature (Gemma 2's
-        ``final_logit_softcapping``); None: no cap. Every path applies it inside its kernels (docs/numerics.md).
     use_bias_correction_kl: multiply the k3 KL by the importance ratio (TRL default True).
     importance_sampling_level: "token" or "sequence" (GSPO).
     delta: optional upper clamp of the unclipped ratio (INTELLECT-2 two-sided clipping).
@@ -54,6 +52,8 @@ class GRPOLossConfig:
         path (docs/memory.md); None: 1 GiB of working memory, plus the fused head fast path's fp32 weight-gradient
         accumulator. The planner picks the fastest path that fits (``grpo_kernels.explain`` shows it) and raises a
         ValueError naming memory_budget when none does.
+    softcap: soft-cap the logits, ``cap * tanh(logits / cap)``, before the temperature (Gemma 2's
+        ``final_logit_softcapping``); None: no cap. Every path applies it inside its kernels (docs/numerics.md).
     """
 
     loss_type: str = "dapo"
@@ -61,7 +61,6 @@ class GRPOLossConfig:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     temperature: float = 1.0
-    softcap: float | None = None
     use_bias_correction_kl: bool = True
     importance_sampling_level: str = "token"
     delta: float | None = None
@@ -78,6 +77,8 @@ class GRPOLossConfig:
     deterministic: bool = True
     grad_in_forward: bool = True
     memory_budget: int | None = None
+    # Why last: a new field in the middle would shift every positional argument after it
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

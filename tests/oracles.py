@@ -43,6 +43,8 @@ def trl_compute_loss(logits, ids, advantages, mask=None, old_logps=None, ref_log
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     cfg = config or GRPOLossConfig()
+    # TRL's loss never sees a soft cap (the model applies it): give this oracle capped logits, not a capped config
+    assert cfg.softcap is None, "trl_compute_loss takes logits already capped (reference.soft_cap), not config.softcap"
     B, T = ids.shape
     mask = torch.ones(B, T, dtype=torch.long) if mask is None else mask.long()
 

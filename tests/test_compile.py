@@ -123,13 +123,15 @@ def test_inductor_compiles_the_torch_impl():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_logprob_functions_compile(impl):
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_logprob_functions_compile(impl, softcap):
     """token_logprobs and linear_token_logprobs (with a mask: padded rows are 0 and get no gradient) compile and
-    match eager, values and gradients through both outputs."""
+    match eager, values and gradients through both outputs, with and without a soft cap."""
     def fn(hidden, weight, ids, mask):
-        logp, ent = token_logprobs(hidden @ weight.T, ids, temperature=0.7, return_entropy=True, impl=impl)
+        logp, ent = token_logprobs(hidden @ weight.T, ids, temperature=0.7, return_entropy=True, impl=impl,
+                                   softcap=softcap)
         lp2, ent2 = linear_token_logprobs(hidden, weight, ids, temperature=0.7, return_entropy=True, impl=impl,
-                                          mask=mask)
+                                          mask=mask, softcap=softcap)
         loss = (logp * 0.3 + ent * 0.1).sum() + (lp2 * 0.5 - ent2 * 0.2).sum()
         return loss, {"logp": lp2.detach(), "entropy": ent2.detach()}, {}
 

@@ -161,3 +161,21 @@ def test_vocab_parallel_softcap_matches_unsharded(ranks, name, monkeypatch):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+
+
+def test_ranks_that_disagree_on_the_cap_get_one_error_with_the_numbers():
+    """The validation table carries the cap (and the temperature) as float64 bits; a mismatch names the values the
+    ranks were given, on every rank (the verdict is computed from the gathered table, the same everywhere)."""
+    from grpo_kernels.distributed import vocab_parallel as vp
+
+    def row(softcap, temperature=0.8):
+        fields = dict.fromkeys(vp._FIELDS, 0)
+        fields.update(ok=1, size=4, start=-1, n=6, n_valid=6, h=8, id_max=3, temperature=vp._to_bits(temperature),
+                      softcap=vp._to_bits(softcap or 0.0))
+        return [fields[f] for f in vp._FIELDS] + [0] * vp.MESSAGE_BYTES
+
+    assert vp._verdict([row(30.0), row(30.0)], 2)[2] is None
+    message = vp._verdict([row(30.0), row(None)], 2)[2]
+    assert message.endswith("softcap must be the same on every rank, got [30.0, None] on ranks 0..1"), message
+    message = vp._verdict([row(None, 0.7), row(None, 1.0)], 2)[2]
+    assert "temperature must be the same on every rank, got [0.7, 1.0]" in message, message

@@ -310,3 +310,48 @@ def test_a_new_cap_value_does_not_recompile():
     assert on == other
     assert [s for _, s in on] != [s for _, s in off]
     assert all(r.kwargs["SOFTCAP"] and r.kwargs["softcap"] == 30.0 for r in on_records if "SOFTCAP" in r.kwargs)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_fused_module_caps_the_reference_log_probs_from_ref_input(impl):
+    """FusedLinearGRPOLoss with ref_input (Liger's API: reference log-probs computed inside): the reference policy's
+    log-probs get the same cap as the policy's, so the KL term compares two capped distributions."""
+    g = torch.Generator().manual_seed(12)
+    hidden, ref_hidden = torch.randn(2, B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.5
+    ids, adv = torch.randint(0, V, (B, T), generator=g), torch.randn(B, generator=g)
+    cfg = _config(beta=0.5, loss_type="grpo")
+    h = hidden.clone().requires_grad_(True)
+    loss, _ = gk.FusedLinearGRPOLoss(cfg, impl=impl)(hidden=h, weight=weight, ids=ids, advantages=adv,
+                                                     ref_input=ref_hidden)
+    w64 = weight.double()
+    ref, _ = logprobs_and_entropy(ref_hidden.double() @ w64.T, ids, cfg.temperature, cfg.softcap)
+    truth, _ = reference_grpo_loss(hidden.double() @ w64.T, ids, adv, ref_logps=ref, config=cfg)
+    uncapped_ref, _ = logprobs_and_entropy(ref_hidden.double() @ w64.T, ids, cfg.temperature)
+    wrong, _ = reference_grpo_loss(hidden.double() @ w64.T, ids, adv, ref_logps=uncapped_ref, config=cfg)
+    assert abs(truth.item() - wrong.item()) > 1e-2, "the test needs a cap that changes the reference log-probs"
+    assert loss.item() == pytest.approx(truth.item(), rel=1e-5, abs=1e-6)
+
+
+def test_torch_head_keeps_two_tiles_with_the_cap():
+    """head.torch with the cap and the entropy bonus (its heaviest backward), several row tiles and a partial vocab
+    tile: the traced transient memory is the plan's two tiles (planner.plan_head), not a third for the cap's
+    derivative (torch_chunks.dlogits_)."""
+    from grpo_kernels import planner
+
+    from .memory_trace import transient_peak
+
+    g = torch.Generator().manual_seed(13)
+    hidden = torch.randn(8, 8, 32, generator=g).requires_grad_(True)
+    weight = (torch.randn(9000, 32, generator=g) * 0.3).requires_grad_(True)
+    ids, adv = torch.randint(0, 9000, (8, 8), generator=g), torch.randn(8, generator=g)
+    options = dict(config=_config(beta=0.0, entropy_coef=0.01), impl="torch", memory_budget=600_000)
+    plan = plan_call(gk.fused_linear_grpo_loss, hidden, weight, ids, adv, **options)
+    assert plan.path == planner.HEAD_TORCH and plan.chunk_rows < 64
+
+    def run():
+        loss, metrics = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, **options)
+        loss.backward()
+        return [loss, *metrics.values(), hidden.grad, weight.grad]
+    traced = transient_peak(run)
+    assert traced <= 1.10 * plan.transient_bytes, f"planned {plan.transient_bytes} B ({plan.transient}), traced {traced}"

@@ -149,6 +149,19 @@ _FIELDS = ("ok", "size", "start", "n", "n_valid", "h", "id_min", "id_max", "ids_
            "temperature", "softcap", "hidden_grad", "msg_len")
 
 
+# Fields sent as the int64 view of a float64 (softcap: 0.0 for None).
+_FLOAT_FIELDS = ("temperature", "softcap")
+
+
+def _to_bits(value: float) -> int:
+    return int(torch.tensor(value, dtype=torch.float64).view(torch.int64))
+
+
+def _from_bits(bits: int):
+    value = torch.tensor(bits, dtype=torch.int64).view(torch.float64).item()
+    return value if value != 0.0 else None
+
+
 def _checksum(x: torch.Tensor) -> torch.Tensor:
     """An order-sensitive integer checksum (int64 wrap-around, the same on every rank) of an integer tensor."""
     x = x.reshape(-1).long()
@@ -171,8 +184,7 @@ def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None
            "n": ids.numel(), "n_valid": ids.numel() if valid is None else valid.sum(),
            "h": inputs.hidden.shape[-1], "id_min": lo, "id_max": hi, "ids_sum": _checksum(ids),
            "mask_sum": 0 if valid is None else _checksum(valid), "bias": int(inputs.bias is not None),
-           "temperature": int(torch.tensor(inputs.temperature, dtype=torch.float64).view(torch.int64)),
-           "softcap": int(torch.tensor(inputs.softcap or 0.0, dtype=torch.float64).view(torch.int64)),
+           "temperature": _to_bits(inputs.temperature), "softcap": _to_bits(inputs.softcap or 0.0),
            "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad), "msg_len": 0}
     values = [v.to(device=device, dtype=torch.int64).reshape(1) if isinstance(v, torch.Tensor)
               else torch.tensor([v], dtype=torch.int64, device=device) for v in (row[f] for f in _FIELDS)]
@@ -192,6 +204,8 @@ def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | 
         values = [r[field] for r in rows]
         if len(set(values)) > 1:
             got = "their checksums differ" if field.endswith("_sum") else "got"
+            if field in _FLOAT_FIELDS:  # sent as float64 bits: shown as the numbers the ranks were given
+                values = [_from_bits(v) for v in values]
             return head + f"{what} must be the same on every rank, {got} {values} on ranks 0..{world - 1}"
         return None
 
@@ -199,8 +213,8 @@ def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | 
                         ("h", "hidden's size H"), ("ids_sum", "ids"),
                         ("n_valid", "the number of valid tokens in mask"), ("mask_sum", "mask"),
                         ("bias", "whether a bias is given (1) or not (0)"),
-                        ("temperature", "temperature (as float64 bits)"),
-                        ("softcap", "softcap (as float64 bits, 0 for None)"),
+                        ("temperature", "temperature"),
+                        ("softcap", "softcap"),
                         ("hidden_grad", "whether hidden requires grad (1) or not (0): its backward all-reduces")):
         error = same(field, what)
         if error:

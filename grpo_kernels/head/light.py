@@ -25,9 +25,9 @@ from .torch_tiles import torch_linear_logprobs_backward, torch_linear_logprobs_f
 
 @dataclass(frozen=True)
 class LightParams:
-    """The non-differentiable inputs of ``_HeadLogprobs``: the plan's path and chunking, and the ZeRO-3 gather
-    context (None or a zero-argument callable returning a context manager) entered again around the backward's use
-    of weight / bias."""
+    """The non-differentiable inputs of ``_HeadLogprobs``: the plan's path and chunking, the temperature and soft cap
+    (None: none) of the logits, and the ZeRO-3 gather context (None or a zero-argument callable returning a context
+    manager) entered again around the backward's use of weight / bias."""
 
     path: str
     temperature: float

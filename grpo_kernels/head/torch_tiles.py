@@ -2,12 +2,14 @@
 
 Tiles of ``tile_rows`` x ``TORCH_HEAD_TILE_VOCAB`` logits (rows from the plan, so that the tile temporaries fit the
 memory budget) with an online logsumexp; the backward recomputes each tile. Never holds an N x V tensor. A soft cap
-(``softcap``) is applied to each tile in place, before the temperature (``reference.soft_cap``), and its derivative
+(``softcap``) is applied to each tile in place, before the temperature (``torch_chunks.soft_cap_``), and its derivative
 multiplies the tile's d logits in the backward.
 """
 from __future__ import annotations
 
 import torch
+
+from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
 
 # Vocab columns per tile (the tile's row count follows from the memory budget, ``planner.plan_head``).
 TORCH_HEAD_TILE_VOCAB = 4096
@@ -19,24 +21,17 @@ def accumulation_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
-# Why clamp -inf logits (a -inf bias bans a token) to this before multiplying by a probability: p = 0 there, and
-# 0 * -1e30 = 0 where 0 * -inf would be NaN. Finite after a multiplication by any per-token scale below 1e8.
-NEG_BIG = -1e30
-
-
 def _weight_tile(weight, v0, v1, acc):
     """weight[v0:v1] in the accumulation dtype: a view for fp32 / fp64 weights, a (Vt, H) copy for half ones."""
     return weight[v0:v1].to(acc)
 
 
-def _tile_logits(h, w_tile, bias, v0, v1, inv_t, acc, softcap=None):
-    """One (rows x vocab-tile) block of z = soft_cap(h W^T + b) / tau in the accumulation dtype (one new tile)."""
+def _tile_raw_logits(h, w_tile, bias, v0, v1, acc):
+    """One (rows x vocab-tile) block of raw logits h W^T + b in the accumulation dtype (one new tile)."""
     z = h @ w_tile.T
     if bias is not None:
         z += bias[v0:v1].to(acc)
-    if softcap is not None:  # reference.soft_cap, formed in the tile's buffer
-        z.div_(softcap).tanh_().mul_(softcap)
-    return z.mul_(inv_t)
+    return z
 
 
 def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_rows: int, softcap=None):
@@ -58,7 +53,8 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_r
         z_target = torch.zeros(n, dtype=acc, device=h.device)
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
-            z = _tile_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, inv_t, acc, softcap)
+            z = soft_cap_(_tile_raw_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, acc), softcap)
+            z.mul_(inv_t)
             # online logsumexp; `a` carries sum exp(z - m) (z - m) for the entropy, relative to the running max so
             # that H = log s - a / s never subtracts two large numbers (low temperatures)
             m_new = torch.maximum(m, z.amax(-1))
@@ -86,7 +82,7 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad
                                    need_hidden, need_weight, need_bias, tile_rows: int, softcap=None):
     """Tiled eager backward (always deterministic): recompute each tile, form dz in place, accumulate dh, dW, db
     in the accumulation dtype (fp32 accumulators for half-precision inputs, counted by the plan). Two tiles at a
-    time, as in the forward (a soft cap's derivative costs a third, transient one)."""
+    time, as in the forward, with or without a soft cap (``torch_chunks.dlogits_``)."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden)
     inv_t = 1.0 / temperature
@@ -99,30 +95,17 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad
         tgt = ids[r0:r0 + n]
         g = grad_logp[r0:r0 + n].to(acc).unsqueeze(-1)
         row_lse = lse[r0:r0 + n].unsqueeze(-1)
+        g_h = row_h = None
         if grad_entropy is not None:
             g_h = grad_entropy[r0:r0 + n].to(acc).unsqueeze(-1)
             row_h = entropy[r0:r0 + n].unsqueeze(-1)
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
             w_tile = _weight_tile(weight, v0, v1, acc)
-            log_p = _tile_logits(h, w_tile, bias, v0, v1, inv_t, acc, softcap)
-            # d capped / d raw = 1 - (capped / softcap)^2 (reference.soft_cap_derivative), from the capped tile
-            cap_grad = None if softcap is None else log_p.mul(temperature / softcap).square_().neg_().add_(1.0)
-            log_p.sub_(row_lse)
-            p = log_p.exp()
-            if grad_entropy is None:
-                dz = p.mul_(-g)  # g (onehot - p): the onehot part is added below
-            else:
-                # -p (g + g_h (log p + H)), formed in log_p's buffer
-                dz = log_p.clamp_(min=NEG_BIG).add_(row_h).mul_(g_h).add_(g).mul_(p).neg_()
-            del log_p, p
             inside = ((tgt >= v0) & (tgt < v1)).unsqueeze(-1)
             local = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
-            dz.scatter_add_(-1, local, torch.where(inside, g, 0.0))
-            dz.mul_(inv_t)
-            if cap_grad is not None:
-                dz.mul_(cap_grad)
-                del cap_grad
+            dz = dlogits_(_tile_raw_logits(h, w_tile, bias, v0, v1, acc), row_lse, row_h, g, g_h, inv_t, softcap,
+                          local, inside)
             if need_hidden:
                 d_hidden[r0:r0 + n].addmm_(dz, w_tile)
             if need_weight:

@@ -139,7 +139,7 @@ def soft_cap(x, softcap, SOFTCAP: tl.constexpr):
 
     Why ``c - 2c / (2^(2 x log2(e) / c) + 1)``: one MUFU.EX2, one MUFU.RCP and three FMA-class instructions per
     element, exact at both ends (x = +inf gives c, x = -inf gives -c, as torch's tanh) and NaN for NaN; its absolute
-    error near 0 is ~c 2^-23, far below what a bf16 logit carries. The caller keeps masked-out entries at -inf
+    error near 0 is ~c 2^-22, far below what a bf16 logit carries. The caller keeps masked-out entries at -inf
     after the cap where a sweep needs them there (they would otherwise be -c)."""
     if SOFTCAP:
         e = exp2(x * ((2.0 * LOG2E) / softcap))

@@ -18,19 +18,11 @@ from torch.library import custom_op
 
 from .. import ops
 from ..inputs import LogitsInputs
+from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
 
 
 # Tile-sized temporaries of the PyTorch path alive at once (the plan's figure: ``planner.plan_logits``).
 TORCH_LOGITS_TEMPS = 2
-# Why clamp -inf logits before multiplying by a probability: p = 0 there, and 0 * -1e30 = 0, 0 * -inf = NaN.
-NEG_BIG = -1e30
-
-
-def _capped_chunk(x_rows: torch.Tensor, acc: torch.dtype, softcap: float) -> torch.Tensor:
-    """A new ``acc`` buffer holding ``softcap * tanh(x_rows / softcap)`` (``reference.soft_cap``'s maths, formed in
-    place), never a view of the logits."""
-    z = x_rows.div(softcap) if x_rows.dtype == acc else x_rows.to(acc).div_(softcap)
-    return z.tanh_().mul_(softcap)
 
 
 def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_rows: int,
@@ -45,10 +37,7 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
     logp, lse, entropy = (torch.empty(N, dtype=acc, device=x.device) for _ in range(3))
     for start in range(0, N, chunk_rows):
         rows = slice(start, start + chunk_rows)
-        if softcap is None:
-            z = x[rows].to(acc).mul(1.0 / temperature) if x.dtype == acc else x[rows].to(acc).mul_(1.0 / temperature)
-        else:
-            z = _capped_chunk(x[rows], acc, softcap).mul_(1.0 / temperature)
+        z = soft_cap_(x[rows].to(acc, copy=True), softcap).mul_(1.0 / temperature)
         m = z.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1)
@@ -62,30 +51,6 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
         logp[rows] -= chunk_lse
         del z, e
     return logp, lse, entropy
-
-
-def _capped_dlogits(x_rows, ids_rows, lse_rows, h, g, g_h, inv_t, acc, softcap):
-    """d logits of one chunk with the soft cap, in two chunk-sized buffers (as without it):
-    ``soft_cap'(x) (g onehot - p (g + g_h (log p + H))) / T`` with ``p`` the capped softmax.
-
-    Why this order: buffer A holds the capped logits and B = log p; A then becomes the cap's derivative
-    ``1 - (capped / c)^2`` (``reference.soft_cap_derivative``), read at the target for the onehot term before A is
-    reused. With an entropy gradient, log p and p are both needed beside the derivative, so A becomes
-    ``soft_cap' p`` as ``exp(log soft_cap' + log p)`` (no third buffer; soft_cap' = 0 gives log = -inf and exactly 0,
-    and soft_cap' >= 0 since |capped| <= c in floating point too)."""
-    capped = _capped_chunk(x_rows, acc, softcap)
-    log_p = capped.mul(inv_t).sub_(lse_rows.unsqueeze(-1))
-    derivative = capped.div_(softcap).square_().neg_().add_(1.0)
-    del capped
-    onehot = g * derivative.gather(-1, ids_rows.unsqueeze(-1))
-    if g_h is None:
-        dz = log_p.exp_().mul_(derivative).mul_(-g)
-    else:
-        weighted_p = derivative.log_().add_(log_p).exp_()
-        # -soft_cap' p (g + g_h (log p + H)), formed in log_p's buffer
-        dz = log_p.clamp_(min=NEG_BIG).add_(h).mul_(g_h).add_(g).mul_(weighted_p).neg_()
-    del derivative
-    return dz.scatter_add_(-1, ids_rows.unsqueeze(-1), onehot).mul_(inv_t)
 
 
 def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, inplace, chunk_rows,
@@ -107,20 +72,8 @@ def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperat
             h = entropy[rows].unsqueeze(-1)
             g_h = grad_entropy[rows].to(acc).unsqueeze(-1)
             active = active | (g_h != 0)
-        if softcap is not None:
-            dz = _capped_dlogits(x[rows], flat_ids[rows], lse[rows], h, g, g_h, inv_t, acc, softcap)
-        else:
-            log_p = x[rows].to(acc).mul(inv_t) if x.dtype == acc else x[rows].to(acc).mul_(inv_t)
-            log_p.sub_(lse[rows].unsqueeze(-1))
-            p = log_p.exp()
-            if grad_entropy is None:
-                dz = p.mul_(-g)
-            else:
-                # -p (g + g_h (log p + H)), formed in log_p's buffer
-                dz = log_p.clamp_(min=NEG_BIG).add_(h).mul_(g_h).add_(g).mul_(p).neg_()
-            del log_p, p
-            dz.scatter_add_(-1, flat_ids[rows].unsqueeze(-1), g)
-            dz.mul_(inv_t)
+        dz = dlogits_(x[rows].to(acc, copy=True), lse[rows].unsqueeze(-1), h, g, g_h, inv_t, softcap,
+                      flat_ids[rows].unsqueeze(-1))
         # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits hold
         # NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
         dz.masked_fill_(~active, 0.0)
