@@ -13,7 +13,7 @@ ValueError naming ``memory_budget`` and the bytes it would need.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -150,9 +150,24 @@ def _given_budget(cfg: GRPOLossConfig | None, budget_config: GRPOLossConfig | No
 
 # ------------------------------------------------------------------------------------------------- logits inputs
 
+def _with_cap_note(plan: Plan, softcap: float | None) -> Plan:
+    """The plan with a line saying where a soft cap is applied (it changes no path, chunk or byte count)."""
+    if softcap is None:
+        return plan
+    where = "in the Triton kernels" if plan.impl == "triton" else "in each PyTorch chunk, in place"
+    return replace(plan, notes=plan.notes + (f"soft cap {softcap:g}: c tanh(x / c) before the temperature, "
+                                             f"recomputed in the backward, {where}",))
+
+
 def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool, inplace: bool,
                 budget_config: GRPOLossConfig | None = None) -> Plan:
     """The path of ``grpo_loss`` (cfg given) or ``token_logprobs`` (cfg None) over (B, T, V) / (N, V) logits."""
+    plan = _plan_logits(op, inputs, cfg, wants_grad=wants_grad, inplace=inplace, budget_config=budget_config)
+    return _with_cap_note(plan, inputs.softcap)
+
+
+def _plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool, inplace: bool,
+                 budget_config: GRPOLossConfig | None = None) -> Plan:
     logits = inputs.logits
     V = logits.shape[-1]
     N = logits.numel() // V if V else 0
@@ -224,6 +239,15 @@ def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_va
     needs: (hidden, weight, bias) gradient wanted; n_valid: rows computed after compaction; sequence_counts: a
     zero-argument callable giving the valid tokens per sequence (a host sync, asked only when a sequence-level
     fast path is possible)."""
+    plan = _plan_head(op, inputs, cfg, needs=needs, n_valid=n_valid, sequence_counts=sequence_counts,
+                      vocab_parallel=vocab_parallel, budget_config=budget_config, deterministic=deterministic,
+                      vocab_total=vocab_total, world=world)
+    return _with_cap_note(plan, inputs.softcap)
+
+
+def _plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_valid: int,
+               sequence_counts=None, vocab_parallel: bool = False, budget_config: GRPOLossConfig | None = None,
+               deterministic: bool | None = None, vocab_total: int | None = None, world: int = 1) -> Plan:
     weight, bias = inputs.weight, inputs.bias
     N, (V, H) = n_valid, weight.shape
     it = inputs.dtype.itemsize

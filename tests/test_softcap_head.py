@@ -355,3 +355,18 @@ def test_torch_head_keeps_two_tiles_with_the_cap():
         return [loss, *metrics.values(), hidden.grad, weight.grad]
     traced = transient_peak(run)
     assert traced <= 1.10 * plan.transient_bytes, f"planned {plan.transient_bytes} B ({plan.transient}), traced {traced}"
+
+
+def test_explain_says_where_the_cap_is_applied():
+    """explain's plan names the cap and where it runs; without one there is no such line, and the cap changes no
+    path or byte count."""
+    hidden = torch.empty(4, 64, 32, device="meta", requires_grad=True)
+    weight = torch.empty(1000, 32, device="meta", requires_grad=True)
+    ids, adv = torch.zeros(4, 64, dtype=torch.long, device="meta"), torch.zeros(4, device="meta")
+    capped, plain = plan_call(hidden, weight, ids, adv, softcap=30.0), plan_call(hidden, weight, ids, adv)
+    assert any(n.startswith("soft cap 30: ") and "Triton kernels" in n for n in capped.notes)
+    assert not any("soft cap" in n for n in plain.notes)
+    assert (capped.path, capped.transient) == (plain.path, plain.transient)
+    text = gk.explain(gk.token_logprobs, torch.zeros(2, 3, 50), torch.zeros(2, 3, dtype=torch.long), softcap=2.5,
+                      impl="torch")
+    assert "note: soft cap 2.5: " in text and "PyTorch chunk" in text
