@@ -102,6 +102,12 @@ overrides = knobs
 testing = override
 
 
+def cap_args(softcap: float | None) -> dict:
+    """The soft cap as every kernel takes it: a runtime fp32 ``softcap`` (a new cap does not recompile; 1.0, never
+    read, when off) and the ``SOFTCAP`` constexpr that compiles the cap in (``soft_cap`` / ``soft_cap_grad``)."""
+    return dict(softcap=1.0 if softcap is None else float(softcap), SOFTCAP=softcap is not None)
+
+
 # ---------------------------------------------------------------------------------------------- Triton helpers
 
 # Why a module constant: inline PTX cannot run in the interpreter, which gets tl.exp2 (exact there anyway).

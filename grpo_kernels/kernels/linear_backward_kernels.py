@@ -40,11 +40,11 @@ import torch
 
 from .._checks import alloc
 from . import linear_tiles as tiles
-from .common import cdiv, overrides
+from .common import cap_args, cdiv, overrides
 from .launch import launch
 from .fp32_gemm import addmm_f32_, logits_f32
 from .linear_epilogue_kernels import dlogits_chunk, half_view
-from .linear_tiles import cap_args, dlogits_tile, grouped_tile, logits_tile, mma, to_input_dtype, tl, triton
+from .linear_tiles import dlogits_tile, grouped_tile, logits_tile, mma, to_input_dtype, tl, triton
 
 # d logits chunk of the deterministic backward when the caller gives no budget: this fraction of N x V fp32 logits.
 DETERMINISTIC_CHUNK_FRACTION = 0.01

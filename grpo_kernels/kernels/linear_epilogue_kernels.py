@@ -38,10 +38,11 @@ import torch
 from .._checks import alloc
 from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
-from .common import LOG2E, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy, soft_cap, soft_cap_grad
+from .common import (LOG2E, cap_args, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy, soft_cap,
+                     soft_cap_grad)
 from .fp32_gemm import addmm_f32_, logits_f32
 from .launch import launch, target_arch
-from .linear_tiles import cap_args, to_input_dtype
+from .linear_tiles import to_input_dtype
 from .token_terms import token_terms_at
 
 triton, tl = import_triton()

@@ -15,9 +15,9 @@ import torch
 
 from .._checks import alloc
 from . import linear_tiles as tiles
-from .common import GENERATIONS, LN2, LOG2E, cdiv, lane_fold
+from .common import GENERATIONS, LN2, LOG2E, cap_args, cdiv, lane_fold
 from .launch import launch
-from .linear_tiles import NEG_BIG, cap_args, logits_tile, tl, triton
+from .linear_tiles import NEG_BIG, logits_tile, tl, triton
 
 MERGE_BLOCK_N = 256
 

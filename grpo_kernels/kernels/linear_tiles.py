@@ -93,12 +93,6 @@ def check_inputs(hidden, weight, bias, ids) -> tuple[int, int, int]:
     return hidden.shape[0], weight.shape[0], hidden.shape[1]
 
 
-def cap_args(softcap: float | None) -> dict:
-    """The soft cap as the fused head's kernels take it: a runtime fp32 ``softcap`` (a new cap does not recompile;
-    1.0, never read, when off) and the ``SOFTCAP`` constexpr that compiles the cap in."""
-    return dict(softcap=1.0 if softcap is None else float(softcap), SOFTCAP=softcap is not None)
-
-
 def per_token(t, n: int) -> torch.Tensor:
     """A per-token fp32 (N,) tensor, made contiguous (autograd hands out expanded, stride-0 gradients)."""
     assert t.shape == (n,) and t.dtype == torch.float32, "per-token tensors: fp32 (N,)"

@@ -15,7 +15,7 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .common import soft_cap
+from .common import cap_args, soft_cap
 from .logits_rows import RowTiles, row_logsumexp_entropy, row_tiles, vec_for, write_row_dlogits
 
 triton, tl = import_triton()
@@ -80,12 +80,6 @@ def as_btv(logits: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def softcap_arg(softcap: float | None) -> float:
-    """The kernels' runtime ``softcap`` argument: the cap, or 1.0 when there is none (then unread: ``SOFTCAP`` is
-    False). A float always, so that a cap's value never changes the compiled signature."""
-    return 1.0 if softcap is None else float(softcap)
-
-
 def tiles(kernel: str, x: torch.Tensor, block_v: int | None = None) -> RowTiles:
     """The tile table's launch configuration for ``kernel`` on ``x``'s device and dtype, the vocab block capped
     by ``block_v`` (or the testing override's ``max_block_v``) when given."""
@@ -110,8 +104,8 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
         cfg = tiles("forward", x, block_v)
         mask = None if row_mask is None else (row_mask.reshape(N) != 0).to(torch.int8)
         launch(logits_logprobs_fwd, (N,), x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy,
-               T, V, x.stride(0), x.stride(1), 1.0 / temperature, softcap_arg(softcap), HAS_MASK=mask is not None,
-               SOFTCAP=softcap is not None, BLOCK_V=cfg.block_v, VEC=vec_for(cfg.block_v, x.dtype),
+               T, V, x.stride(0), x.stride(1), 1.0 / temperature, **cap_args(softcap), HAS_MASK=mask is not None,
+               BLOCK_V=cfg.block_v, VEC=vec_for(cfg.block_v, x.dtype),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return logp, lse, entropy
 
@@ -137,7 +131,7 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
         launch(logits_logprobs_bwd, (N,), x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
                grad_entropy.contiguous() if has_h else grad_logp, out,
                T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
-               softcap_arg(softcap), SOFTCAP=softcap is not None, HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v,
+               **cap_args(softcap), HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v,
                VEC=vec_for(cfg.block_v, x.dtype),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)

@@ -21,8 +21,8 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .logits_kernels import as_btv, softcap_arg, tiles
-from .common import num_sms, soft_cap
+from .logits_kernels import as_btv, tiles
+from .common import cap_args, num_sms, soft_cap
 from .logits_rows import row_logsumexp_entropy, vec_for, write_row_dlogits
 from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
 from .token_terms import token_terms_at
@@ -137,7 +137,7 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, kind: int, inplace: bool)
                N, T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), adv_sb, adv_st, is_sb, is_st,
                1.0 / cfg.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0),
                float(cfg.beta), float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
-               softcap_arg(cfg.softcap), SOFTCAP=cfg.softcap is not None, KIND=kind, HAS_OLD=old is not None,
+               **cap_args(cfg.softcap), KIND=kind, HAS_OLD=old is not None,
                HAS_REF=ref is not None, HAS_IS=isr is not None,
                HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
