@@ -156,32 +156,11 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
     """
     cfg = config or GRPOLossConfig()
     policy = LOSS_TABLE[cfg.loss_type].policy
-    dtype = logps.dtype
+    x = _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy)
+    logps, mask, adv, dtype = x["logps"], x["mask"], x["adv"], logps.dtype
     B, T = logps.shape
-    mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
-    n_valid = mask.sum().to(dtype)
-    adv = advantages.to(dtype)
-    # (B, T) advantages at padded positions are neutral too (a per-row ratio's gradient sums over the whole row)
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(mask, adv, 0.0)
-    # Padded positions may hold anything (sentinel log-probs, -inf, a huge ratio): neutral values there keep
-    # 0 * inf out of the forward and the backward. Valid positions are untouched, so the numbers are TRL's.
-    logps = torch.where(mask, logps, 0.0)
-    neutral = logps.detach()
-    if is_ratio is not None:
-        is_ratio = is_ratio.to(dtype)
-        # vespo folds the raw ratios of every position into its gamma weights, as TRL does; elsewhere padded
-        # positions only multiply a masked-out loss, so they are neutralized.
-        is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else \
-            is_ratio if policy == "vespo" else torch.where(mask, is_ratio, 1.0)
-    old = neutral if old_logps is None else torch.where(mask, old_logps.to(dtype), neutral)
-    if ref_logps is not None:
-        ref_logps = torch.where(mask, ref_logps.to(dtype), neutral)
-    if sampling_logps is not None:
-        sampling_logps = torch.where(mask, sampling_logps.to(dtype), neutral)
-    if entropy is not None:
-        entropy = torch.where(mask, entropy, 0.0)
 
-    log_ratio = logps - old
+    log_ratio = logps - x["old"]
     if cfg.importance_sampling_level == "token":
         log_w = log_ratio
     else:
@@ -189,37 +168,23 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
     coef_1 = torch.exp(log_w)
 
     per_token_kl = None
-    if ref_logps is not None:
-        ref = ref_logps.to(dtype)
+    if x["ref"] is not None:
+        ref = x["ref"]
         per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
         if cfg.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    phi = None
-    if policy == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps
-    elif policy == "clipped":
-        coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
-        if cfg.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=cfg.delta)
-        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    elif policy == "sapo":
-        temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(dtype)
-        per_token_loss = -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv
-    else:  # vespo
-        phi = gamma_weights(adv, log_ratio, mask, is_ratio, cfg)
-        per_token_loss = -phi * adv * logps
-
+    per_token_loss, phi = _policy_term(policy, coef_1, adv, logps, log_ratio, mask, x["is_ratio"], cfg)
     if cfg.off_policy_mask_threshold is not None:
-        sampling = old if sampling_logps is None else sampling_logps.to(dtype)
+        sampling = x["old"] if x["sampling"] is None else x["sampling"]
         per_token_loss = per_token_loss * off_policy_mask(adv, logps, sampling, mask,
                                                           cfg.off_policy_mask_threshold).to(dtype)
-    entropy_mask = None
+    entropy, entropy_mask = x["entropy"], None
     if cfg.top_entropy_quantile < 1.0:
         entropy_mask = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile)
         per_token_loss = per_token_loss * entropy_mask.to(dtype)
-    if is_ratio is not None and policy != "vespo":
-        per_token_loss = per_token_loss * is_ratio
+    if x["is_ratio"] is not None and policy != "vespo":
+        per_token_loss = per_token_loss * x["is_ratio"]
     if cfg.beta != 0.0:
         per_token_loss = per_token_loss + cfg.beta * per_token_kl
 
@@ -229,9 +194,59 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
     if cfg.entropy_coef != 0.0:
         eff = mask if entropy_mask is None else entropy_mask
         loss = loss - cfg.entropy_coef * torch.where(eff, entropy, 0.0).sum() / eff.sum().clamp(min=1)
+    return loss, _metrics(coef_1, adv, mask, per_token_kl, entropy, phi, cfg)
 
+
+def _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy):
+    """The inputs in logps' dtype with neutral values at padded positions, by name.
+
+    Padded positions may hold anything (sentinel log-probs, -inf, a huge ratio): neutral values there keep 0 * inf
+    out of the forward and the backward. Valid positions are untouched, so the numbers are TRL's."""
+    dtype = logps.dtype
+    mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
+    adv = advantages.to(dtype)
+    # (B, T) advantages at padded positions are neutral too (a per-row ratio's gradient sums over the whole row)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(mask, adv, 0.0)
+    logps = torch.where(mask, logps, 0.0)
+    neutral = logps.detach()
+    if is_ratio is not None:
+        is_ratio = is_ratio.to(dtype)
+        # vespo folds the raw ratios of every position into its gamma weights, as TRL does; elsewhere padded
+        # positions only multiply a masked-out loss, so they are neutralized.
+        is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else \
+            is_ratio if policy == "vespo" else torch.where(mask, is_ratio, 1.0)
+
+    def at_valid(t, fill):
+        return None if t is None else torch.where(mask, t.to(dtype), fill)
+
+    return {"logps": logps, "mask": mask, "adv": adv, "is_ratio": is_ratio,
+            "old": neutral if old_logps is None else at_valid(old_logps, neutral),
+            "ref": at_valid(ref_logps, neutral), "sampling": at_valid(sampling_logps, neutral),
+            "entropy": None if entropy is None else torch.where(mask, entropy, 0.0)}
+
+
+def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg):
+    """(per-token policy loss, vespo's phi or None) of the loss type's policy term (docs/DESIGN.md section 2)."""
+    if policy == "cispo":
+        return -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps, None
+    if policy == "clipped":
+        coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+        if cfg.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=cfg.delta)
+        return -torch.min(coef_1 * adv, coef_2 * adv), None
+    if policy == "sapo":
+        temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(logps.dtype)
+        return -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv, None
+    phi = gamma_weights(adv, log_ratio, mask, is_ratio, cfg)  # vespo
+    return -phi * adv * logps, phi
+
+
+def _metrics(coef_1, adv, mask, per_token_kl, entropy, phi, cfg) -> dict:
+    """The metrics dict (detached 0-dim masked means over the batch) of ``loss_from_logps``."""
     with torch.no_grad():
-        zero = torch.zeros((), dtype=dtype, device=logps.device)
+        dtype = coef_1.dtype
+        n_valid = mask.sum().to(dtype)
+        zero = torch.zeros((), dtype=dtype, device=coef_1.device)
         low = (coef_1 < 1 - cfg.epsilon_low) & (adv < 0)
         high = (coef_1 > 1 + cfg.epsilon_high) & (adv > 0)
         metrics = {
@@ -241,13 +256,12 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
             "clip_ratio/high_mean": _masked_mean(high.to(dtype), mask, n_valid),
             "clip_ratio/region_mean": _masked_mean((low | high).to(dtype), mask, n_valid),
         }
-        if policy == "cispo":
+        if LOSS_TABLE[cfg.loss_type].policy == "cispo":
             metrics["cispo_clip_ratio"] = _masked_mean(((coef_1 > cfg.epsilon_high) & (adv > 0)).to(dtype),
                                                        mask, n_valid)
         if phi is not None:
             metrics["vespo/phi_seq_mean"] = _masked_mean(phi, mask, n_valid)
-        metrics = {k: v.detach() for k, v in metrics.items()}
-    return loss, metrics
+        return {k: v.detach() for k, v in metrics.items()}
 
 
 def reference_grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
