@@ -174,7 +174,7 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
         if cfg.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    per_token_loss, phi = _policy_term(policy, coef_1, adv, logps, log_ratio, mask, x["is_ratio"], cfg)
+    per_token_loss, phi, coef_1 = _policy_term(policy, coef_1, adv, logps, log_ratio, mask, x["is_ratio"], cfg)
     if cfg.off_policy_mask_threshold is not None:
         sampling = x["old"] if x["sampling"] is None else x["sampling"]
         per_token_loss = per_token_loss * off_policy_mask(adv, logps, sampling, mask,
@@ -226,19 +226,20 @@ def _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, ent
 
 
 def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg):
-    """(per-token policy loss, vespo's phi or None) of the loss type's policy term (docs/DESIGN.md section 2)."""
+    """(per-token policy loss, vespo's phi or None, the ratio the clip metrics read: delta-clamped for the clipped
+    term, as TRL's) of the loss type's policy term (docs/DESIGN.md section 2)."""
     if policy == "cispo":
-        return -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps, None
+        return -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps, None, coef_1
     if policy == "clipped":
         coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
         if cfg.delta is not None:
             coef_1 = torch.clamp(coef_1, max=cfg.delta)
-        return -torch.min(coef_1 * adv, coef_2 * adv), None
+        return -torch.min(coef_1 * adv, coef_2 * adv), None, coef_1
     if policy == "sapo":
         temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(logps.dtype)
-        return -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv, None
+        return -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv, None, coef_1
     phi = gamma_weights(adv, log_ratio, mask, is_ratio, cfg)  # vespo
-    return -phi * adv * logps, phi
+    return -phi * adv * logps, phi, coef_1
 
 
 def _metrics(coef_1, adv, mask, per_token_kl, entropy, phi, cfg) -> dict:
