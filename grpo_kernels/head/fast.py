@@ -314,6 +314,7 @@ class _SequenceGrads:
             grads = torch.autograd.grad(sub_loss, [x] if e is None else [x, e])
         sub_w = reduction_weights(sub_mask.float(), cfg.loss_type, None, cfg.max_completion_length)
         at = lambda t: t.reshape(-1).index_select(0, pos)  # noqa: E731  (the chunk's valid tokens, in order)
-        g = at(grads[0]) * (at(self.weights.weights[b0:b1]) / at(sub_w))
+        sub_w = at(sub_w)  # 0 at a padded token, which a ``capturable`` call computes too: its gradient is 0
+        g = at(grads[0]) * torch.where(sub_w != 0, at(self.weights.weights[b0:b1]) / sub_w, 0.0)
         g_h = None if e is None else at(grads[1]) * (sub_mask.sum().clamp(min=1) / self.weights.count)
         return g.float(), None if g_h is None else g_h.float()
