@@ -355,7 +355,7 @@ class ValidRows:
         """Each tensor's rows at the valid tokens (differentiable); unchanged when every token is valid."""
         if self.index is None:
             return tensors
-        return tuple(None if t is None else t.index_select(0, self.index) for t in tensors)
+        return tuple(None if t is None else _TakeRows.apply(t, self.index) for t in tensors)
 
     def scatter(self, *tensors):
         """Each compact (N_valid,) tensor back on all ``total`` tokens, zeros elsewhere (differentiable)."""
@@ -363,6 +363,24 @@ class ValidRows:
             return tensors
         return tuple(torch.zeros(self.total, dtype=t.dtype, device=t.device).index_copy(0, self.index, t)
                      for t in tensors)
+
+
+class _TakeRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` for distinct indices, whose backward writes each row's gradient once
+    (``index_copy``): autograd's own backward of ``index_select`` is ``index_add_``, atomic on CUDA (docs/numerics.md,
+    "Determinism")."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        return out.index_copy_(0, index, grad), None
 
 
 def _flat_index(keep: torch.Tensor, count: int) -> torch.Tensor:

@@ -56,4 +56,6 @@ def dlogits_(z: torch.Tensor, lse, h, g, g_h, inv_t: float, softcap: float | Non
         del derivative
     if target_here is not None:
         onehot = torch.where(target_here, onehot, 0.0)
-    return dz.scatter_add_(-1, target, onehot).mul_(inv_t)
+    # Why gather + scatter_ and not scatter_add_: one column per row, so the write lands once; scatter_add_ is an
+    # accumulating (atomic on CUDA) op, which deterministic mode runs none of (docs/numerics.md, "Determinism").
+    return dz.scatter_(-1, target, dz.gather(-1, target) + onehot).mul_(inv_t)

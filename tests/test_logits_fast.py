@@ -237,8 +237,8 @@ def test_in_place_path_allocates_nothing_of_the_logits_size(monkeypatch):
     assert x.grad.data_ptr() == x.data_ptr()
     assert recorder.largest[0] <= N_TERMS * B * T, f"largest new tensor: {recorder.largest}"
     # per token: the loss / metric terms (28 bytes), the float mask and the reduction weights (4 + 4), and the
-    # is_ratio validation's boolean masks (a few bytes, freed at once)
-    assert recorder.total_bytes <= 44 * B * T + 512, f"{recorder.total_bytes} bytes allocated for {B * T} tokens"
+    # boolean masks of the on-device value checks (is_ratio: 5, ids in [0, V): 3; freed at once) = 44, plus scalars
+    assert recorder.total_bytes <= 44 * B * T + 640, f"{recorder.total_bytes} bytes allocated for {B * T} tokens"
 
 
 def test_scale_skips_on_one_and_keeps_padded_zeros():

@@ -100,10 +100,12 @@ class _GatherReplicated(torch.autograd.Function):
 
 class _TargetLogit(torch.autograd.Function):
     """z_c = soft_cap(h . W[c] + b[c]) / tau for one shard-local id c per row, in the accumulation dtype; chunks of
-    TARGET_CHUNK_ROWS rows keep its scratch small, and the backward scatters dW / dbias rows (fp32 accumulation)."""
+    TARGET_CHUNK_ROWS rows keep its scratch small, and the backward adds each row's gradient into the dW / dbias row
+    of its id (fp32 accumulation): deterministically by default (``add_rows_by_id``), by ``index_add_`` (atomic on
+    CUDA where an id repeats) when the plan's backward is the atomic one."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_ids, transform):
+    def forward(ctx, hidden, weight, bias, local_ids, transform, deterministic: bool):
         acc = accumulation_dtype(hidden)
         z = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         for r0 in range(0, hidden.shape[0], TARGET_CHUNK_ROWS):
@@ -117,7 +119,7 @@ class _TargetLogit(torch.autograd.Function):
         ctx.cap_grad = soft_cap_derivative(z, transform.softcap)
         z /= transform.temperature
         ctx.save_for_backward(hidden, weight, bias, local_ids)
-        ctx.temperature = transform.temperature
+        ctx.temperature, ctx.deterministic = transform.temperature, deterministic
         return z
 
     @staticmethod
@@ -127,20 +129,60 @@ class _TargetLogit(torch.autograd.Function):
         acc = accumulation_dtype(hidden)
         g = grad.to(acc) / ctx.temperature * ctx.cap_grad
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
         d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        V, H = weight.shape
+        # one (V + scratch, H [+ 1]) fp32 sum: dW in the first H columns, dbias in the last
+        cols = (H if need_w else 0) + (1 if need_b else 0)
+        scratch = SUM_ROWS if ctx.deterministic else 0
+        sums = torch.zeros((V + scratch, cols), dtype=acc, device=weight.device) if cols else None
         for r0 in range(0, hidden.shape[0], TARGET_CHUNK_ROWS):
             c = local_ids[r0:r0 + TARGET_CHUNK_ROWS]
             gc = g[r0:r0 + c.shape[0]].unsqueeze(-1)
             if need_h:
                 d_hidden[r0:r0 + c.shape[0]] = gc * weight.index_select(0, c).to(acc)
-            if need_w:
-                d_weight.index_add_(0, c, gc * hidden[r0:r0 + c.shape[0]].to(acc))
-        d_bias = None
-        if need_b and bias is not None:
-            d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device).index_add_(0, local_ids, g)
-            d_bias = d_bias.to(bias.dtype)
-        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype), d_bias, None, None)
+            if sums is not None:
+                parts = ([gc * hidden[r0:r0 + c.shape[0]].to(acc)] if need_w else []) + ([gc] if need_b else [])
+                values = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+                if ctx.deterministic:
+                    add_rows_by_id(sums, c, values, V)
+                else:
+                    sums.index_add_(0, c, values)
+        d_weight = sums[:V, :H].to(weight.dtype) if need_w else None
+        d_bias = sums[:V, -1].to(bias.dtype) if need_b else None
+        return d_hidden, d_weight, d_bias, None, None, None
+
+
+# Rows per segment-sum GEMM of ``add_rows_by_id``: R x R x K FLOPs per R rows (0.1% of the head's at K = 4096).
+SUM_ROWS = 256
+
+
+def add_rows_by_id(out, ids, values, scratch_at: int) -> None:
+    """``out[ids[i]] += values[i]`` for every i, deterministic without atomics: the same sums, in the same order, on
+    every run of any device, whatever ids repeat.
+
+    Per block of ``SUM_ROWS`` rows: a stable sort of the ids (runs of equal ids, in row order), each run summed by a
+    fixed-order GEMM with a 0 / 1 run-membership matrix, and each run's sum added to its id's row with an indexed
+    assignment whose indices are distinct (a run's id, or one of the ``SUM_ROWS`` scratch rows of ``out`` from
+    ``scratch_at`` on for the runs a block does not have). Why not ``index_add_``: on CUDA it is atomic, and
+    repeated ids then add in a different order on every run."""
+    for r0 in range(0, ids.shape[0], SUM_ROWS):
+        c, v = ids[r0:r0 + SUM_ROWS], values[r0:r0 + SUM_ROWS]
+        R = c.shape[0]
+        order = torch.argsort(c, stable=True)
+        sorted_ids = c[order]
+        starts = torch.ones(R, dtype=torch.bool, device=c.device)
+        starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        run = torch.cumsum(starts.to(torch.int64), 0) - 1  # integer: exact, and the same on every run
+        slots = torch.arange(R, device=c.device)
+        member = torch.zeros((R, R), dtype=v.dtype, device=v.device)
+        member[run, slots] = 1.0  # distinct (run, slot) pairs
+        run_sums = member @ v[order]
+        # the id of run j, or a scratch row for the runs this block has fewer of (distinct destinations)
+        # run starts write their id at slot ``run`` (< R), the other rows past R: distinct destinations
+        dest = torch.where(starts, run, R + slots)
+        run_ids = torch.cat([scratch_at + slots, scratch_at + slots]).scatter(0, dest, sorted_ids)[:R]
+        out[run_ids] = out[run_ids] + run_sums
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -300,7 +342,7 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: Val
     local_ids = (ids - shard.start).clamp(0, shard.size - 1)
     local = replace(inputs, hidden=hidden, ids=local_ids, shape=local_ids.shape)
     logp_r, entropy_r, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()))
-    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.transform)
+    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.transform, plan.deterministic)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
     table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]), shard)
     # the entropy of a mixture of the shards' softmaxes with weights w_r = exp(lse_r - lse): sum_r w_r H_r + H(w).
