@@ -7,6 +7,7 @@ implementation go through ``loss_from_logps`` below, on tensors of size B x T, s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -143,21 +144,42 @@ def _masked_mean(x, mask, n_valid) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum() / n_valid.clamp(min=1)
 
 
-def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None,
-                    entropy=None, num_items_in_batch=None, sampling_logps=None,
-                    config: GRPOLossConfig | None = None):
-    """GRPO loss of docs/DESIGN.md section 2 from per-token log-probs: returns ``(loss, metrics)``.
+@dataclass(frozen=True)
+class PerTokenLoss:
+    """Section 2's per-token terms before the reduction (``per_token_loss``): (B, T) tensors or (B, 1) ones that
+    broadcast to (B, T).
 
-    logps (B, T) differentiable (fp32 or fp64); advantages (B,) or (B, T); mask (B, T) bool/int/float or None;
-    old_logps, ref_logps, sampling_logps (B, T); is_ratio (B,), (B, 1) or (B, T); entropy (B, T), differentiable
-    when ``config.entropy_coef != 0``. Inputs must already be validated and on logps' device; they are cast to
-    logps' dtype. metrics: detached 0-dim tensors ``kl``, ``entropy``, ``clip_ratio/{low,high,region}_mean`` and,
-    for cispo / vespo, ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
-    """
+    loss: ``l = policy * masks * is_ratio + beta * kl``, differentiable (padded tokens hold finite values that every
+    reduction weights by 0); kl: the k3 KL (times the ratio with ``use_bias_correction_kl``), None without
+    ``ref_logps``; coef_1: the ratio the clip metrics read (after the delta clamp, as TRL's); adv: the advantages as
+    broadcast (0 at padded tokens when (B, T)); mask: bool (B, T); n_valid: its count in the loss's dtype; entropy:
+    0 at padded tokens, or None; phi: vespo's weights or None; entropy_mask: the top-entropy mask or None."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor | None
+    coef_1: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+    n_valid: torch.Tensor
+    entropy: torch.Tensor | None = None
+    phi: torch.Tensor | None = None
+    entropy_mask: torch.Tensor | None = None
+
+    def clipped(self, cfg: GRPOLossConfig):
+        """(low, high, cispo) bool indicators of the clip metrics: ``rho < 1 - eps_low`` with A < 0, ``rho > 1 +
+        eps_high`` with A > 0, and cispo's ``rho > eps_high`` with A > 0 (TRL's definitions)."""
+        low = (self.coef_1 < 1 - cfg.epsilon_low) & (self.adv < 0)
+        high = (self.coef_1 > 1 + cfg.epsilon_high) & (self.adv > 0)
+        return low, high, (self.coef_1 > cfg.epsilon_high) & (self.adv > 0)
+
+
+def per_token_loss(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None, entropy=None,
+                   sampling_logps=None, config: GRPOLossConfig | None = None) -> PerTokenLoss:
+    """The per-token loss of docs/DESIGN.md section 2 and what its metrics read, before any reduction; arguments
+    as ``loss_from_logps`` (which reduces it)."""
     cfg = config or GRPOLossConfig()
     policy = LOSS_TABLE[cfg.loss_type].policy
     dtype = logps.dtype
-    B, T = logps.shape
     mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
     n_valid = mask.sum().to(dtype)
     adv = advantages.to(dtype)
@@ -222,30 +244,49 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
         per_token_loss = per_token_loss * is_ratio
     if cfg.beta != 0.0:
         per_token_loss = per_token_loss + cfg.beta * per_token_kl
+    return PerTokenLoss(per_token_loss, per_token_kl, coef_1, adv, mask, n_valid, entropy, phi, entropy_mask)
+
+
+def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None,
+                    entropy=None, num_items_in_batch=None, sampling_logps=None,
+                    config: GRPOLossConfig | None = None):
+    """GRPO loss of docs/DESIGN.md section 2 from per-token log-probs: returns ``(loss, metrics)``.
+
+    logps (B, T) differentiable (fp32 or fp64); advantages (B,) or (B, T); mask (B, T) bool/int/float or None;
+    old_logps, ref_logps, sampling_logps (B, T); is_ratio (B,), (B, 1) or (B, T); entropy (B, T), differentiable
+    when ``config.entropy_coef != 0``. Inputs must already be validated and on logps' device; they are cast to
+    logps' dtype. metrics: detached 0-dim tensors ``kl``, ``entropy``, ``clip_ratio/{low,high,region}_mean`` and,
+    for cispo / vespo, ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
+    """
+    cfg = config or GRPOLossConfig()
+    policy = LOSS_TABLE[cfg.loss_type].policy
+    dtype = logps.dtype
+    B, T = logps.shape
+    terms = per_token_loss(logps, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio,
+                           entropy=entropy, sampling_logps=sampling_logps, config=cfg)
+    mask, n_valid, entropy = terms.mask, terms.n_valid, terms.entropy
 
     weights = reduction_weights(mask.to(dtype), cfg.loss_type, num_items_in_batch, cfg.max_completion_length)
-    loss = torch.where(mask, weights * per_token_loss.expand(B, T), 0.0).sum()
+    loss = torch.where(mask, weights * terms.loss.expand(B, T), 0.0).sum()
 
     if cfg.entropy_coef != 0.0:
-        eff = mask if entropy_mask is None else entropy_mask
+        eff = mask if terms.entropy_mask is None else terms.entropy_mask
         loss = loss - cfg.entropy_coef * torch.where(eff, entropy, 0.0).sum() / eff.sum().clamp(min=1)
 
     with torch.no_grad():
         zero = torch.zeros((), dtype=dtype, device=logps.device)
-        low = (coef_1 < 1 - cfg.epsilon_low) & (adv < 0)
-        high = (coef_1 > 1 + cfg.epsilon_high) & (adv > 0)
+        low, high, cispo_clipped = terms.clipped(cfg)
         metrics = {
-            "kl": zero if per_token_kl is None else _masked_mean(per_token_kl, mask, n_valid),
+            "kl": zero if terms.kl is None else _masked_mean(terms.kl, mask, n_valid),
             "entropy": zero if entropy is None else _masked_mean(entropy.detach(), mask, n_valid),
             "clip_ratio/low_mean": _masked_mean(low.to(dtype), mask, n_valid),
             "clip_ratio/high_mean": _masked_mean(high.to(dtype), mask, n_valid),
             "clip_ratio/region_mean": _masked_mean((low | high).to(dtype), mask, n_valid),
         }
         if policy == "cispo":
-            metrics["cispo_clip_ratio"] = _masked_mean(((coef_1 > cfg.epsilon_high) & (adv > 0)).to(dtype),
-                                                       mask, n_valid)
-        if phi is not None:
-            metrics["vespo/phi_seq_mean"] = _masked_mean(phi, mask, n_valid)
+            metrics["cispo_clip_ratio"] = _masked_mean(cispo_clipped.to(dtype), mask, n_valid)
+        if terms.phi is not None:
+            metrics["vespo/phi_seq_mean"] = _masked_mean(terms.phi, mask, n_valid)
         metrics = {k: v.detach() for k, v in metrics.items()}
     return loss, metrics
 
