@@ -138,18 +138,20 @@ class _ShiftedLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, inplace: bool):
         ctx.inplace = inplace
-        ctx.save_for_backward(logits)
+        # Why not save_for_backward: the in-place paths overwrite these logits on purpose (a version bump that
+        # saved tensors would refuse); only the buffer is needed (in place) or its shape
+        ctx.buffer = logits.detach() if inplace else None
+        ctx.shape = logits.shape
         return logits[:, :-1]
 
     @staticmethod
     def backward(ctx, grad):
-        (logits,) = ctx.saved_tensors
         if ctx.inplace:
-            full = logits.detach()
+            full, ctx.buffer = ctx.buffer, None
             if grad.data_ptr() != full.data_ptr() or grad.stride() != full[:, :-1].stride():
                 full[:, :-1].copy_(grad)
         else:
-            full = grad.new_empty(logits.shape)
+            full = grad.new_empty(ctx.shape)
             full[:, :-1].copy_(grad)
         full[:, -1].zero_()
         return full, None

@@ -223,47 +223,350 @@ def _per_token_definition(logps, inputs, kw):
     return torch.stack(rows), kl, clip
 
 
+def _definition(inputs, kw, lkw, reduce: bool, dtype, weights):
+    """Liger's definition on the shifted logits in ``dtype`` (naive log-softmax): (outputs, d logits), outputs as
+    ``triton_grpo_loss`` returns them (flattened; per-token KL 0 when beta == 0)."""
+    x = inputs["logits"].to(dtype).requires_grad_(True)
+    logps = _logps(x[:, :-1], inputs["ids"], kw["temperature"])
+    if reduce:
+        rest = {k: inputs[k].to(dtype) for k in ("old_logps", "ref_logps", "is_ratio") if k in inputs}
+        loss, metrics = _liger_definition(logps, inputs["mask"].to(dtype), inputs["advantages"].to(dtype), lkw,
+                                          old=rest.get("old_logps"), ref=rest.get("ref_logps"),
+                                          is_ratio=rest.get("is_ratio"), num_items=inputs.get("num_items_in_batch"))
+        return [loss] + list(metrics), torch.autograd.grad(loss, x)[0]
+    loss, kl, clip = _per_token_definition(logps.double(), inputs, lkw)
+    return [loss, kl, clip], torch.autograd.grad((loss * weights).sum(), x)[0]
+
+
+def _flat(out, reduce):
+    """``triton_grpo_loss``'s outputs as one list (a None KL as zeros)."""
+    if reduce:
+        return [out[0]] + list(out[1])
+    return [out[0], torch.zeros_like(out[0]) if out[1] is None else out[1], out[2]]
+
+
+def _check_triton_outputs(case, inputs, reduce, mine, grad, middle, truth):
+    (middle, middle_grad), (truth, truth_grad) = middle, truth
+    names = (["loss"] + (["kl"] if len(truth) == 3 else []) + ["clip"]) if reduce else ["loss", "kl", "clip"]
+    assert len(mine) == len(truth) == len(middle)
+    for name, a, b, t in zip(names, mine, middle, truth):
+        if name != "clip" or clip_metric_agrees(case.config, inputs["mask"]):
+            assert_three_way(a.detach(), b.detach(), t.detach(), torch.float32, f"{case.id}: {name}")
+    assert_three_way(grad, middle_grad, truth_grad, torch.float32, f"{case.id}: d logits")
+    assert (grad[:, -1] == 0).all()
+
+
+def _skip_unless_token_local(case, reduce):
+    if not reduce and not (case.config.importance_sampling_level == "token"
+                           and LOSS_TABLE[case.config.loss_type].token_local):
+        pytest.skip("the per-token definition is taken one token at a time: token-local configurations only")
+
+
 @pytest.mark.parametrize("impl", ["auto", "triton"])
 @pytest.mark.parametrize("reduce", [True, False], ids=["reduce", "per-token"])
 @pytest.mark.parametrize("case", AGREE, ids=lambda c: c.id)
 def test_triton_grpo_loss_matches_liger_definition(case, reduce, impl, monkeypatch, plans):
     """Loss (reduced or per token), metrics and d logits against Liger's definition in float64, within twice the
     error of the same definition on fp32 log-probs (naive fp32 log-softmax) plus fp32's atol."""
-    if not reduce and not (case.config.importance_sampling_level == "token" and LOSS_TABLE[case.config.loss_type]
-                           .token_local):
-        pytest.skip("the per-token definition is taken one token at a time: token-local configurations only")
+    _skip_unless_token_local(case, reduce)
     if impl == "triton":
         monkeypatch.setenv("GRPO_KERNELS_IMPL", "triton")
     inputs = _logits_inputs(case)
     T = inputs["ids"].shape[1]
-    kw = _triton_kwargs(case.config, T)
-    lkw = _liger_kwargs(case.config, T)
+    kw, lkw = _triton_kwargs(case.config, T), _liger_kwargs(case.config, T)
     weights = torch.rand(inputs["ids"].shape, generator=torch.Generator().manual_seed(1))
-
-    def definition(dtype):
-        x = inputs["logits"].to(dtype).requires_grad_(True)
-        logps = _logps(x[:, :-1], inputs["ids"], kw["temperature"])
-        if reduce:
-            rest = {k: inputs[k].to(dtype) for k in ("old_logps", "ref_logps", "is_ratio") if k in inputs}
-            loss, metrics = _liger_definition(logps, inputs["mask"].to(dtype), inputs["advantages"].to(dtype), lkw,
-                                              old=rest.get("old_logps"), ref=rest.get("ref_logps"),
-                                              is_ratio=rest.get("is_ratio"), num_items=inputs.get("num_items_in_batch"))
-            return [loss] + list(metrics), torch.autograd.grad(loss, x)[0]
-        loss, kl, clip = _per_token_definition(logps.double(), inputs, lkw)
-        return [loss, kl, clip], torch.autograd.grad((loss * weights).sum(), x)[0]
-
-    truth, truth_grad = definition(torch.float64)
-    middle, middle_grad = definition(torch.float32)
     out, x = _triton_call(ours.triton_grpo_loss, inputs, torch.float32, kw, reduce)
-    mine = [out[0]] + list(out[1]) if reduce else list(out)
-    if not reduce and kw["beta"] == 0.0:
-        assert mine[1] is None
-        mine[1] = torch.zeros_like(mine[0])
+    if not reduce:
+        assert (out[1] is None) == (kw["beta"] == 0.0)
     grad = torch.autograd.grad(out[0] if reduce else (out[0] * weights).sum(), x)[0]
-    names = ["loss"] + (["kl"] if len(mine) == 3 else []) + ["clip"] if reduce else ["loss", "kl", "clip"]
-    for name, a, b, t in zip(names, mine, middle, truth):
-        if name != "clip" or clip_metric_agrees(case.config, inputs["mask"]):
-            assert_three_way(a.detach(), b.detach(), t.detach(), torch.float32, f"{case.id}: {name}")
-    assert_three_way(grad, middle_grad, truth_grad, torch.float32, f"{case.id}: d logits")
-    assert (grad[:, -1] == 0).all()
+    _check_triton_outputs(case, inputs, reduce, _flat(out, reduce), grad,
+                          _definition(inputs, kw, lkw, reduce, torch.float32, weights),
+                          _definition(inputs, kw, lkw, reduce, torch.float64, weights))
     assert plans and all(p.impl == ("torch" if impl == "auto" else "triton") for p in plans)
+
+
+LIGER_TRITON = [c for c in AGREE if c.id in ("grpo-token", "dapo-token", "cispo-eps", "sapo-temps", "grpo-beta-kl",
+                                             "is-ratio-token", "dapo-sequence", "delta", "num-items")]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("reduce", [True, False], ids=["reduce", "per-token"])
+@pytest.mark.parametrize("case", LIGER_TRITON, ids=lambda c: c.id)
+def test_triton_grpo_loss_matches_liger_triton_kernel(case, reduce):
+    """Liger's own Triton kernels (run by the interpreter) as the middle term: ours (Triton) is within twice their
+    error against Liger's float64 definition."""
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss as liger_triton_grpo_loss
+
+    _skip_unless_token_local(case, reduce)
+    inputs = _logits_inputs(case)
+    T = inputs["ids"].shape[1]
+    kw, lkw = _triton_kwargs(case.config, T), _liger_kwargs(case.config, T)
+    weights = torch.rand(inputs["ids"].shape, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (ours.triton_grpo_loss, liger_triton_grpo_loss):
+        out, x = _triton_call(fn, inputs, torch.float32, kw, reduce)
+        grad = torch.autograd.grad(out[0] if reduce else (out[0] * weights).sum(), x)[0]
+        results.append((_flat(out, reduce), grad))
+    _check_triton_outputs(case, inputs, reduce, *results[0], results[1],
+                          _definition(inputs, kw, lkw, reduce, torch.float64, weights))
+
+
+# ---------------------------------------------------------------------------------------- the drop-in contract
+
+def _signature(fn):
+    return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_signatures_are_liger_s():
+    """Every parameter, its default and its kind (positional order included) as in liger-kernel 0.8.5."""
+    from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    theirs = liger_grpo.LigerFusedLinearGRPOLoss
+    assert ours.LIGER_VERSION == "0.8.5"
+    for mine, ref in ((ours.LigerFusedLinearGRPOLoss.__init__, theirs.__init__),
+                      (ours.LigerFusedLinearGRPOLoss.forward, theirs.forward),
+                      (ours.triton_grpo_loss, triton_grpo_loss),
+                      (ours.fused_selective_log_softmax, fused_selective_log_softmax)):
+        assert _signature(mine) == _signature(ref), mine.__qualname__
+    module = ours.LigerFusedLinearGRPOLoss()
+    for name, default in list(inspect.signature(theirs.__init__).parameters.items())[1:]:
+        assert getattr(module, name) == default.default, name  # attributes, as Liger stores them
+    assert module.config.beta == 0.04 and module.config.use_bias_correction_kl is False
+
+
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+@pytest.mark.parametrize("reduce", [True, False], ids=["reduce", "per-token"])
+def test_triton_grpo_loss_in_place_uses_the_logits_buffer(reduce, impl, monkeypatch):
+    """inplace=True (Liger's default): the gradient of the (B, L + 1, V) logits is the logits buffer itself, holding
+    d logits (0 at the last position), equal to the out-of-place gradient."""
+    if impl == "triton":
+        monkeypatch.setenv("GRPO_KERNELS_IMPL", "triton")
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = _logits_inputs(case)
+    kw = _triton_kwargs(case.config, inputs["ids"].shape[1])
+    grads = []
+    for inplace in (False, True):
+        x = inputs["logits"].clone().requires_grad_(True)
+        out = ours.triton_grpo_loss(x, inputs["old_logps"], inputs["ref_logps"], inputs["ids"], inputs["advantages"],
+                                    inputs["mask"], inplace=inplace, reduce=reduce, **kw)
+        (out[0] if reduce else out[0].sum()).backward()
+        grads.append((x.grad, x.detach()))
+    (expected, untouched), (grad, buffer) = grads
+    assert torch.equal(untouched, inputs["logits"])
+    assert grad.data_ptr() == buffer.data_ptr() and torch.equal(buffer, expected)
+    assert (expected[:, -1] == 0).all() and expected.abs().sum() > 0
+
+
+def test_use_ref_model_false_ignores_the_reference():
+    """Liger's use_ref_model=False: the reference inputs are ignored, the KL term is 0 and so is the kl metric."""
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = _head_inputs(case, "", torch.float32)
+    args = (inputs["hidden"], inputs["weight"], inputs["ids"], inputs["mask"], inputs["advantages"], None,
+            inputs["ref_logps"], inputs["old_logps"])
+    loss, (kl, clip) = ours.LigerFusedLinearGRPOLoss(beta=0.04, use_ref_model=False, loss_type="grpo")(*args)
+    plain, (clip0,) = ours.LigerFusedLinearGRPOLoss(beta=0.0, loss_type="grpo")(*args)
+    assert kl.item() == 0.0 and torch.equal(loss, plain) and torch.equal(clip, clip0)
+
+
+def test_reference_given_twice_warns_like_liger():
+    """ref_per_token_logps and ref_input together: a warning, and ref_per_token_logps is used (Liger's rule), in the
+    drop-in and in FusedLinearGRPOLoss alike."""
+    import grpo_kernels as gk
+
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = _head_inputs(case, "ref-input", torch.float32)
+    ref = inputs["ref_input"] @ inputs["weight"].T  # any reference log-probs
+    ref_logps = torch.log_softmax(ref, -1).gather(-1, inputs["ids"].unsqueeze(-1)).squeeze(-1)
+    args = (inputs["hidden"], inputs["weight"], inputs["ids"], inputs["mask"].long(), inputs["advantages"], None,
+            ref_logps, inputs["old_logps"], inputs["ref_input"], inputs["ref_weight"])
+    for module in (ours.LigerFusedLinearGRPOLoss(loss_type="grpo"), liger_grpo.LigerFusedLinearGRPOLoss(
+            loss_type="grpo", compiled=False), gk.FusedLinearGRPOLoss(loss_type="grpo", beta=0.04)):
+        with pytest.warns(UserWarning, match="ref_input"):
+            both, _ = module(*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            alone, _ = module(*args[:8])
+        assert torch.equal(both, alone), type(module)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, ids, a: ours.triton_grpo_loss(x[:, :-1], None, None, ids, a, beta=0.0), "completion_ids"),
+    (lambda x, ids, a: ours.triton_grpo_loss(x[0], None, None, ids, a, beta=0.0), "logits"),
+    (lambda x, ids, a: ours.triton_grpo_loss(x, None, None, ids, a), "ref_logps"),
+    (lambda x, ids, a: ours.triton_grpo_loss(x, None, None, ids, a, beta=0.0, loss_type="ppo"), "loss_type"),
+    (lambda x, ids, a: ours.LigerFusedLinearGRPOLoss(sapo_temperature_pos=0.0), "sapo_temperature_pos"),
+    (lambda x, ids, a: ours.LigerFusedLinearGRPOLoss(delta=-1.0), "delta"),
+    (lambda x, ids, a: ours.LigerFusedLinearGRPOLoss(importance_sampling_level="row"), "importance_sampling_level"),
+], ids=["ids-length", "logits-2d", "beta-without-ref", "loss-type", "sapo-temperature", "delta", "level"])
+def test_errors_name_the_argument(call, match):
+    x = torch.randn(2, 4, 11)
+    with pytest.raises(ValueError, match=match):
+        call(x, torch.zeros(2, 3, dtype=torch.long), torch.ones(2))
+
+
+# ------------------------------------------------------------------- where Liger's numbers are not TRL's: ours are
+
+def _three_numbers(overrides, ref=False, full_mask=False, liger=True, old_shift=0.0):
+    """(ours, Liger's definition, TRL 1.16's _compute_loss) for one configuration on the same (B, L + 1, V) logits:
+    ours and Liger's as (loss, [kl,] clip), TRL's as (loss, metrics dict)."""
+    from tests.oracles import trl_compute_loss
+
+    case = Case("difference", overrides, ref=ref)
+    inputs = _logits_inputs(case, B=6, T=8)  # rows of both advantage signs, one fully masked, ragged lengths
+    if full_mask:
+        inputs["mask"] = torch.ones_like(inputs["mask"])
+    # rows with A > 0 get ratios above 1 + old_shift: the high clip region is reached
+    inputs["old_logps"] = inputs["old_logps"] - old_shift * (inputs["advantages"] > 0).float()[:, None]
+    T, cfg = inputs["ids"].shape[1], case.config
+    kw, lkw = _triton_kwargs(cfg, T), _liger_kwargs(cfg, T)
+    loss, metrics = _triton_call(ours.triton_grpo_loss, inputs, torch.float32, kw, reduce=True)[0]
+    x = inputs["logits"][:, :-1].double()
+    rest = {k: inputs[k].double() for k in ("old_logps", "ref_logps") if k in inputs}
+    theirs = (None, []) if not liger else _liger_definition(
+        _logps(x, inputs["ids"], cfg.temperature), inputs["mask"].double(), inputs["advantages"].double(), lkw,
+        old=rest.get("old_logps"), ref=rest.get("ref_logps"))
+    trl = trl_compute_loss(x, inputs["ids"], inputs["advantages"].double(), inputs["mask"], config=cfg, **rest)
+    return (loss.item(), [m.item() for m in metrics]), \
+        (theirs[0] if theirs[0] is None else theirs[0].item(), [m.item() for m in theirs[1]]), (trl[0].item(), trl[1])
+
+
+def test_difference_luspo_normalizer():
+    """luspo: Liger weights each token's loss by its row's length and divides by B * T, padded positions included
+    (the chunked module adds their policy and KL terms too); TRL 1.16 sums each row's valid tokens, mean over rows.
+    Without padding they agree."""
+    overrides = {"loss_type": "luspo", "beta": 0.04}
+    mine, theirs, trl = _three_numbers(overrides, ref=True)
+    assert mine[0] == pytest.approx(trl[0], rel=1e-5) and abs(mine[0] - theirs[0]) > 1e-3
+    mine, theirs, trl = _three_numbers(overrides, ref=True, full_mask=True)
+    assert mine[0] == pytest.approx(trl[0], rel=1e-5) == pytest.approx(theirs[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["sapo", "vespo"])
+def test_difference_clip_metric_of_sapo_and_vespo(loss_type):
+    """sapo / vespo: Liger reports a clip ratio of 0 (no clipping in their loss), TRL 1.16 none; the drop-in's slot
+    holds the fraction of tokens outside the clip region, ``clip_ratio/region_mean`` of grpo_loss's dict."""
+    mine, theirs, trl = _three_numbers({"loss_type": loss_type})
+    assert "clip_ratio/region_mean" not in trl[1] and theirs[1] == [0.0]
+    assert mine[0] == pytest.approx(trl[0], rel=1e-5) and mine[1][0] > 0
+
+
+def test_difference_clip_metric_with_delta():
+    """delta <= 1 + epsilon_high: TRL (and ours) count the delta-clamped ratio in the clip metric, Liger the raw one."""
+    mine, theirs, trl = _three_numbers({"loss_type": "dapo", "delta": 1.1, "epsilon_high": 0.28}, old_shift=0.5)
+    assert mine[0] == pytest.approx(trl[0], rel=1e-5) == pytest.approx(theirs[0], rel=1e-5)
+    assert mine[1][0] == pytest.approx(trl[1]["clip_ratio/region_mean"], abs=1e-7)
+    assert theirs[1][0] > mine[1][0]
+
+
+def test_difference_clip_metric_at_sequence_level():
+    """Sequence-level ratios: TRL averages the clip indicator over sequences, Liger over valid tokens."""
+    mine, theirs, trl = _three_numbers({"loss_type": "grpo", "importance_sampling_level": "sequence",
+                                        "epsilon_low": 0.02, "epsilon_high": 0.02}, old_shift=0.5)
+    assert mine[0] == pytest.approx(trl[0], rel=1e-5) == pytest.approx(theirs[0], rel=1e-5)
+    assert mine[1][0] == pytest.approx(trl[1]["clip_ratio/region_mean"], abs=1e-7)
+    assert abs(theirs[1][0] - mine[1][0]) > 1e-3
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+def test_difference_sequence_level_cispo_sapo(loss_type):
+    """Liger refuses sequence-level cispo / sapo (ValueError); the drop-in computes TRL's definition, warning as
+    grpo_kernels does for that configuration."""
+    overrides = {"loss_type": loss_type, "importance_sampling_level": "sequence"}
+    with pytest.raises(ValueError, match="Sequence-level importance sampling is not supported"):
+        liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, use_ref_model=False, **overrides)(
+            torch.randn(2, 3, 4), torch.randn(5, 4), torch.zeros(2, 3, dtype=torch.long),
+            torch.ones(2, 3, dtype=torch.long), torch.ones(2))
+    with pytest.warns(UserWarning, match="Liger-Kernel 0.8.5 refuses"):
+        ours.LigerFusedLinearGRPOLoss(**overrides)
+    mine, _, trl = _three_numbers(overrides, liger=False)
+    assert mine[0] == pytest.approx(trl[0], rel=1e-5)
+
+
+def test_difference_dr_grpo_without_max_completion_length():
+    """Liger's module requires max_completion_length for dr_grpo; the drop-in defaults it to T, as grpo_kernels does."""
+    case = next(c for c in CASES if c.id == "dr_grpo-token")
+    inputs = _head_inputs(case, "", torch.float32)
+    args = (inputs["hidden"], inputs["weight"], inputs["ids"], inputs["mask"], inputs["advantages"], None, None,
+            inputs["old_logps"])
+    T = inputs["ids"].shape[1]
+    assert torch.equal(ours.LigerFusedLinearGRPOLoss(loss_type="dr_grpo", beta=0.0)(*args)[0],
+                       ours.LigerFusedLinearGRPOLoss(loss_type="dr_grpo", beta=0.0, max_completion_length=T)(*args)[0])
+    with pytest.raises(AssertionError, match="max_completion_length"):
+        liger_grpo.LigerFusedLinearGRPOLoss(loss_type="dr_grpo", beta=0.0, compiled=False, use_ref_model=False)(*args)
+
+
+# --------------------------------------------------------------------------------- a user's code, one import changed
+
+USER_CODE = '''
+import torch
+from torch import nn
+from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+
+class TinyPolicy(nn.Module):
+    """A user's GRPO step written against Liger-Kernel's API."""
+
+    def __init__(self, vocab=29, hidden=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.grpo = LigerFusedLinearGRPOLoss(beta=0.04, loss_type="grpo", temperature=0.9, epsilon_high=0.28)
+
+    def fused_step(self, ids, mask, advantages, old, ref):
+        hidden = torch.tanh(self.embed(ids))
+        loss, (kl, clip_ratio) = self.grpo(hidden, self.lm_head.weight, ids, mask, advantages, None, ref, old)
+        loss.backward()
+        return loss.item(), kl.item(), clip_ratio.item()
+
+    def logits_step(self, input_ids, mask, advantages, old, ref):
+        logits = self.lm_head(torch.tanh(self.embed(input_ids)))  # (B, L + 1, V)
+        completion_ids = input_ids[:, 1:].contiguous()
+        per_token_loss, per_token_kl, is_clipped = triton_grpo_loss(
+            logits, old, ref, completion_ids, advantages, mask, temperature=0.9, beta=0.04)
+        loss = (per_token_loss * mask).sum() / mask.sum()
+        loss.backward()
+        return loss.item(), ((per_token_kl * mask).sum() / mask.sum()).item(), (is_clipped.sum() / mask.sum()).item()
+'''
+SWITCHED = USER_CODE.replace('''from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+from liger_kernel.transformers.grpo_loss import triton_grpo_loss''', '''from grpo_kernels.liger import LigerFusedLinearGRPOLoss, triton_grpo_loss''')
+
+
+def _user_module(source: str):
+    namespace = {"__name__": "user_grpo"}
+    exec(compile(source, "user_grpo.py", "exec"), namespace)  # noqa: S102 - the test's own source text
+    return namespace["TinyPolicy"]()
+
+
+def _user_batch(L: int):
+    g = torch.Generator().manual_seed(7)
+    B = 4
+    ids = torch.randint(0, 29, (B, L), generator=g)
+    mask = (torch.arange(L - 1)[None] < torch.tensor([[L - 1], [2], [L - 3], [1]])).long()
+    adv = torch.tensor([0.9, -1.2, 0.3, -0.4])
+    old = -3.4 + 0.3 * torch.randn(B, L - 1, generator=g)
+    ref = -3.4 + 0.3 * torch.randn(B, L - 1, generator=g)
+    return ids, mask, adv, old, ref
+
+
+def _compare_users(step: str, batch):
+    liger_user, switched_user = _user_module(USER_CODE), _user_module(SWITCHED)
+    assert SWITCHED.count("\n") == USER_CODE.count("\n") - 1 and "liger_kernel" not in SWITCHED
+    theirs, mine = getattr(liger_user, step)(*batch), getattr(switched_user, step)(*batch)
+    # fp32 results of one definition computed two ways: equal to a few hundred ulps of fp32
+    assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+    for (name, a), b in zip(switched_user.named_parameters(), liger_user.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_user_code_switches_with_one_import_fused_linear():
+    ids, mask, adv, old, ref = _user_batch(9)
+    _compare_users("fused_step", (ids[:, 1:], mask, adv, old, ref))
+
+
+@pytest.mark.interpreter
+def test_user_code_switches_with_one_import_logits():
+    """Liger's triton_grpo_loss runs its Triton kernels (the interpreter on CPU); the switched code runs ours."""
+    _compare_users("logits_step", _user_batch(9))
