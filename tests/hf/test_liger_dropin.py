@@ -180,7 +180,8 @@ def _logits_inputs(case, seed=5, B=3, T=6, V=41):
 def _triton_kwargs(cfg, T):
     kw = _liger_kwargs(cfg, T)
     return dict(temperature=kw["temperature"], beta=kw["beta"], eps_low=kw["epsilon_low"],
-                eps_high=kw["epsilon_high"], loss_type=kw["loss_type"], max_completion_length=kw["max_completion_length"],
+                eps_high=kw["epsilon_high"], loss_type=kw["loss_type"],
+                max_completion_length=kw["max_completion_length"],
                 importance_sampling_level=kw["importance_sampling_level"],
                 sapo_temperature_pos=kw["sapo_temperature_pos"], sapo_temperature_neg=kw["sapo_temperature_neg"],
                 delta=kw["delta"], use_bias_correction_kl=kw["use_bias_correction_kl"],
@@ -496,77 +497,37 @@ def test_difference_dr_grpo_without_max_completion_length():
         liger_grpo.LigerFusedLinearGRPOLoss(loss_type="dr_grpo", beta=0.0, compiled=False, use_ref_model=False)(*args)
 
 
-# --------------------------------------------------------------------------------- a user's code, one import changed
-
-USER_CODE = '''
-import torch
-from torch import nn
-from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-from liger_kernel.transformers.grpo_loss import triton_grpo_loss
-
-
-class TinyPolicy(nn.Module):
-    """A user's GRPO step written against Liger-Kernel's API."""
-
-    def __init__(self, vocab=29, hidden=16):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(vocab, hidden)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-        self.grpo = LigerFusedLinearGRPOLoss(beta=0.04, loss_type="grpo", temperature=0.9, epsilon_high=0.28)
-
-    def fused_step(self, ids, mask, advantages, old, ref):
-        hidden = torch.tanh(self.embed(ids))
-        loss, (kl, clip_ratio) = self.grpo(hidden, self.lm_head.weight, ids, mask, advantages, None, ref, old)
-        loss.backward()
-        return loss.item(), kl.item(), clip_ratio.item()
-
-    def logits_step(self, input_ids, mask, advantages, old, ref):
-        logits = self.lm_head(torch.tanh(self.embed(input_ids)))  # (B, L + 1, V)
-        completion_ids = input_ids[:, 1:].contiguous()
-        per_token_loss, per_token_kl, is_clipped = triton_grpo_loss(
-            logits, old, ref, completion_ids, advantages, mask, temperature=0.9, beta=0.04)
-        loss = (per_token_loss * mask).sum() / mask.sum()
-        loss.backward()
-        return loss.item(), ((per_token_kl * mask).sum() / mask.sum()).item(), (is_clipped.sum() / mask.sum()).item()
-'''
-SWITCHED = USER_CODE.replace('''from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-from liger_kernel.transformers.grpo_loss import triton_grpo_loss''', '''from grpo_kernels.liger import LigerFusedLinearGRPOLoss, triton_grpo_loss''')
+def test_fused_selective_log_softmax():
+    """Liger's no-grad helper: the last L tokens of input_ids scored by logits[:, :-1], 0 where the mask is 0."""
+    g = torch.Generator().manual_seed(9)
+    logits, input_ids = torch.randn(3, 5, 23, generator=g), torch.randint(0, 23, (3, 7), generator=g)
+    mask = (torch.rand(3, 7, generator=g) > 0.3).long()
+    expected = _logps(logits[:, :-1].double(), input_ids[:, 3:], 0.9) * mask[:, 3:]
+    got = ours.fused_selective_log_softmax(logits.requires_grad_(True), input_ids, mask=mask)
+    assert not got.requires_grad and got.dtype == torch.float32
+    naive = _logps(logits.detach()[:, :-1], input_ids[:, 3:], 0.9) * mask[:, 3:]
+    assert_three_way(got, naive, expected, torch.float32, "log-probs")
+    assert (got[mask[:, 3:] == 0] == 0).all()
 
 
-def _user_module(source: str):
-    namespace = {"__name__": "user_grpo"}
-    exec(compile(source, "user_grpo.py", "exec"), namespace)  # noqa: S102 - the test's own source text
-    return namespace["TinyPolicy"]()
-
-
-def _user_batch(L: int):
-    g = torch.Generator().manual_seed(7)
-    B = 4
-    ids = torch.randint(0, 29, (B, L), generator=g)
-    mask = (torch.arange(L - 1)[None] < torch.tensor([[L - 1], [2], [L - 3], [1]])).long()
-    adv = torch.tensor([0.9, -1.2, 0.3, -0.4])
-    old = -3.4 + 0.3 * torch.randn(B, L - 1, generator=g)
-    ref = -3.4 + 0.3 * torch.randn(B, L - 1, generator=g)
-    return ids, mask, adv, old, ref
-
-
-def _compare_users(step: str, batch):
-    liger_user, switched_user = _user_module(USER_CODE), _user_module(SWITCHED)
-    assert SWITCHED.count("\n") == USER_CODE.count("\n") - 1 and "liger_kernel" not in SWITCHED
-    theirs, mine = getattr(liger_user, step)(*batch), getattr(switched_user, step)(*batch)
-    # fp32 results of one definition computed two ways: equal to a few hundred ulps of fp32
-    assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
-    for (name, a), b in zip(switched_user.named_parameters(), liger_user.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_user_code_switches_with_one_import_fused_linear():
-    ids, mask, adv, old, ref = _user_batch(9)
-    _compare_users("fused_step", (ids[:, 1:], mask, adv, old, ref))
-
-
-@pytest.mark.interpreter
-def test_user_code_switches_with_one_import_logits():
-    """Liger's triton_grpo_loss runs its Triton kernels (the interpreter on CPU); the switched code runs ours."""
-    _compare_users("logits_step", _user_batch(9))
+@pytest.mark.parametrize("num_items", [None, 40], ids=["all-reduced-count", "given"])
+def test_data_parallel_normalizer_is_liger_s(num_items, monkeypatch):
+    """Under torch.distributed (here: a 2-rank group simulated in-process, the other rank holding as many tokens),
+    dapo divides the global token count by the world size, as Liger and TRL do: Liger's own module and definition
+    see the same group."""
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: t.mul_(2))
+    case = next(c for c in CASES if c.id == "dapo-token")
+    inputs = _head_inputs(case, "", torch.float32)
+    inputs["num_items_in_batch"] = num_items
+    kw = _liger_kwargs(case.config, inputs["ids"].shape[1], use_ref_model=False)
+    mine = _run_module(ours.LigerFusedLinearGRPOLoss(**kw), inputs, torch.float32)
+    theirs = _run_module(liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **kw), inputs, torch.float32)
+    _compare(mine, theirs, _truth(inputs, kw, False), torch.float32, case.config, inputs["mask"], "data parallel")
+    n = 2 * inputs["mask"].sum().item() if num_items is None else num_items
+    single = ours.LigerFusedLinearGRPOLoss(**kw)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    alone = _run_module(single, dict(inputs, num_items_in_batch=n / 2), torch.float32)
+    assert torch.equal(mine[0], alone[0])
