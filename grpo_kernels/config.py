@@ -9,6 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from . import _checks
 from .loss_types import CLIPPED_LOSS_TYPES, LOSS_TYPES  # noqa: F401  (the table's names, re-exported)
 from .peer_warnings import warn_like_peers
 
@@ -23,6 +24,24 @@ def _finite(name: str, value, *, positive: bool = False, nonneg: bool = False) -
         raise ValueError(f"{name} must be > 0, got {value!r}")
     if nonneg and value < 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What the kernels do to a raw logit x before the softmax: ``z = softcap * tanh(x / softcap) / temperature``
+    (no cap when ``softcap`` is None). Built once per call from the caller's options and carried by the validated
+    inputs (``inputs.LogitsInputs`` / ``HeadInputs``): the one carrier of both values below the entry points."""
+
+    temperature: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        _checks.temperature(self.temperature)
+        _checks.softcap(self.softcap)
+
+    @property
+    def inv_temperature(self) -> float:
+        return 1.0 / self.temperature
 
 
 @dataclass(frozen=True)
@@ -125,6 +144,11 @@ class GRPOLossConfig:
     def needs_entropy(self) -> bool:
         """Whether the loss itself (not only the metric) uses the per-token entropy."""
         return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+
+    @property
+    def transform(self) -> LogitTransform:
+        """The logits transform these options ask for (temperature, soft cap)."""
+        return LogitTransform(self.temperature, self.softcap)
 
     def replace(self, **overrides) -> "GRPOLossConfig":
         return dataclasses.replace(self, **overrides)

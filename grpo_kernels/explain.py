@@ -10,8 +10,9 @@ import inspect
 
 import torch
 
-from .config import GRPOLossConfig
+from .config import GRPOLossConfig, LogitTransform
 from .inputs import LogitsInputs, ValidRows
+from .paths import HEAD_GEMM_PATHS
 from .logprobs import validate_head_logprobs, linear_token_logprobs, plan_linear_token_logprobs, plan_token_logprobs, \
     token_logprobs
 from .loss import validate_head_loss, validate_logits_loss, fused_linear_grpo_loss, grpo_loss, plan_head_loss
@@ -53,8 +54,8 @@ def plan_call(*args, **kwargs):
         inputs, batch, cfg, rows, shard = validate_head_loss(**_split_overrides(a))
         return plan_head_loss(inputs, batch, cfg, rows, shard)
     if fn is token_logprobs:
-        inputs = LogitsInputs.validate(a["logits"], a["ids"], a["temperature"], a["impl"],
-                                       inplace_backward=a["inplace_backward"], softcap=a["softcap"])
+        inputs = LogitsInputs.validate(a["logits"], a["ids"], LogitTransform(a["temperature"], a["softcap"]),
+                                       a["impl"], inplace_backward=a["inplace_backward"])
         return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"])
     inputs, shard = validate_head_logprobs(**a)
     return plan_linear_token_logprobs(inputs, ValidRows.of(a["mask"], inputs.ids.numel()), shard,
@@ -80,7 +81,7 @@ def explain(*args, **kwargs) -> str:
     """
     plan = plan_call(*args, **kwargs)
     text = str(plan)
-    if plan.path.startswith("head.fast") or plan.path in ("head.no_grad", "head.light"):
+    if plan.path in HEAD_GEMM_PATHS:
         text += "\n" + _gemm_note()
     return text
 

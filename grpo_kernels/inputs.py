@@ -1,10 +1,10 @@
 """Validated inputs: every public entry point checks its arguments once, into one of these frozen objects, and
 resolves the implementation once; everything below takes them by name and trusts them.
 
-- ``LogitsInputs``: logits (B, T, V) or (N, V), ids, temperature, softcap, impl (``token_logprobs``, ``grpo_loss``);
-- ``HeadInputs``: hidden as (N, H), the lm_head weight / bias, ids as (N,) int64, temperature, softcap, impl, in the dtype
-  the head runs in (``linear_token_logprobs``, ``fused_linear_grpo_loss``). This is the one place where autocast
-  decides that dtype, as it would for ``F.linear``;
+- ``LogitsInputs``: logits (B, T, V) or (N, V), ids, the logits transform, impl (``token_logprobs``, ``grpo_loss``);
+- ``HeadInputs``: hidden as (N, H), the lm_head weight / bias, ids as (N,) int64, the logits transform, impl, in the
+  dtype the head runs in (``linear_token_logprobs``, ``fused_linear_grpo_loss``). This is the one place where
+  autocast decides that dtype, as it would for ``F.linear``;
 - ``LossInputs``: the per-token tensors of the loss on the (B, T) completion grid, with the one place that turns the
   mask into reduction weights (``token_weights``);
 - ``ValidRows``: the one valid-row compaction (gather the tokens the mask keeps, scatter results back).
@@ -20,26 +20,23 @@ import torch
 
 from . import _checks
 from ._triton import resolve_impl
-from .config import GRPOLossConfig
+from .config import GRPOLossConfig, LogitTransform
 from .loss_types import reduction_weights
 
 
 @dataclass(frozen=True)
 class LogitsInputs:
-    """logits (B, T, V) or (N, V) with ids shaped like its leading dims; impl resolved ("triton" | "torch")."""
+    """logits (B, T, V) or (N, V) with ids shaped like its leading dims; ``transform`` (temperature, soft cap) the
+    one carrier of what the kernels do to a logit; impl resolved ("triton" | "torch")."""
 
     logits: torch.Tensor
     ids: torch.Tensor
-    temperature: float
+    transform: LogitTransform
     impl: str
-    softcap: float | None = None
 
     @classmethod
-    def validate(cls, logits, ids, temperature, impl, dims=(2, 3), inplace_backward: bool = False,
-                 softcap=None) -> "LogitsInputs":
-        """softcap: None or the cap of ``z = softcap * tanh(logits / softcap) / temperature``."""
-        temperature = _checks.temperature(temperature)
-        softcap = _checks.softcap(softcap)
+    def validate(cls, logits, ids, transform: LogitTransform, impl, dims=(2, 3),
+                 inplace_backward: bool = False) -> "LogitsInputs":
         _checks.tensor("logits", logits, floating=True, dims=dims)
         if inplace_backward and torch.compiler.is_compiling():
             raise ValueError("inplace_backward=True is not supported under torch.compile (d logits cannot be written "
@@ -61,14 +58,14 @@ class LogitsInputs:
         impl = resolve_impl(impl, logits, ids)
         if impl == "triton":
             _checks.kernel_dtype("logits", logits)
-        return cls(logits, ids, temperature, impl, softcap)
+        return cls(logits, ids, transform, impl)
 
 
 @dataclass(frozen=True)
 class HeadInputs:
     """hidden (N, H), weight (V, H), bias (V,) | None as the caller gave them (contiguous on H for Triton); ids (N,)
-    int64 contiguous; ``shape`` the shape of the caller's ids (the outputs are reshaped to it); ``dtype`` the dtype
-    the head runs in.
+    int64 contiguous; ``shape`` the shape of the caller's ids (the outputs are reshaped to it); ``transform`` the
+    logits transform (temperature, soft cap); ``dtype`` the dtype the head runs in.
 
     This is the one place where autocast decides that dtype, as it would for ``F.linear``: under autocast the head
     runs in the autocast dtype and gradients flow back to the given (e.g. fp32 master) tensors. The cast itself is
@@ -80,19 +77,15 @@ class HeadInputs:
     bias: torch.Tensor | None
     ids: torch.Tensor
     shape: torch.Size
-    temperature: float
+    transform: LogitTransform
     impl: str
     dtype: torch.dtype
-    softcap: float | None = None
 
     @classmethod
-    def validate(cls, hidden, weight, ids, bias, temperature, impl, ids_dims=None,
-                 check_ids: bool = True, softcap=None) -> "HeadInputs":
+    def validate(cls, hidden, weight, ids, bias, transform: LogitTransform, impl, ids_dims=None,
+                 check_ids: bool = True) -> "HeadInputs":
         """check_ids=False: ids index a vocabulary larger than weight's (a vocab-parallel shard; its caller checks
-        them against the whole vocabulary). softcap: None or the cap of
-        ``z = softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature``."""
-        temperature = _checks.temperature(temperature)
-        softcap = _checks.softcap(softcap)
+        them against the whole vocabulary)."""
         _checks.tensor("hidden", hidden, floating=True, dims=(2, 3))
         _checks.tensor("weight", weight, floating=True, dims=(2,))
         _checks.tensor("ids", ids, integer=True, dims=ids_dims)
@@ -132,8 +125,7 @@ class HeadInputs:
             hidden2d = hidden2d if hidden2d.stride(-1) == 1 else hidden2d.contiguous()
             weight = weight if weight.stride(-1) == 1 else weight.contiguous()
             bias = None if bias is None else bias.contiguous()
-        return cls(hidden2d, weight, bias, ids.reshape(N).long().contiguous(), ids.shape, temperature, impl, dtype,
-                   softcap)
+        return cls(hidden2d, weight, bias, ids.reshape(N).long().contiguous(), ids.shape, transform, impl, dtype)
 
     def cast_bytes(self, *, hidden: bool = True, weight: bool = True) -> int:
         """Bytes of the copies ``in_compute_dtype`` makes (tensors not already in the compute dtype)."""
@@ -254,6 +246,10 @@ class LossTokens:
         return cls(batch.advantages, weights.mask_f.contiguous(), weights.weights, batch.old_logps,
                    batch.ref_logps, batch.is_ratio)
 
+    def as_list(self) -> list:
+        """The tensors in field order, as a registered op takes them (``ops.py``)."""
+        return [self.advantages, self.mask_f, self.weights, self.old_logps, self.ref_logps, self.is_ratio]
+
 
 @dataclass(frozen=True)
 class HeadTokens:
@@ -267,6 +263,49 @@ class HeadTokens:
     ref: torch.Tensor | None = None
     isr: torch.Tensor | None = None
     ge: torch.Tensor | None = None
+
+    def as_list(self) -> list:
+        """The tensors in field order, as a registered op takes them (``ops.py``)."""
+        return [self.adv, self.w, self.old, self.ref, self.isr, self.ge]
+
+    def rows(self, index) -> "HeadTokens":
+        """The tokens at ``index`` (None: all); ``ge`` is one value for every token."""
+        if index is None:
+            return self
+        adv, w, old, ref, isr = (None if t is None else t.index_select(0, index)
+                                 for t in (self.adv, self.w, self.old, self.ref, self.isr))
+        return HeadTokens(adv, w, old, ref, isr, self.ge)
+
+
+@dataclass(frozen=True)
+class LogprobGrads:
+    """What a log-prob backward takes per token besides the head's inputs, flat (N,) in the accumulation dtype: the
+    forward's ``lse`` and ``entropy``, the incoming ``grad_logp`` (d loss / d logp) and ``grad_entropy``
+    (d loss / d entropy, None: no entropy term)."""
+
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    grad_logp: torch.Tensor
+    grad_entropy: torch.Tensor | None = None
+
+    @classmethod
+    def incoming(cls, lse, entropy, grad_logp, grad_entropy) -> "LogprobGrads":
+        """From autograd's incoming gradients: a None d logp counts as zeros, a None d entropy as no term; both flat
+        and contiguous in lse's dtype."""
+        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).to(lse.dtype).contiguous()
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.reshape(-1).to(lse.dtype).contiguous()
+        return cls(lse, entropy, grad_logp, grad_entropy)
+
+    def as_list(self) -> list:
+        """The tensors in field order, as a registered op takes them (``ops.py``)."""
+        return [self.lse, self.entropy, self.grad_logp, self.grad_entropy]
+
+    def rows(self, index) -> "LogprobGrads":
+        """The tokens at ``index`` (None: all)."""
+        if index is None:
+            return self
+        return LogprobGrads(*(None if t is None else t.index_select(0, index) for t in self.as_list()))
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,15 @@ from .reference import per_token_loss
 LIGER_VERSION = "0.8.5"  # the release whose signatures and return values these reproduce
 
 
-def _config(loss_type, beta, epsilon_low, epsilon_high, temperature, importance_sampling_level, delta,
-            max_completion_length, use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg,
-            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg) -> GRPOLossConfig:
-    """Liger's options as a validated ``GRPOLossConfig`` (a ValueError names a bad one)."""
-    return GRPOLossConfig(
-        loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, temperature=temperature,
-        importance_sampling_level=importance_sampling_level, delta=delta,
-        max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg)
+# Liger's option names that are GRPOLossConfig's too (the others: eps_low / eps_high of triton_grpo_loss)
+_SHARED_OPTIONS = ("loss_type", "beta", "epsilon_low", "epsilon_high", "temperature", "importance_sampling_level",
+                   "delta", "max_completion_length", "use_bias_correction_kl", "sapo_temperature_pos",
+                   "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+
+
+def _config(options: dict) -> GRPOLossConfig:
+    """Liger's options (by ``GRPOLossConfig``'s names) as a validated config (a ValueError names a bad one)."""
+    return GRPOLossConfig(**{name: options[name] for name in _SHARED_OPTIONS})
 
 
 def _clip_metric(metrics: dict, loss_type: str) -> torch.Tensor:
@@ -108,10 +106,8 @@ class LigerFusedLinearGRPOLoss(nn.Module):
     @property
     def config(self) -> GRPOLossConfig:
         """The options as a ``GRPOLossConfig`` (``beta`` 0 when ``use_ref_model`` is False)."""
-        return _config(self.loss_type, self.beta if self.use_ref_model else 0.0, self.epsilon_low, self.epsilon_high,
-                       self.temperature, self.importance_sampling_level, self.delta, self.max_completion_length,
-                       self.use_bias_correction_kl, self.sapo_temperature_pos, self.sapo_temperature_neg,
-                       self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg)
+        options = {name: getattr(self, name) for name in _SHARED_OPTIONS}
+        return _config(dict(options, beta=self.beta if self.use_ref_model else 0.0))
 
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
@@ -193,9 +189,7 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     ``loss_type`` and metrics the list ``[kl_mean, clip_ratio]`` (``[clip_ratio]`` when beta == 0).
     """
     view = _shifted_view(logits, completion_ids, inplace)
-    cfg = _config(loss_type, beta, eps_low, eps_high, temperature, importance_sampling_level, delta,
-                  max_completion_length, use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg,
-                  vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+    cfg = _config(dict(locals(), epsilon_low=eps_low, epsilon_high=eps_high))
     num_items = _num_items(num_items_in_batch, completion_mask, loss_type, completion_ids)
     if reduce:
         loss, metrics = grpo_loss(view, completion_ids, advantages, completion_mask, old_logps=old_logp,

@@ -7,23 +7,17 @@ from __future__ import annotations
 import torch
 
 from . import _checks, ops, planner
-from .config import GRPOLossConfig
+from .config import LogitTransform
 from .distributed import sharded_head, vocab_parallel
 from .head.light import head_token_logprobs
 from .inputs import HeadInputs, LogitsInputs, ValidRows
 from .logits.logprobs import logits_token_logprobs
 
 
-def _budget_config(memory_budget) -> GRPOLossConfig | None:
-    """The log-prob functions take only ``memory_budget`` of the loss options (validated the same way)."""
-    return None if memory_budget is None else GRPOLossConfig(memory_budget=memory_budget)
-
-
 def plan_token_logprobs(inputs: LogitsInputs, inplace_backward: bool, memory_budget=None) -> planner.Plan:
     wants_grad = torch.is_grad_enabled() and inputs.logits.requires_grad
-    cfg = _budget_config(memory_budget)
-    return planner.plan_logits("token_logprobs", inputs, None, wants_grad=wants_grad, inplace=inplace_backward,
-                               budget_config=cfg)
+    return planner.plan_logits(planner.LogitsCall("token_logprobs", inputs, None, planner.Budget.of(memory_budget),
+                                                  wants_grad, bool(inplace_backward)))
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
@@ -42,8 +36,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     softcap: None, or soft-cap the logits first: ``softmax(softcap * tanh(logits / softcap) / temperature)``
     (Gemma 2's ``final_logit_softcapping``), inside the kernels.
     """
-    inputs = LogitsInputs.validate(logits, ids, temperature, impl, inplace_backward=inplace_backward,
-                                   softcap=softcap)
+    inputs = LogitsInputs.validate(logits, ids, LogitTransform(temperature, softcap), impl,
+                                   inplace_backward=inplace_backward)
     plan = plan_token_logprobs(inputs, bool(inplace_backward), memory_budget)
     logp, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward)
     return (logp, entropy) if return_entropy else logp
@@ -53,8 +47,8 @@ def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, i
                            process_group=None, vocab_start=None, softcap=None, **_ignored):
     """(inputs, shard | None) of one ``linear_token_logprobs`` call (also what ``explain`` shows)."""
     def local():
-        inputs = HeadInputs.validate(hidden, weight, ids, bias, temperature, impl, check_ids=process_group is None,
-                                     softcap=softcap)
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, LogitTransform(temperature, softcap), impl,
+                                     check_ids=process_group is None)
         _checks.mask_like(mask, tuple(ids.shape), " (the shape of ids)")
         return inputs, mask, None
 
@@ -69,9 +63,8 @@ def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, 
                                deterministic: bool = True) -> planner.Plan:
     wants = torch.is_grad_enabled()
     needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
-    return planner.plan_head("linear_token_logprobs", inputs, None, needs=needs, n_valid=rows.count,
-                             vocab_parallel=shard is not None, budget_config=_budget_config(memory_budget),
-                             deterministic=bool(deterministic))
+    return planner.plan_head(planner.HeadCall("linear_token_logprobs", inputs, None, planner.Budget.of(memory_budget),
+                                              needs, rows.count, bool(deterministic), shard=shard))
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
@@ -115,7 +108,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
         rows = ValidRows.of(mask, inputs.ids.numel())
         plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic)
         if shard is not None:
-            logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows, deterministic)
+            logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows)
         else:
-            logp, entropy, _ = head_token_logprobs(inputs, plan, rows, deterministic, gather_head=gather_head)
+            logp, entropy, _ = head_token_logprobs(inputs, plan, rows, sharded_head.backward_context(gather_head))
     return (logp, entropy) if return_entropy else logp

@@ -21,6 +21,7 @@ from .inputs import HeadInputs, LogitsInputs, LossInputs, ValidRows
 from .logits.fast import logits_loss_in_forward
 from .logits.logprobs import logits_token_logprobs
 from .logprobs import linear_token_logprobs
+from .paths import HEAD_FAST, HEAD_FAST_SEQUENCE, HEAD_FAST_VOCAB_PARALLEL, LOGITS_FAST
 from .token_stage import loss_from_token_logprobs
 
 
@@ -29,14 +30,14 @@ def validate_logits_loss(*, logits, ids, advantages, mask=None, old_logps=None, 
                          inplace_backward=False, config_overrides=None, **_ignored):
     """(inputs, batch, cfg, plan) of one ``grpo_loss`` call (also what ``explain`` shows)."""
     cfg = resolve_config(config, config_overrides or {})
-    inputs = LogitsInputs.validate(logits, ids, cfg.temperature, impl, dims=(3,), inplace_backward=inplace_backward,
-                                   softcap=cfg.softcap)
+    inputs = LogitsInputs.validate(logits, ids, cfg.transform, impl, dims=(3,), inplace_backward=inplace_backward)
     B, T = ids.shape
     batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
                                 sampling_logps, num_items_in_batch)
     wants_grad = torch.is_grad_enabled() and logits.requires_grad
-    return inputs, batch, cfg, planner.plan_logits("grpo_loss", inputs, cfg, wants_grad=wants_grad,
-                                                   inplace=bool(inplace_backward))
+    call = planner.LogitsCall("grpo_loss", inputs, cfg, planner.Budget.of(cfg.memory_budget), wants_grad,
+                              bool(inplace_backward))
+    return inputs, batch, cfg, planner.plan_logits(call)
 
 
 def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
@@ -56,7 +57,7 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
         logits=logits, ids=ids, advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
         is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, impl=impl,
         sampling_logps=sampling_logps, inplace_backward=inplace_backward, config_overrides=config_overrides)
-    if plan.path == planner.LOGITS_FAST:
+    if plan.path == LOGITS_FAST:
         return logits_loss_in_forward(inputs, batch, cfg, inplace_backward)
     logps, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward, row_mask=batch.mask)
     return loss_from_token_logprobs(logps, entropy, batch, cfg, plan.token_stage)
@@ -70,8 +71,8 @@ def validate_head_loss(*, hidden, weight, ids, advantages, mask=None, bias=None,
     cfg = resolve_config(config, config_overrides or {})
 
     def local():
-        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.temperature, impl, ids_dims=(2,),
-                                     check_ids=process_group is None, softcap=cfg.softcap)
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.transform, impl, ids_dims=(2,),
+                                     check_ids=process_group is None)
         B, T = ids.shape
         batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
                                     sampling_logps, num_items_in_batch)
@@ -101,11 +102,9 @@ def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, r
             return [T] * B
         return batch.mask.bool().sum(-1).tolist()
 
-    shard = vocab_parallel_shard
-    return planner.plan_head("fused_linear_grpo_loss", inputs, cfg, needs=needs, n_valid=rows.count,
-                             sequence_counts=counts, vocab_parallel=shard is not None,
-                             vocab_total=None if shard is None else shard.total,
-                             world=1 if shard is None else shard.world)
+    return planner.plan_head(planner.HeadCall("fused_linear_grpo_loss", inputs, cfg,
+                                              planner.Budget.of(cfg.memory_budget), needs, rows.count,
+                                              cfg.deterministic, counts, vocab_parallel_shard))
 
 
 def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
@@ -140,16 +139,16 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
             config_overrides=config_overrides)
         plan = plan_head_loss(inputs, batch, cfg, rows, shard)
         # the fast paths read weight / bias only here: their backward hands out stored gradients
-        if plan.path == planner.HEAD_FAST:
+        if plan.path == HEAD_FAST:
             return head_loss_in_forward(inputs, batch, cfg, plan, rows)
-        if plan.path == planner.HEAD_FAST_SEQUENCE:
+        if plan.path == HEAD_FAST_SEQUENCE:
             return head_sequence_loss_in_forward(inputs, batch, cfg, plan, rows)
-        if plan.path == planner.HEAD_FAST_VOCAB_PARALLEL:
+        if plan.path == HEAD_FAST_VOCAB_PARALLEL:
             return head_sequence_loss_in_forward(inputs, batch, cfg, plan, rows, vocab_parallel.fast_path_view(shard))
         if shard is not None:
-            logps, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows, cfg.deterministic)
+            logps, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows)
         else:
-            logps, entropy, _ = head_token_logprobs(inputs, plan, rows, cfg.deterministic, gather_head=gather_head)
+            logps, entropy, _ = head_token_logprobs(inputs, plan, rows, sharded_head.backward_context(gather_head))
     return loss_from_token_logprobs(logps, entropy, batch, cfg, plan.token_stage)
 
 

@@ -1,16 +1,16 @@
-"""torch.compile support shared by the paths: each path registers its untraceable compute as a
-``torch.library.custom_op`` beside its autograd Function, with a fake (meta) implementation and its autograd
-formula; this module holds what those registrations share.
+"""The boundary between a path's eager and compiled calls, defined once (docs/DESIGN.md, "One body per path").
 
-Why ops: the paths' bodies launch Triton kernels or loop over row / vocab chunks in Python, and carry non-tensor
-state (the plan's chunking, the loss options). Dynamo traces the public functions' validation and planning (trace-
-safe: their host syncs are skipped while compiling) and each op stays one opaque node of the graph, whose fake
-implementation gives the output shapes from symbolic input shapes (so that a varying T does not recompile) and
-whose autograd registration gives AOTAutograd the backward.
+Every path's compute (kernels, chunk loop, sums, gradient hand-out) is one body function in the path's module. Two
+thin callers share it: the eager ``torch.autograd.Function`` and, under ``torch.compile``, the path's registered
+``torch.library.custom_op`` (Dynamo cannot trace Triton launches or Python chunk loops; an op stays one opaque node
+whose fake implementation gives the output shapes and whose autograd registration gives AOTAutograd the backward).
+The eager Function keeps the savings only an eager call can make (docs/api.md, "torch.compile"): d logits written
+into the logits buffer, gradients scaled in place when handed out, a ZeRO-3 head gathered again in the backward.
 
-Eager calls keep the autograd Functions, with their eager-only memory savings (gradients scaled in place, d logits
-written into the logits buffer); the entry points switch to the ops while ``torch.compiler.is_compiling()``. The
-ops, in the ``grpo_kernels`` namespace (``torch.ops.grpo_kernels.<name>``):
+What crosses an op boundary besides tensors is one pair of lists, ``floats`` and ``ints`` (an op takes no
+dataclass): the frozen option objects (the loss options, the logits transform, a path's layout) are encoded by
+``encode`` and rebuilt by ``decode`` here alone, from the schema ``options_type`` records for each class. The ops
+(``torch.ops.grpo_kernels.<name>``):
 
 - ``logits_logprobs`` / ``logits_logprobs_backward`` (``logits/logprobs.py``): ``logits.sweep``, ``logits.torch``;
 - ``head_logprobs`` / ``head_logprobs_backward`` (``head/light.py``): ``head.light``, ``head.no_grad``,
@@ -21,27 +21,100 @@ ops, in the ``grpo_kernels`` namespace (``torch.ops.grpo_kernels.<name>``):
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
+
 import torch
 
-from .config import GRPOLossConfig
+from .config import IMPORTANCE_SAMPLING_LEVELS, GRPOLossConfig, LogitTransform
+from .loss_types import LOSS_TYPES
 
-# The loss options the loss kernels read, passed to the ops as scalars (an op takes no dataclass).
-_CFG_FIELDS = ("loss_type", "beta", "epsilon_low", "epsilon_high", "delta", "temperature", "use_bias_correction_kl",
-               "sapo_temperature_pos", "sapo_temperature_neg", "entropy_coef", "softcap")
-
-
-def config_args(cfg: GRPOLossConfig) -> dict:
-    """The loss options of ``cfg`` that the loss ops take, as keyword arguments."""
-    return {name: getattr(cfg, name) for name in _CFG_FIELDS}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# (class) -> ((field, kind, choices), ...): kind "nested" | "choice" | "dtype" | "bool" | "int" | "float"
+_SCHEMAS: dict = {}
 
 
-def config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature, use_bias_correction_kl,
-                     sapo_temperature_pos, sapo_temperature_neg, entropy_coef, softcap=None) -> GRPOLossConfig:
-    """The config an op was given as ``config_args`` (the options the kernels read; the others at their default)."""
-    return GRPOLossConfig(loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                          delta=delta, temperature=temperature, use_bias_correction_kl=use_bias_correction_kl,
-                          sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                          entropy_coef=entropy_coef, softcap=softcap)
+def options_type(cls=None, *, choices: dict | None = None):
+    """Record a frozen dataclass's schema so that its instances can cross an op boundary (``encode`` / ``decode``).
+    choices: for each str field, its allowed values (encoded as their index). Usable as a class decorator."""
+    def register(klass):
+        hints = typing.get_type_hints(klass)
+        schema = []
+        for f in dataclasses.fields(klass):
+            hint = hints[f.name]
+            args = tuple(a for a in typing.get_args(hint) if a is not type(None)) or (hint,)
+            if args[0] in _SCHEMAS:
+                kind, extra = "nested", args[0]
+            elif choices and f.name in choices:
+                kind, extra = "choice", tuple(choices[f.name])
+            elif args[0] is torch.dtype:
+                kind, extra = "dtype", _DTYPES
+            elif args[0] in (bool, int, float):
+                kind, extra = args[0].__name__, None
+            else:
+                raise TypeError(f"{klass.__name__}.{f.name}: {hint} cannot cross an op boundary")
+            schema.append((f.name, kind, extra))
+        _SCHEMAS[klass] = tuple(schema)
+        return klass
+    return register(cls) if cls is not None else register
+
+
+def encode(obj, floats: list | None = None, ints: list | None = None) -> tuple[list, list]:
+    """``obj`` (a registered option object) as (floats, ints), the two list arguments every op takes: a float
+    field in ``floats`` (None as NaN); every other field in ``ints`` (a str as its index among the field's choices,
+    a dtype as its index, a bool as 0 / 1, an optional int as a present flag and its value). Why ints apart: a size
+    computed from symbolic shapes under torch.compile stays symbolic in a list of ints (a varying T does not
+    recompile). Written for Dynamo to trace (a loop over a constant schema)."""
+    floats = [] if floats is None else floats
+    ints = [] if ints is None else ints
+    for name, kind, extra in _SCHEMAS[type(obj)]:
+        value = getattr(obj, name)
+        if kind == "nested":
+            encode(value, floats, ints)
+        elif kind == "float":
+            floats.append(math.nan if value is None else float(value))
+        elif kind in ("choice", "dtype"):
+            ints.append(extra.index(value))
+        elif kind == "bool":
+            ints.append(1 if value else 0)
+        else:  # int, possibly None
+            ints += [0, 0] if value is None else [1, value]
+    return floats, ints
+
+
+def decode(cls, floats, ints):
+    """The ``cls`` instance that ``encode`` gave (floats, ints) for."""
+    obj, used = _decode_from(cls, floats, ints, [0, 0])
+    if used != [len(floats), len(ints)]:
+        raise ValueError(f"{len(floats)} float and {len(ints)} int option values for {cls.__name__}, which takes "
+                         f"{used[0]} and {used[1]}")
+    return obj
+
+
+def _decode_from(cls, floats, ints, pos: list):
+    kwargs = {}
+    for name, kind, extra in _SCHEMAS[cls]:
+        if kind == "nested":
+            kwargs[name], pos = _decode_from(extra, floats, ints, pos)
+        elif kind == "float":
+            value = floats[pos[0]]
+            kwargs[name] = None if math.isnan(value) else float(value)
+            pos = [pos[0] + 1, pos[1]]
+        elif kind == "int":
+            present, value = ints[pos[1]], ints[pos[1] + 1]
+            kwargs[name] = value if present else None  # no int(): a symbolic size stays symbolic
+            pos = [pos[0], pos[1] + 2]
+        else:
+            value = ints[pos[1]]
+            kwargs[name] = bool(value) if kind == "bool" else extra[int(value)]
+            pos = [pos[0], pos[1] + 1]
+    return cls(**kwargs), pos
+
+
+options_type(LogitTransform)
+options_type(GRPOLossConfig, choices={"loss_type": LOSS_TYPES,
+                                      "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS})
 
 
 def acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -70,10 +143,20 @@ def put_rows(index, n: int, t):
     return torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=t.device).index_copy_(0, index, t)
 
 
+def or_empty(t, like: torch.Tensor):
+    """``t``, or an empty (0,) tensor standing for None (an op returns no None)."""
+    return like.new_empty((0,)) if t is None else t
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing the call (then the entry points call the paths' ops, not their Functions)."""
+    return torch.compiler.is_compiling()
+
+
 def check_head_compilable(process_group, gather_head) -> None:
     """Under torch.compile, refuse the sharded heads: their collectives and gather contexts run in Python around
     the kernels, outside any op."""
-    if not torch.compiler.is_compiling():
+    if not compiling():
         return
     if process_group is not None:
         raise ValueError("process_group (a vocab-parallel head) is not supported under torch.compile; call the "
@@ -91,7 +174,8 @@ def grads_for_inputs(ctx, *grads) -> tuple:
 
 def setup_saving_gradient_output(ctx, inputs, output) -> None:
     """``setup_context`` of the ops whose third output is the gradient their forward made (the logits fast path's
-    d logits, the token stage's d loss / d logp): it is saved for the backward, it and the sums are not differentiable."""
+    d logits, the token stage's d loss / d logp): it is saved for the backward, it and the sums are not
+    differentiable."""
     ctx.n_inputs = len(inputs)
     ctx.save_for_backward(output[2])
     ctx.mark_non_differentiable(output[1], output[2])

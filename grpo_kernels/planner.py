@@ -20,8 +20,11 @@ import torch
 from ._testing import knobs
 from .config import GRPOLossConfig
 from .head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
+from .inputs import HeadInputs, LogitsInputs
 from .logits.logprobs import TORCH_LOGITS_TEMPS
 from .loss_types import per_token_gradient_known
+from .paths import (HEAD_FAST, HEAD_FAST_SEQUENCE, HEAD_FAST_VOCAB_PARALLEL, HEAD_LIGHT, HEAD_NO_GRAD, HEAD_TORCH,
+                    LOGITS_FAST, LOGITS_SWEEP, LOGITS_TORCH, PATHS)
 
 # Working memory (chunks, tiles) of every path when memory_budget is None.
 DEFAULT_WORKING_BYTES = 1 << 30
@@ -31,32 +34,61 @@ FAST_PATH_MIN_ROWS = 256
 # The no-grad head pass gains nothing from chunks above this (the GEMM is at full speed from ~400 rows at V = 152k).
 NO_GRAD_CHUNK_CAP = 256 << 20
 
-LOGITS_FAST = "logits.fast"
-LOGITS_SWEEP = "logits.sweep"
-LOGITS_TORCH = "logits.torch"
-HEAD_FAST = "head.fast"
-HEAD_FAST_SEQUENCE = "head.fast_sequence"
-HEAD_LIGHT = "head.light"
-HEAD_NO_GRAD = "head.no_grad"
-HEAD_TORCH = "head.torch"
-HEAD_FAST_VOCAB_PARALLEL = "head.fast_vocab_parallel"
 
-PATHS = {
-    LOGITS_FAST: "one Triton kernel per row: logsumexp, per-token loss and its gradient, d logits written in the "
-                 "forward; the backward only scales them",
-    LOGITS_SWEEP: "Triton log-prob sweep, the per-token stage, then a d-logits sweep in the backward",
-    LOGITS_TORCH: "chunked eager PyTorch over rows of logits",
-    HEAD_FAST: "per row chunk: cuBLAS fp32 logits, one Triton epilogue (loss, d logits), cuBLAS dH / dW: gradients "
-               "made in the forward, 6NHV (4NHV frozen head)",
-    HEAD_FAST_SEQUENCE: "the fast head path with chunks of whole sequences (sequence-level ratios, vespo, the "
-                        "off-policy mask)",
-    HEAD_LIGHT: "memory-light: an O(N) Triton forward, then a recompute backward over vocab chunks, 8NHV",
-    HEAD_NO_GRAD: "no gradient wanted: per row chunk, cuBLAS fp32 logits + the fold kernel, 2NHV",
-    HEAD_TORCH: "tiled eager PyTorch with an online logsumexp, tiles recomputed in the backward",
-    HEAD_FAST_VOCAB_PARALLEL: "vocab-parallel fast path: per chunk of whole sequences, each rank's shard logits, "
-                              "an all-gather of 3 numbers per row and rank for the global logsumexp, then the "
-                              "epilogue and local dW: 6NHV / TP per rank",
-}
+@dataclass(frozen=True)
+class Budget:
+    """``memory_budget`` resolved once, at the entry point: ``given`` bytes of transient memory beyond the inputs
+    and returned gradients, or None for the default (``DEFAULT_WORKING_BYTES`` of working memory, plus on the fast
+    head paths the fp32 accumulators they need: ``working(extra)``)."""
+
+    given: int | None = None
+
+    @classmethod
+    def of(cls, memory_budget) -> "Budget":
+        """The budget of a call's ``memory_budget`` (validated as ``GRPOLossConfig.memory_budget`` is)."""
+        if memory_budget is not None:
+            GRPOLossConfig(memory_budget=memory_budget)  # the one validation of the option
+        return cls(memory_budget)
+
+    def working(self, default_extra: int = 0) -> int:
+        """The bytes a path may allocate: the given budget, or the default plus ``default_extra``."""
+        return DEFAULT_WORKING_BYTES + default_extra if self.given is None else self.given
+
+    def error(self, op: str, path: str, need: int) -> ValueError:
+        return ValueError(f"memory_budget={self.given} bytes is below the {need} bytes the smallest configuration "
+                          f"of {op}'s only applicable path ({path}) allocates; raise memory_budget (or leave it "
+                          "None)")
+
+
+@dataclass(frozen=True)
+class LogitsCall:
+    """What the planner needs of a logits call: the validated inputs, the loss options (None: log-probs only), the
+    budget, whether a gradient is wanted and whether d logits may overwrite the logits."""
+
+    op: str
+    inputs: LogitsInputs
+    cfg: GRPOLossConfig | None
+    budget: Budget
+    wants_grad: bool
+    inplace: bool
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """What the planner needs of a fused-head call: the validated inputs, the loss options (None: log-probs only),
+    the budget, the gradients wanted (hidden, weight, bias), the rows computed after compaction, the backward's
+    determinism, the valid tokens per sequence (a zero-argument callable: a host sync, asked only when a
+    sequence-level fast path is possible) and the vocabulary shard (``distributed.vocab_parallel.VocabShard``)."""
+
+    op: str
+    inputs: HeadInputs
+    cfg: GRPOLossConfig | None
+    budget: Budget
+    needs: tuple
+    n_valid: int
+    deterministic: bool = True
+    sequence_counts: object = None
+    shard: object = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +113,8 @@ class Plan:
     notes: tuple = field(default_factory=tuple)
     # head.light under torch.compile: the bytes within which the op picks its backward layout when it runs
     working_bytes: int | None = None
+    # the light head path's backward: fixed-order GEMMs (True) or fp32 atomics
+    deterministic: bool = True
 
     @property
     def transient_bytes(self) -> int:
@@ -134,18 +168,8 @@ def _even_rows(n: int, max_rows: int) -> int:
     return _cdiv(n, _cdiv(n, max_rows))
 
 
-def _budget_error(op: str, path: str, need: int, cfg: GRPOLossConfig) -> ValueError:
-    return ValueError(f"memory_budget={cfg.memory_budget} bytes is below the {need} bytes the smallest configuration "
-                      f"of {op}'s only applicable path ({path}) allocates; raise memory_budget (or leave it None)")
-
-
 def _per_token_bytes(n: int, k: int) -> int:
     return 4 * k * n
-
-
-def _given_budget(cfg: GRPOLossConfig | None, budget_config: GRPOLossConfig | None) -> GRPOLossConfig:
-    """The config whose ``memory_budget`` applies: the loss's, else the log-prob function's, else the default."""
-    return cfg or budget_config or GRPOLossConfig()
 
 
 # ------------------------------------------------------------------------------------------------- logits inputs
@@ -159,55 +183,77 @@ def _with_cap_note(plan: Plan, softcap: float | None) -> Plan:
                                              f"recomputed in the backward, {where}",))
 
 
-def plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool, inplace: bool,
-                budget_config: GRPOLossConfig | None = None) -> Plan:
-    """The path of ``grpo_loss`` (cfg given) or ``token_logprobs`` (cfg None) over (B, T, V) / (N, V) logits."""
-    plan = _plan_logits(op, inputs, cfg, wants_grad=wants_grad, inplace=inplace, budget_config=budget_config)
-    return _with_cap_note(plan, inputs.softcap)
+def plan_logits(call: LogitsCall) -> Plan:
+    """The path of ``grpo_loss`` (``call.cfg`` given) or ``token_logprobs`` (None) over (B, T, V) / (N, V) logits."""
+    cfg = call.cfg
+    if call.inputs.impl == "torch":
+        plan = _logits_torch(call)
+    elif cfg is not None and cfg.grad_in_forward and per_token_gradient_known(cfg) and call.wants_grad \
+            and _logits_rows(call) > 0:
+        plan = _logits_fast(call)
+    else:
+        plan = _logits_sweep(call)
+    return _with_cap_note(plan, call.inputs.transform.softcap)
 
 
-def _plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: bool, inplace: bool,
-                 budget_config: GRPOLossConfig | None = None) -> Plan:
-    logits = inputs.logits
-    V = logits.shape[-1]
-    N = logits.numel() // V if V else 0
-    budget_cfg = _given_budget(cfg, budget_config)
-    budget = DEFAULT_WORKING_BYTES if budget_cfg.memory_budget is None else budget_cfg.memory_budget
-    common = dict(op=op, impl=inputs.impl, budget=budget, rows=N, vocab=V)
-    grad_copy = 0 if inplace else N * V * logits.element_size()
-    if inputs.impl == "torch":
-        try:  # rows of logits that cannot be viewed as (N, V) (e.g. logits[:, :-1]) are copied once per pass
-            logits.view(-1, V)
-            flat_copy = 0
-        except RuntimeError:
-            flat_copy = N * V * logits.element_size()
-        acc = 8 if logits.dtype == torch.float64 else 4
-        need_row = TORCH_LOGITS_TEMPS * acc * V
-        small = _per_token_bytes(N, 4) + flat_copy
-        if budget < need_row + small:
-            raise _budget_error(op, LOGITS_TORCH, need_row + small, budget_cfg)
-        rows = max(1, min(N, (budget - small) // need_row))
-        items = (("fp32 temporaries of one row chunk", rows * need_row),
-                 ("a contiguous copy of non-contiguous logits", flat_copy),
-                 ("per-token values", _per_token_bytes(N, 4)))
-        stage = None if cfg is None else "reference"
-        return Plan(path=LOGITS_TORCH, reason="impl torch (CPU tensors, or impl='torch')", chunk_rows=rows,
-                    token_stage=stage, transient=items, **common)
-    if cfg is not None and cfg.grad_in_forward and per_token_gradient_known(cfg) and wants_grad and N > 0:
-        # the float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14)
-        items = (("per-token terms and weights", _per_token_bytes(N, 23)),)
-        if _per_token_bytes(N, 23) > budget:
-            raise _budget_error(op, LOGITS_FAST, _per_token_bytes(N, 23), budget_cfg)
-        # (no note while compiling: a symbolic size has no printed value)
-        notes = () if inplace or torch.compiler.is_compiling() else (
-            f"d logits ({_size(grad_copy)}) is the returned gradient; "
-            "inplace_backward=True writes it into the logits buffer",)
-        return Plan(path=LOGITS_FAST, reason="Triton, a token-level configuration (each token's gradient is known "
-                    "once its row is swept) and a gradient wanted", token_stage="in the row kernel",
-                    transient=items, notes=notes, **common)
+def _logits_rows(call: LogitsCall) -> int:
+    V = call.inputs.logits.shape[-1]
+    return call.inputs.logits.numel() // V if V else 0
+
+
+def _logits_plan(call: LogitsCall, path: str, reason: str, items: tuple, **kw) -> Plan:
+    """A logits plan whose transient items must fit the budget (else the budget's error)."""
+    budget = call.budget.working()
+    need = sum(b for _, b in items)
+    if need > budget:
+        raise call.budget.error(call.op, path, need)
+    return Plan(op=call.op, path=path, reason=reason, impl=call.inputs.impl, budget=budget, rows=_logits_rows(call),
+                vocab=call.inputs.logits.shape[-1], transient=items, **kw)
+
+
+def _logits_torch(call: LogitsCall) -> Plan:
+    """Chunks of rows whose two fp32 temporaries fit the budget beside the per-token values (and a flat copy of
+    logits that cannot be viewed as (N, V), e.g. logits[:, :-1], made once per pass)."""
+    logits = call.inputs.logits
+    V, N = logits.shape[-1], _logits_rows(call)
+    try:
+        logits.view(-1, V)
+        flat_copy = 0
+    except RuntimeError:
+        flat_copy = N * V * logits.element_size()
+    acc = 8 if logits.dtype == torch.float64 else 4
+    need_row = TORCH_LOGITS_TEMPS * acc * V
+    small = _per_token_bytes(N, 4) + flat_copy
+    budget = call.budget.working()
+    if budget < need_row + small:
+        raise call.budget.error(call.op, LOGITS_TORCH, need_row + small)
+    rows = max(1, min(N, (budget - small) // need_row))
+    items = (("fp32 temporaries of one row chunk", rows * need_row),
+             ("a contiguous copy of non-contiguous logits", flat_copy), ("per-token values", _per_token_bytes(N, 4)))
+    return _logits_plan(call, LOGITS_TORCH, "impl torch (CPU tensors, or impl='torch')", items, chunk_rows=rows,
+                        token_stage=None if call.cfg is None else "reference")
+
+
+def _logits_fast(call: LogitsCall) -> Plan:
+    """The float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14)."""
+    logits = call.inputs.logits
+    grad_copy = 0 if call.inplace else logits.numel() * logits.element_size()
+    # (no note while compiling: a symbolic size has no printed value)
+    notes = () if call.inplace or torch.compiler.is_compiling() else (
+        f"d logits ({_size(grad_copy)}) is the returned gradient; inplace_backward=True writes it into the logits "
+        "buffer",)
+    items = (("per-token terms and weights", _per_token_bytes(_logits_rows(call), 23)),)
+    return _logits_plan(call, LOGITS_FAST, "Triton, a token-level configuration (each token's gradient is known "
+                        "once its row is swept) and a gradient wanted", items, token_stage="in the row kernel",
+                        notes=notes)
+
+
+def _logits_sweep(call: LogitsCall) -> Plan:
+    """Log-prob, logsumexp, entropy, and the per-token stage's mask, weights and gradient per token."""
+    cfg, N = call.cfg, _logits_rows(call)
     if cfg is None:
         why = "log-probs only"
-    elif not wants_grad:
+    elif not call.wants_grad:
         why = "no gradient wanted"
     elif not cfg.grad_in_forward:
         why = "grad_in_forward=False"
@@ -215,11 +261,8 @@ def _plan_logits(op: str, inputs, cfg: GRPOLossConfig | None, *, wants_grad: boo
         why = "the loss needs a cross-token statistic before any token's gradient (sequence ratio, vespo, " \
               "off-policy or top-entropy mask)"
     stage = None if cfg is None else ("triton" if per_token_gradient_known(cfg) and N > 0 else "reference")
-    # log-prob, logsumexp, entropy, and the per-token stage's mask, weights and gradient
     items = (("per-token values", _per_token_bytes(N, 7)),)
-    if _per_token_bytes(N, 7) > budget:
-        raise _budget_error(op, LOGITS_SWEEP, _per_token_bytes(N, 7), budget_cfg)
-    return Plan(path=LOGITS_SWEEP, reason=f"Triton; {why}", token_stage=stage, transient=items, **common)
+    return _logits_plan(call, LOGITS_SWEEP, f"Triton; {why}", items, token_stage=stage)
 
 
 # --------------------------------------------------------------------------------------------------- fused head
@@ -231,152 +274,192 @@ def head_accumulator_bytes(V: int, H: int, weight_dtype: torch.dtype, bias_dtype
     return acc + (4 * V if need_bias and bias_dtype not in (None, torch.float32) else 0)
 
 
-def plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_valid: int,
-              sequence_counts=None, vocab_parallel: bool = False, budget_config: GRPOLossConfig | None = None,
-              deterministic: bool | None = None, vocab_total: int | None = None, world: int = 1) -> Plan:
-    """The path of ``fused_linear_grpo_loss`` (cfg given) or ``linear_token_logprobs`` (cfg None).
+@dataclass(frozen=True)
+class _HeadCosts:
+    """What every head path of a call allocates besides its own working memory: ``copies`` (compute-dtype casts,
+    compacted rows and their d hidden), ``cast_grads`` (gradients in the compute dtype before autograd's cast, on
+    the paths behind autograd's casts), ``weight_cast`` (the weight / bias cast's bytes) and the per-token stage."""
 
-    needs: (hidden, weight, bias) gradient wanted; n_valid: rows computed after compaction; sequence_counts: a
-    zero-argument callable giving the valid tokens per sequence (a host sync, asked only when a sequence-level
-    fast path is possible)."""
-    plan = _plan_head(op, inputs, cfg, needs=needs, n_valid=n_valid, sequence_counts=sequence_counts,
-                      vocab_parallel=vocab_parallel, budget_config=budget_config, deterministic=deterministic,
-                      vocab_total=vocab_total, world=world)
-    return _with_cap_note(plan, inputs.softcap)
+    copies: tuple
+    cast_grads: tuple
+    weight_cast: int
+    stage: str | None
+
+    @property
+    def fixed(self) -> int:
+        return sum(b for _, b in self.copies)
 
 
-def _plan_head(op: str, inputs, cfg: GRPOLossConfig | None, *, needs: tuple, n_valid: int,
-               sequence_counts=None, vocab_parallel: bool = False, budget_config: GRPOLossConfig | None = None,
-               deterministic: bool | None = None, vocab_total: int | None = None, world: int = 1) -> Plan:
-    weight, bias = inputs.weight, inputs.bias
-    N, (V, H) = n_valid, weight.shape
-    it = inputs.dtype.itemsize
-    budget_cfg = _given_budget(cfg, budget_config)
-    need_h, need_w, need_b = needs
-    need_b = need_b and bias is not None
-    grad = need_h or need_w or need_b
-    compact = N < inputs.ids.numel()
+def _head_costs(call: HeadCall) -> _HeadCosts:
+    inputs, (V, H) = call.inputs, call.inputs.weight.shape
+    need_h, need_w, _ = call.needs
+    N, it = call.n_valid, inputs.dtype.itemsize
     copies = []
     if inputs.cast_bytes(weight=False):
         copies.append(("hidden in the compute dtype (autocast)", inputs.cast_bytes(weight=False)))
-    if compact:
+    if N < inputs.ids.numel():
         copies.append(("compacted valid rows of hidden", N * H * it))
         if need_h:
             copies.append(("d hidden of the compacted rows", N * H * it))
-    stage = None if cfg is None else ("triton" if inputs.impl == "triton" and per_token_gradient_known(cfg)
-                                      and inputs.ids.numel() > 0 else "reference")
-
-    def make(path, reason, budget, items, **kw):
-        items = tuple(copies) + tuple(items)
-        return Plan(op=op, path=path, reason=reason, impl=inputs.impl, budget=budget, rows=N, vocab=V,
-                    transient=items, token_stage=kw.pop("token_stage", stage), **kw)
-
     weight_cast = inputs.cast_bytes(hidden=False)
     if weight_cast:
         copies.append(("weight / bias in the compute dtype (autocast)", weight_cast))
     # The paths behind autograd's casts hand back gradients in the compute dtype, cast by autograd afterwards: those
     # compute-dtype gradients are transient (the fast paths cast inside and return the given dtypes directly).
     cast_grads = []
-    if need_w and weight.dtype != inputs.dtype:
+    if need_w and inputs.weight.dtype != inputs.dtype:
         cast_grads.append(("d weight in the compute dtype, before autograd's cast", V * H * it))
     if need_h and inputs.hidden.dtype != inputs.dtype:
         cast_grads.append(("d hidden in the compute dtype, before autograd's cast", inputs.ids.numel() * H * it))
-    fixed = sum(b for _, b in copies)
-    if inputs.impl == "torch":
-        budget = DEFAULT_WORKING_BYTES if budget_cfg.memory_budget is None else budget_cfg.memory_budget
-        acc = 8 if inputs.dtype == torch.float64 else 4
-        half = inputs.dtype not in (torch.float32, torch.float64)
-        vt = min(V, TORCH_HEAD_TILE_VOCAB)
-        accum = []
-        if grad and half:
-            if need_h:
-                accum.append(("fp32 d hidden accumulator", 4 * N * H))
-            if need_w:
-                accum.append(("fp32 d weight accumulator", 4 * V * H))
-        loop_fixed = 4 * vt * H if half else 0  # the weight tile in fp32, alive with the logits tiles
-        per_row = TORCH_HEAD_TEMPS * acc * vt + (acc * H if half else 0)
-        small = _per_token_bytes(N, 4)
-        need = fixed + sum(b for _, b in accum) + small + loop_fixed + per_row
-        if budget < need:
-            raise _budget_error(op, HEAD_TORCH, need, budget_cfg)
-        rows = max(1, min(max(N, 1), (budget - need + per_row) // per_row))
-        loop = [("weight tile in fp32", loop_fixed), ("logits tiles", rows * TORCH_HEAD_TEMPS * acc * vt),
-                ("hidden rows in fp32", rows * acc * H if half else 0)]
-        items = accum + _larger_phase(loop, cast_grads) + [("per-token values", small)]
-        return make(HEAD_TORCH, "impl torch (CPU tensors, or impl='torch')", budget, items, chunk_rows=rows,
-                    flops_nhv=(2 + (6 if grad else 0)) if N else 0)
-    if not grad:
-        budget = DEFAULT_WORKING_BYTES if budget_cfg.memory_budget is None else budget_cfg.memory_budget
-        room = min(budget - fixed - _per_token_bytes(N, 3), knobs().no_grad_chunk_cap or NO_GRAD_CHUNK_CAP)
-        if room < 4 * V:
-            raise _budget_error(op, HEAD_NO_GRAD, fixed + _per_token_bytes(N, 3) + 4 * V, budget_cfg)
-        rows = _even_rows(N, room // (4 * V))
-        items = [("fp32 logits chunk", min(rows, max(N, 1)) * 4 * V), ("per-token values", _per_token_bytes(N, 3))]
-        return make(HEAD_NO_GRAD, "no gradient wanted", budget, items, chunk_rows=rows, flops_nhv=2 if N else 0)
+    cfg = call.cfg
+    stage = None if cfg is None else ("triton" if inputs.impl == "triton" and per_token_gradient_known(cfg)
+                                      and inputs.ids.numel() > 0 else "reference")
+    return _HeadCosts(tuple(copies), tuple(cast_grads), weight_cast, stage)
 
-    reasons = []
-    if cfg is None:
-        reasons.append("log-probs only (the gradient of later code is not known in the forward)")
-    elif not cfg.grad_in_forward:
-        reasons.append("grad_in_forward=False")
-    elif cfg.top_entropy_quantile < 1.0:
-        reasons.append("the top-entropy mask is a quantile over the whole batch")
+
+def _head_plan(call: HeadCall, costs: _HeadCosts, path: str, reason: str, budget: int, items, **kw) -> Plan:
+    return Plan(op=call.op, path=path, reason=reason, impl=call.inputs.impl, budget=budget, rows=call.n_valid,
+                vocab=call.inputs.weight.shape[0], transient=costs.copies + tuple(items),
+                token_stage=kw.pop("token_stage", costs.stage), deterministic=call.deterministic, **kw)
+
+
+def _flops(call: HeadCall, grad_nhv: int) -> int:
+    return grad_nhv if call.n_valid else 0
+
+
+def plan_head(call: HeadCall) -> Plan:
+    """The path of ``fused_linear_grpo_loss`` (``call.cfg`` given) or ``linear_token_logprobs`` (None)."""
+    costs = _head_costs(call)
+    if call.inputs.impl == "torch":
+        plan = _head_torch(call, costs)
+    elif not any(call.needs[:2]) and not (call.needs[2] and call.inputs.bias is not None):
+        plan = _head_no_grad(call, costs)
     else:
-        accum = head_accumulator_bytes(V, H, weight.dtype, None if bias is None else bias.dtype, need_w, need_b)
-        small = _per_token_bytes(N, 18)
-        budget = (DEFAULT_WORKING_BYTES + accum + fixed + small) if budget_cfg.memory_budget is None \
-            else budget_cfg.memory_budget
-        room = budget - accum - fixed - small
-        max_rows = max(0, room) // (4 * V)
-        items = []
-        if accum:
-            items.append(("fp32 d weight / d bias accumulators", accum))
-        if vocab_parallel:
-            # Why the whole vocabulary's V for the rows: every rank must cut the same chunks (each chunk is a
-            # collective), and the shards' sizes may differ; the chunk itself is R x V_shard.
-            total = vocab_total or V
-            if budget_cfg.memory_budget is None:
-                working = DEFAULT_WORKING_BYTES
-            else:  # the shard-sized items as if the shard were the whole vocabulary: the same rows on every rank
-                working = budget - (accum + weight_cast) * total // V - (fixed - weight_cast) - small
-            rows_all = max(0, working) // (4 * total + 12 * max(world, 1))
-            counts = sequence_counts() if sequence_counts is not None else None
-            if counts and rows_all >= min(N, _fast_min_rows()) and max(counts) <= rows_all:
-                chunks = sequence_chunks(counts, rows_all)
-                rows = max(r1 - r0 for _, _, r0, r1 in chunks)
-                items += [("fp32 logits chunk of the shard (d logits written in place)", rows * 4 * V),
-                          ("gathered row statistics of a chunk", rows * 12 * max(world, 1)),
-                          ("per-token values", small)]
-                return make(HEAD_FAST_VOCAB_PARALLEL, "Triton, a loss with gradients, every sequence's valid tokens "
-                            "fit one chunk beside the accumulators", budget, items, chunk_rows=rows,
-                            sequence_chunks=tuple(chunks), flops_nhv=(6 if need_w else 4) if N else 0)
-            reasons.append("vocab-parallel: a sequence longer than the rows the budget allows per chunk" if counts
-                           else "vocab-parallel: the fast path needs a mask it can count")
-        elif per_token_gradient_known(cfg):
-            if N == 0 or max_rows >= min(N, _fast_min_rows()):
-                rows = _even_rows(N, max(max_rows, 1))
-                items += [("fp32 logits chunk (d logits written in place)", min(rows, max(N, 1)) * 4 * V),
-                          ("per-token values and terms", small)]
-                return make(HEAD_FAST, "Triton, a token-level configuration, a gradient wanted, and the "
-                            "accumulators plus a chunk of at least "
-                            f"{_shown(min(N, _fast_min_rows()))} rows fit the budget", budget, items, chunk_rows=rows,
-                            flops_nhv=(6 if need_w else 4) if N else 0, token_stage="in the epilogue kernel")
-            reasons.append(f"the budget leaves room for {_shown(max_rows)} rows per chunk beside the accumulators, "
-                           f"fewer than {_shown(min(N, _fast_min_rows()))}")
-        else:
-            counts = sequence_counts() if sequence_counts is not None else None
-            if counts and max_rows >= min(N, _fast_min_rows()) and max(counts) <= max_rows:
-                chunks = sequence_chunks(counts, max_rows)
-                rows = max(r1 - r0 for _, _, r0, r1 in chunks)
-                items += [("fp32 logits chunk (d logits written in place)", rows * 4 * V),
-                          ("per-token values", small)]
-                return make(HEAD_FAST_SEQUENCE, "Triton, a gradient wanted, and every sequence's valid tokens fit "
-                            "one chunk beside the accumulators", budget, items, chunk_rows=rows,
-                            sequence_chunks=tuple(chunks), flops_nhv=(6 if need_w else 4) if N else 0)
-            reasons.append("a sequence longer than the rows the budget allows per chunk" if counts else
-                           "the sequence-level path needs a mask it can count")
-    return _plan_light(op, inputs, budget_cfg, needs, N, fixed, make, "; ".join(reasons),
-                       budget_cfg.deterministic if deterministic is None else deterministic, cast_grads)
+        plan, why = _head_fast_family(call, costs)
+        plan = plan or _head_light(call, costs, why)
+    return _with_cap_note(plan, call.inputs.transform.softcap)
+
+
+def _head_torch(call: HeadCall, costs: _HeadCosts) -> Plan:
+    """Tiles of rows x ``TORCH_HEAD_TILE_VOCAB`` whose temporaries (and, for half inputs, fp32 accumulators) fit."""
+    inputs, (V, H), N = call.inputs, call.inputs.weight.shape, call.n_valid
+    need_h, need_w, _ = call.needs
+    grad = any(call.needs[:2]) or (call.needs[2] and inputs.bias is not None)
+    budget = call.budget.working()
+    acc = 8 if inputs.dtype == torch.float64 else 4
+    half = inputs.dtype not in (torch.float32, torch.float64)
+    vt = min(V, TORCH_HEAD_TILE_VOCAB)
+    accum = []
+    if grad and half:
+        if need_h:
+            accum.append(("fp32 d hidden accumulator", 4 * N * H))
+        if need_w:
+            accum.append(("fp32 d weight accumulator", 4 * V * H))
+    loop_fixed = 4 * vt * H if half else 0  # the weight tile in fp32, alive with the logits tiles
+    per_row = TORCH_HEAD_TEMPS * acc * vt + (acc * H if half else 0)
+    small = _per_token_bytes(N, 4)
+    need = costs.fixed + sum(b for _, b in accum) + small + loop_fixed + per_row
+    if budget < need:
+        raise call.budget.error(call.op, HEAD_TORCH, need)
+    rows = max(1, min(max(N, 1), (budget - need + per_row) // per_row))
+    loop = [("weight tile in fp32", loop_fixed), ("logits tiles", rows * TORCH_HEAD_TEMPS * acc * vt),
+            ("hidden rows in fp32", rows * acc * H if half else 0)]
+    items = accum + _larger_phase(loop, costs.cast_grads) + [("per-token values", small)]
+    return _head_plan(call, costs, HEAD_TORCH, "impl torch (CPU tensors, or impl='torch')", budget, items,
+                      chunk_rows=rows, flops_nhv=_flops(call, 8 if grad else 2))
+
+
+def _head_no_grad(call: HeadCall, costs: _HeadCosts) -> Plan:
+    """Row chunks of fp32 logits for the GEMM + fold, at most ``NO_GRAD_CHUNK_CAP`` bytes each."""
+    V, N = call.inputs.weight.shape[0], call.n_valid
+    budget = call.budget.working()
+    room = min(budget - costs.fixed - _per_token_bytes(N, 3), knobs().no_grad_chunk_cap or NO_GRAD_CHUNK_CAP)
+    if room < 4 * V:
+        raise call.budget.error(call.op, HEAD_NO_GRAD, costs.fixed + _per_token_bytes(N, 3) + 4 * V)
+    rows = _even_rows(N, room // (4 * V))
+    items = [("fp32 logits chunk", min(rows, max(N, 1)) * 4 * V), ("per-token values", _per_token_bytes(N, 3))]
+    return _head_plan(call, costs, HEAD_NO_GRAD, "no gradient wanted", budget, items, chunk_rows=rows,
+                      flops_nhv=_flops(call, 2))
+
+
+def _head_fast_family(call: HeadCall, costs: _HeadCosts):
+    """(the gradient-in-forward plan, or None, and why not): the room beside the fp32 accumulators decides the
+    rows per chunk; token-level configurations take ``head.fast``, sequence-level ones chunks of whole sequences."""
+    cfg = call.cfg
+    if cfg is None:
+        return None, "log-probs only (the gradient of later code is not known in the forward)"
+    if not cfg.grad_in_forward:
+        return None, "grad_in_forward=False"
+    if cfg.top_entropy_quantile < 1.0:
+        return None, "the top-entropy mask is a quantile over the whole batch"
+    (V, H), bias = call.inputs.weight.shape, call.inputs.bias
+    accum = head_accumulator_bytes(V, H, call.inputs.weight.dtype, None if bias is None else bias.dtype,
+                                   call.needs[1], call.needs[2] and bias is not None)
+    small = _per_token_bytes(call.n_valid, 18)
+    budget = call.budget.working(accum + costs.fixed + small)
+    max_rows = max(0, budget - accum - costs.fixed - small) // (4 * V)
+    items = [("fp32 d weight / d bias accumulators", accum)] if accum else []
+    if call.shard is not None:
+        return _head_fast_vocab_parallel(call, costs, budget, items, accum)
+    if per_token_gradient_known(cfg):
+        return _head_fast(call, costs, budget, items, max_rows)
+    return _head_fast_sequence(call, costs, budget, items, max_rows)
+
+
+def _head_fast(call: HeadCall, costs: _HeadCosts, budget: int, items: list, max_rows: int):
+    N = call.n_valid
+    least = min(N, _fast_min_rows())
+    if N and max_rows < least:
+        return None, (f"the budget leaves room for {_shown(max_rows)} rows per chunk beside the accumulators, fewer "
+                      f"than {_shown(least)}")
+    V = call.inputs.weight.shape[0]
+    rows = _even_rows(N, max(max_rows, 1))
+    items = items + [("fp32 logits chunk (d logits written in place)", min(rows, max(N, 1)) * 4 * V),
+                     ("per-token values and terms", _per_token_bytes(N, 18))]
+    return _head_plan(call, costs, HEAD_FAST, "Triton, a token-level configuration, a gradient wanted, and the "
+                      f"accumulators plus a chunk of at least {_shown(least)} rows fit the budget", budget, items,
+                      chunk_rows=rows, flops_nhv=_flops(call, 6 if call.needs[1] else 4),
+                      token_stage="in the epilogue kernel"), ""
+
+
+def _head_fast_sequence(call: HeadCall, costs: _HeadCosts, budget: int, items: list, max_rows: int):
+    counts = call.sequence_counts() if call.sequence_counts is not None else None
+    if not counts:
+        return None, "the sequence-level path needs a mask it can count"
+    if max_rows < min(call.n_valid, _fast_min_rows()) or max(counts) > max_rows:
+        return None, "a sequence longer than the rows the budget allows per chunk"
+    chunks = sequence_chunks(counts, max_rows)
+    rows = max(r1 - r0 for _, _, r0, r1 in chunks)
+    items = items + [("fp32 logits chunk (d logits written in place)", rows * 4 * call.inputs.weight.shape[0]),
+                     ("per-token values", _per_token_bytes(call.n_valid, 18))]
+    return _head_plan(call, costs, HEAD_FAST_SEQUENCE, "Triton, a gradient wanted, and every sequence's valid "
+                      "tokens fit one chunk beside the accumulators", budget, items, chunk_rows=rows,
+                      sequence_chunks=tuple(chunks), flops_nhv=_flops(call, 6 if call.needs[1] else 4)), ""
+
+
+def _head_fast_vocab_parallel(call: HeadCall, costs: _HeadCosts, budget: int, items: list, accum: int):
+    """Why the whole vocabulary's V for the rows: every rank must cut the same chunks (each chunk is a collective),
+    and the shards' sizes may differ; the chunk itself is R x V_shard."""
+    V, N = call.inputs.weight.shape[0], call.n_valid
+    total, world = call.shard.total or V, max(call.shard.world, 1)
+    small = _per_token_bytes(N, 18)
+    if call.budget.given is None:
+        working = DEFAULT_WORKING_BYTES
+    else:  # the shard-sized items as if the shard were the whole vocabulary: the same rows on every rank
+        working = budget - (accum + costs.weight_cast) * total // V - (costs.fixed - costs.weight_cast) - small
+    rows_all = max(0, working) // (4 * total + 12 * world)
+    counts = call.sequence_counts() if call.sequence_counts is not None else None
+    if not counts:
+        return None, "vocab-parallel: the fast path needs a mask it can count"
+    if rows_all < min(N, _fast_min_rows()) or max(counts) > rows_all:
+        return None, "vocab-parallel: a sequence longer than the rows the budget allows per chunk"
+    chunks = sequence_chunks(counts, rows_all)
+    rows = max(r1 - r0 for _, _, r0, r1 in chunks)
+    items = items + [("fp32 logits chunk of the shard (d logits written in place)", rows * 4 * V),
+                     ("gathered row statistics of a chunk", rows * 12 * world), ("per-token values", small)]
+    return _head_plan(call, costs, HEAD_FAST_VOCAB_PARALLEL, "Triton, a loss with gradients, every sequence's valid "
+                      "tokens fit one chunk beside the accumulators", budget, items, chunk_rows=rows,
+                      sequence_chunks=tuple(chunks), flops_nhv=_flops(call, 6 if call.needs[1] else 4)), ""
 
 
 def _larger_phase(during, after) -> list:
@@ -397,40 +480,39 @@ def sequence_chunks(counts: list, max_rows: int) -> list:
     return chunks
 
 
-def _plan_light(op, inputs, cfg, needs, N, fixed, make, why, deterministic, cast_grads=()) -> Plan:
+def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
     """The memory-light recompute path: an O(N) forward, then per block of rows a backward over vocab chunks whose
     d logits (and the fp32 d hidden of the block, for half-precision inputs over several chunks) fit the budget.
     Blocks of fewer rows than N only when the fp32 d hidden of every row does not fit (d weight is then summed over
     the blocks in the weight's dtype)."""
     from .kernels.linear_backward_kernels import backward_layout  # lazy: the Triton path's geometry
     from .kernels.linear_forward_kernels import forward_partial_bytes
-    V, H = inputs.weight.shape
-    budget = DEFAULT_WORKING_BYTES if cfg.memory_budget is None else cfg.memory_budget
-    need_h, need_w, need_b = needs
-    small = _per_token_bytes(N, 8)
+    inputs, (V, H), N = call.inputs, call.inputs.weight.shape, call.n_valid
+    budget, small = call.budget.working(), _per_token_bytes(N, 8)
+    needs = (call.needs[0], call.needs[1], call.needs[2] and inputs.bias is not None)
     if torch.compiler.is_compiling():
         # Why deferred: the layout's geometry reads the device and torch's matmul precision, which the compiler
         # cannot trace; the head's registered op picks it within the same bytes when it runs
-        return make(HEAD_LIGHT, why, budget, [("per-token values", small)], flops_nhv=8,
-                    working_bytes=budget - fixed - small,
-                    notes=("backward layout chosen when the op runs (torch.compile)",))
+        return _head_plan(call, costs, HEAD_LIGHT, why, budget, [("per-token values", small)], flops_nhv=8,
+                          working_bytes=budget - costs.fixed - small,
+                          notes=("backward layout chosen when the op runs (torch.compile)",))
     forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device)
-    layout = backward_layout(N, V, H, inputs.dtype, inputs.hidden.device, budget - fixed - small, need_h, need_w,
-                             need_b and inputs.bias is not None, deterministic)
+    geometry = (N, V, H, inputs.dtype, inputs.hidden.device)
+    layout = backward_layout(*geometry, budget - costs.fixed - small, *needs, call.deterministic)
     if layout is None:
-        raise _budget_error(op, HEAD_LIGHT, fixed + small + backward_layout(
-            N, V, H, inputs.dtype, inputs.hidden.device, None, need_h, need_w, need_b and inputs.bias is not None,
-            deterministic).transient_bytes, cfg)
-    after = sum(b for _, b in cast_grads)
-    if fixed + small + max(forward, after) > budget:
-        raise _budget_error(op, HEAD_LIGHT, fixed + small + max(forward, after, layout.transient_bytes), cfg)
+        smallest = backward_layout(*geometry, None, *needs, call.deterministic).transient_bytes
+        raise call.budget.error(call.op, HEAD_LIGHT, costs.fixed + small + smallest)
+    after = sum(b for _, b in costs.cast_grads)
+    if costs.fixed + small + max(forward, after) > budget:
+        raise call.budget.error(call.op, HEAD_LIGHT, costs.fixed + small + max(forward, after,
+                                                                                layout.transient_bytes))
     # The forward's partial statistics are freed before the backward's buffers exist: the peak is the larger phase.
     if forward > layout.transient_bytes:
         items = [("forward partial statistics", forward), ("per-token values", small)]
     else:
-        items = _larger_phase(layout.items, cast_grads) + [("per-token values", small)]
+        items = _larger_phase(layout.items, costs.cast_grads) + [("per-token values", small)]
     notes = ()
-    if layout.row_block < N and need_w:
+    if layout.row_block < N and needs[1]:
         notes = (f"d weight is summed over {_cdiv(N, layout.row_block)} row blocks in the weight's dtype",)
-    return make(HEAD_LIGHT, why, budget, items, chunk_bytes=layout.chunk_bytes, row_block=layout.row_block,
-                flops_nhv=8 if N else 0, notes=notes)
+    return _head_plan(call, costs, HEAD_LIGHT, why, budget, items, chunk_bytes=layout.chunk_bytes,
+                      row_block=layout.row_block, flops_nhv=_flops(call, 8), notes=notes)

@@ -152,15 +152,14 @@ class PerTokenLoss:
     loss: ``l = policy * masks * is_ratio + beta * kl``, differentiable (padded tokens hold finite values that every
     reduction weights by 0); kl: the k3 KL (times the ratio with ``use_bias_correction_kl``), None without
     ``ref_logps``; coef_1: the ratio the clip metrics read (after the delta clamp, as TRL's); adv: the advantages as
-    broadcast (0 at padded tokens when (B, T)); mask: bool (B, T); n_valid: its count in the loss's dtype; entropy:
-    0 at padded tokens, or None; phi: vespo's weights or None; entropy_mask: the top-entropy mask or None."""
+    broadcast (0 at padded tokens when (B, T)); mask: bool (B, T); entropy: 0 at padded tokens, or None; phi:
+    vespo's weights or None; entropy_mask: the top-entropy mask or None."""
 
     loss: torch.Tensor
     kl: torch.Tensor | None
     coef_1: torch.Tensor
     adv: torch.Tensor
     mask: torch.Tensor
-    n_valid: torch.Tensor
     entropy: torch.Tensor | None = None
     phi: torch.Tensor | None = None
     entropy_mask: torch.Tensor | None = None
@@ -179,31 +178,10 @@ def per_token_loss(logps, advantages, mask=None, *, old_logps=None, ref_logps=No
     as ``loss_from_logps`` (which reduces it)."""
     cfg = config or GRPOLossConfig()
     policy = LOSS_TABLE[cfg.loss_type].policy
-    dtype = logps.dtype
-    mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
-    n_valid = mask.sum().to(dtype)
-    adv = advantages.to(dtype)
-    # (B, T) advantages at padded positions are neutral too (a per-row ratio's gradient sums over the whole row)
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(mask, adv, 0.0)
-    # Padded positions may hold anything (sentinel log-probs, -inf, a huge ratio): neutral values there keep
-    # 0 * inf out of the forward and the backward. Valid positions are untouched, so the numbers are TRL's.
-    logps = torch.where(mask, logps, 0.0)
-    neutral = logps.detach()
-    if is_ratio is not None:
-        is_ratio = is_ratio.to(dtype)
-        # vespo folds the raw ratios of every position into its gamma weights, as TRL does; elsewhere padded
-        # positions only multiply a masked-out loss, so they are neutralized.
-        is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else \
-            is_ratio if policy == "vespo" else torch.where(mask, is_ratio, 1.0)
-    old = neutral if old_logps is None else torch.where(mask, old_logps.to(dtype), neutral)
-    if ref_logps is not None:
-        ref_logps = torch.where(mask, ref_logps.to(dtype), neutral)
-    if sampling_logps is not None:
-        sampling_logps = torch.where(mask, sampling_logps.to(dtype), neutral)
-    if entropy is not None:
-        entropy = torch.where(mask, entropy, 0.0)
+    x = _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy)
+    logps, mask, adv, dtype = x["logps"], x["mask"], x["adv"], logps.dtype
 
-    log_ratio = logps - old
+    log_ratio = logps - x["old"]
     if cfg.importance_sampling_level == "token":
         log_w = log_ratio
     else:
@@ -211,40 +189,25 @@ def per_token_loss(logps, advantages, mask=None, *, old_logps=None, ref_logps=No
     coef_1 = torch.exp(log_w)
 
     per_token_kl = None
-    if ref_logps is not None:
-        ref = ref_logps.to(dtype)
+    if x["ref"] is not None:
+        ref = x["ref"]
         per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
         if cfg.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    phi = None
-    if policy == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps
-    elif policy == "clipped":
-        coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
-        if cfg.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=cfg.delta)
-        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    elif policy == "sapo":
-        temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(dtype)
-        per_token_loss = -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv
-    else:  # vespo
-        phi = gamma_weights(adv, log_ratio, mask, is_ratio, cfg)
-        per_token_loss = -phi * adv * logps
-
+    loss, phi, coef_1 = _policy_term(policy, coef_1, adv, logps, log_ratio, mask, x["is_ratio"], cfg)
     if cfg.off_policy_mask_threshold is not None:
-        sampling = old if sampling_logps is None else sampling_logps.to(dtype)
-        per_token_loss = per_token_loss * off_policy_mask(adv, logps, sampling, mask,
-                                                          cfg.off_policy_mask_threshold).to(dtype)
+        sampling = x["old"] if x["sampling"] is None else x["sampling"]
+        loss = loss * off_policy_mask(adv, logps, sampling, mask, cfg.off_policy_mask_threshold).to(dtype)
     entropy_mask = None
     if cfg.top_entropy_quantile < 1.0:
-        entropy_mask = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile)
-        per_token_loss = per_token_loss * entropy_mask.to(dtype)
-    if is_ratio is not None and policy != "vespo":
-        per_token_loss = per_token_loss * is_ratio
+        entropy_mask = high_entropy_mask(x["entropy"], mask, cfg.top_entropy_quantile)
+        loss = loss * entropy_mask.to(dtype)
+    if x["is_ratio"] is not None and policy != "vespo":
+        loss = loss * x["is_ratio"]
     if cfg.beta != 0.0:
-        per_token_loss = per_token_loss + cfg.beta * per_token_kl
-    return PerTokenLoss(per_token_loss, per_token_kl, coef_1, adv, mask, n_valid, entropy, phi, entropy_mask)
+        loss = loss + cfg.beta * per_token_kl
+    return PerTokenLoss(loss, per_token_kl, coef_1, adv, mask, x["entropy"], phi, entropy_mask)
 
 
 def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None,
@@ -259,36 +222,83 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
     for cispo / vespo, ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
     """
     cfg = config or GRPOLossConfig()
-    policy = LOSS_TABLE[cfg.loss_type].policy
-    dtype = logps.dtype
-    B, T = logps.shape
     terms = per_token_loss(logps, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio,
                            entropy=entropy, sampling_logps=sampling_logps, config=cfg)
-    mask, n_valid, entropy = terms.mask, terms.n_valid, terms.entropy
-
+    mask, dtype = terms.mask, logps.dtype
+    B, T = logps.shape
     weights = reduction_weights(mask.to(dtype), cfg.loss_type, num_items_in_batch, cfg.max_completion_length)
     loss = torch.where(mask, weights * terms.loss.expand(B, T), 0.0).sum()
 
     if cfg.entropy_coef != 0.0:
         eff = mask if terms.entropy_mask is None else terms.entropy_mask
-        loss = loss - cfg.entropy_coef * torch.where(eff, entropy, 0.0).sum() / eff.sum().clamp(min=1)
+        loss = loss - cfg.entropy_coef * torch.where(eff, terms.entropy, 0.0).sum() / eff.sum().clamp(min=1)
+    return loss, _metrics(terms, cfg)
 
+
+def _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy):
+    """The inputs in logps' dtype with neutral values at padded positions, by name.
+
+    Padded positions may hold anything (sentinel log-probs, -inf, a huge ratio): neutral values there keep 0 * inf
+    out of the forward and the backward. Valid positions are untouched, so the numbers are TRL's."""
+    dtype = logps.dtype
+    mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
+    adv = advantages.to(dtype)
+    # (B, T) advantages at padded positions are neutral too (a per-row ratio's gradient sums over the whole row)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(mask, adv, 0.0)
+    logps = torch.where(mask, logps, 0.0)
+    neutral = logps.detach()
+    if is_ratio is not None:
+        is_ratio = is_ratio.to(dtype)
+        # vespo folds the raw ratios of every position into its gamma weights, as TRL does; elsewhere padded
+        # positions only multiply a masked-out loss, so they are neutralized.
+        is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else \
+            is_ratio if policy == "vespo" else torch.where(mask, is_ratio, 1.0)
+
+    def at_valid(t, fill):
+        return None if t is None else torch.where(mask, t.to(dtype), fill)
+
+    return {"logps": logps, "mask": mask, "adv": adv, "is_ratio": is_ratio,
+            "old": neutral if old_logps is None else at_valid(old_logps, neutral),
+            "ref": at_valid(ref_logps, neutral), "sampling": at_valid(sampling_logps, neutral),
+            "entropy": None if entropy is None else torch.where(mask, entropy, 0.0)}
+
+
+def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg):
+    """(per-token policy loss, vespo's phi or None, the ratio the clip metrics read) of the loss type's policy term
+    (docs/DESIGN.md section 2); that ratio is TRL's ``coef_1`` after its delta clamp."""
+    if policy == "cispo":
+        return -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps, None, coef_1
+    if policy == "clipped":
+        coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+        if cfg.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=cfg.delta)
+        return -torch.min(coef_1 * adv, coef_2 * adv), None, coef_1
+    if policy == "sapo":
+        temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(logps.dtype)
+        return -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv, None, coef_1
+    phi = gamma_weights(adv, log_ratio, mask, is_ratio, cfg)  # vespo
+    return -phi * adv * logps, phi, coef_1
+
+
+def _metrics(terms: PerTokenLoss, cfg) -> dict:
+    """The metrics dict (detached 0-dim masked means over the batch) of ``loss_from_logps``."""
     with torch.no_grad():
-        zero = torch.zeros((), dtype=dtype, device=logps.device)
+        mask, dtype = terms.mask, terms.coef_1.dtype
+        n_valid = mask.sum().to(dtype)
+        zero = torch.zeros((), dtype=dtype, device=mask.device)
         low, high, cispo_clipped = terms.clipped(cfg)
         metrics = {
             "kl": zero if terms.kl is None else _masked_mean(terms.kl, mask, n_valid),
-            "entropy": zero if entropy is None else _masked_mean(entropy.detach(), mask, n_valid),
+            "entropy": zero if terms.entropy is None else _masked_mean(terms.entropy.detach(), mask, n_valid),
             "clip_ratio/low_mean": _masked_mean(low.to(dtype), mask, n_valid),
             "clip_ratio/high_mean": _masked_mean(high.to(dtype), mask, n_valid),
             "clip_ratio/region_mean": _masked_mean((low | high).to(dtype), mask, n_valid),
         }
-        if policy == "cispo":
+        if LOSS_TABLE[cfg.loss_type].policy == "cispo":
             metrics["cispo_clip_ratio"] = _masked_mean(cispo_clipped.to(dtype), mask, n_valid)
         if terms.phi is not None:
             metrics["vespo/phi_seq_mean"] = _masked_mean(terms.phi, mask, n_valid)
-        metrics = {k: v.detach() for k, v in metrics.items()}
-    return loss, metrics
+        return {k: v.detach() for k, v in metrics.items()}
 
 
 def reference_grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,

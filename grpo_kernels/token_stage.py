@@ -7,7 +7,6 @@ metrics' sums and ``d loss / d logp = w * d l / d logp`` in one pass (``kernels/
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -16,61 +15,46 @@ from torch.library import custom_op
 
 from . import ops
 from .config import GRPOLossConfig
-from .inputs import LossInputs, LossTokens, TokenWeights
+from .inputs import LossInputs, LossTokens
 from .loss_types import LOSS_TABLE
 from .metrics import LOSS, metrics_from_sums
 from .reference import loss_from_logps
 
 
-@dataclass(frozen=True)
-class TokenStageParams:
-    """The non-differentiable inputs of ``_TokenStage``."""
-
-    batch: LossInputs
-    weights: TokenWeights
-    cfg: GRPOLossConfig
+def token_stage(logps, tokens: LossTokens, cfg: GRPOLossConfig):
+    """(loss fp32 0-dim before the entropy bonus, term sums fp64, d loss / d logps (B, T) fp32) of the Triton
+    per-token stage: the path's one body (``ops.py``)."""
+    from .kernels.token_loss_kernels import token_loss_forward  # lazy: creates the Triton kernel
+    grad, sums = token_loss_forward(logps, tokens, cfg, LOSS_TABLE[cfg.loss_type].policy_kind)
+    return sums[LOSS].to(torch.float32), sums, grad
 
 
 class _TokenStage(torch.autograd.Function):
     """logps (B, T) -> (loss, term sums); the kernel's gradient is saved and scaled in the backward."""
 
     @staticmethod
-    def forward(ctx, logps, params: TokenStageParams):
-        from .kernels.token_loss_kernels import token_loss_forward  # lazy: creates the Triton kernel
-        batch, cfg = params.batch, params.cfg
-        grad, sums = token_loss_forward(logps, LossTokens.of(batch, params.weights), cfg,
-                                        LOSS_TABLE[cfg.loss_type].policy_kind)
+    def forward(ctx, logps, tokens: LossTokens, cfg: GRPOLossConfig):
+        loss, sums, grad = token_stage(logps, tokens, cfg)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(sums)
-        return sums[LOSS].to(torch.float32), sums
+        return loss, sums
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_sums):
         (grad,) = ctx.saved_tensors
-        return grad_loss * grad, None
+        return grad_loss * grad, None, None
 
 
 @custom_op("grpo_kernels::token_stage", mutates_args=())
-def _token_stage(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
-                 advantages: torch.Tensor, is_ratio: Optional[torch.Tensor], mask_f: torch.Tensor,
-                 weights: torch.Tensor, loss_type: str, beta: float, epsilon_low: float, epsilon_high: float,
-                 delta: Optional[float], temperature: float, use_bias_correction_kl: bool,
-                 sapo_temperature_pos: float, sapo_temperature_neg: float,
-                 entropy_coef: float,
-                 softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss fp32 0-dim, term sums fp64, d loss / d logps (B, T) fp32) of the Triton per-token stage."""
-    from .kernels.token_loss_kernels import token_loss_forward
-    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
-                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef,
-                               softcap)
-    tokens = LossTokens(advantages, mask_f, weights, old_logps, ref_logps, is_ratio)
-    grad, sums = token_loss_forward(logps, tokens, cfg, LOSS_TABLE[loss_type].policy_kind)
-    return sums[0].to(torch.float32), sums, grad
+def _token_stage(logps: torch.Tensor, tokens: list[Optional[torch.Tensor]],
+                 floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_stage``; tokens: ``LossTokens.as_list()``; floats, ints: ``ops.encode(cfg)``."""
+    return token_stage(logps, LossTokens(*tokens), ops.decode(GRPOLossConfig, floats, ints))
 
 
 @_token_stage.register_fake
-def _(logps, old_logps, ref_logps, advantages, is_ratio, mask_f, weights, *cfg):
+def _(logps, tokens, floats, ints):
     from .kernels.token_loss_kernels import N_SUMS
     return (logps.new_empty((), dtype=torch.float32), logps.new_empty((N_SUMS,), dtype=torch.float64),
             logps.new_empty(logps.shape, dtype=torch.float32))
@@ -84,14 +68,6 @@ def _stage_backward(ctx, grad_loss, _grad_sums, _grad_grad):
 _token_stage.register_autograd(_stage_backward, setup_context=ops.setup_saving_gradient_output)
 
 
-def _compiled_stage(logps, params):
-    """``_TokenStage`` through the registered op (under torch.compile): (loss, term sums)."""
-    batch, cfg = params.batch, params.cfg
-    loss, sums, _ = _token_stage(logps, batch.old_logps, batch.ref_logps, batch.advantages, batch.is_ratio,
-                                 params.weights.mask_f, params.weights.weights, **ops.config_args(cfg))
-    return loss, sums
-
-
 def loss_from_token_logprobs(logps, entropy, batch: LossInputs, cfg: GRPOLossConfig, stage: str):
     """(loss, metrics) from per-token log-probs and entropies; ``stage`` "triton" or "reference" (the plan's)."""
     if stage != "triton":
@@ -101,11 +77,11 @@ def loss_from_token_logprobs(logps, entropy, batch: LossInputs, cfg: GRPOLossCon
                                config=cfg)
     B, T = logps.shape
     weights = batch.token_weights(cfg, B, T, logps.device)
-    params = TokenStageParams(batch, weights, cfg)
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
-        loss, sums = _compiled_stage(logps, params)
+    tokens = LossTokens.of(batch, weights)
+    if ops.compiling():  # the Function does not trace: its registered op does
+        loss, sums, _ = _token_stage(logps, tokens.as_list(), *ops.encode(cfg))
     else:
-        loss, sums = _TokenStage.apply(logps, params)
+        loss, sums = _TokenStage.apply(logps, tokens, cfg)
     masked_entropy_sum = torch.where(weights.mask_b, entropy, 0.0).sum()
     if cfg.entropy_coef != 0.0:
         loss = loss - cfg.entropy_coef * masked_entropy_sum / weights.count

@@ -223,40 +223,64 @@ def _opcheck(name, args, kwargs=None):
 
 def test_ops_pass_opcheck():
     """Schema, fake kernels and autograd registrations of the registered ops (torch.library.opcheck): the torch
-    impl's ops, and the Triton ones under the interpreter."""
-    from grpo_kernels import ops  # registered on import of grpo_kernels; ops.config_args: the options as op args
+    impl's ops, and the Triton ones under the interpreter. Every op takes its non-tensor options as one encoded list
+    (``ops.encode``)."""
+    from grpo_kernels import ops  # registered on import of grpo_kernels
+    from grpo_kernels.config import LogitTransform
+    from grpo_kernels.head.fast import FastOptions
+    from grpo_kernels.head.light import LightOptions
+    from grpo_kernels.inputs import HeadTokens, LossTokens
+    from grpo_kernels.logits.fast import LossOptions
+    from grpo_kernels.logits.logprobs import SweepOptions
 
     T = 6
     hidden, weight, ids, adv, mask, old, ref = _batch(T)
     logits = (hidden @ weight.T).requires_grad_(True)
-    # args: temperature, impl, chunk_rows, row_mask, softcap
-    _opcheck("logits_logprobs", (logits, ids, 0.7, "torch", 5, None, 3.0))
+    capped = LogitTransform(0.7, 3.0)
+    _opcheck("logits_logprobs", (logits, ids, None, *ops.encode(SweepOptions(capped, "torch", 5))))
     h = hidden.reshape(-1, H).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     bias = torch.randn(V, requires_grad=True)
-    # args after the mask: path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, working_bytes,
-    # softcap
-    _opcheck("head_logprobs", (h, w, bias, ids.reshape(-1), mask.reshape(-1), "head.torch", 0.7, True, 4, 0, 0, 0,
-                               3.0))
+    _opcheck("head_logprobs", (h, w, bias, ids.reshape(-1), mask.reshape(-1),
+                               *ops.encode(LightOptions("head.torch", capped, True, 4))))
     from grpo_kernels._triton import interpreting
     if not interpreting():  # the Triton ops on CUDA: test_compiled_step_on_cuda
         return
-    cfg = ops.config_args(GRPOLossConfig(beta=0.04, entropy_coef=0.01))
+    cfg = GRPOLossConfig(beta=0.04, entropy_coef=0.01)
     weights = mask / mask.sum()
     logps = (torch.randn(B, T) - 4).requires_grad_(True)
-    _opcheck("token_stage", (logps, old, ref, adv, None, mask, weights), cfg)
-    _opcheck("logits_loss_fast", (logits, ids, mask, weights, old, ref, adv, None, mask.sum()), cfg)
-    _opcheck("head_logprobs", (h, w, None, ids.reshape(-1), mask.reshape(-1), "head.light", 0.7, True, 0, 0, 0,
-                               1 << 20, None))
+    tokens = LossTokens(adv, mask, weights, old, ref, None).as_list()
+    _opcheck("token_stage", (logps, tokens, *ops.encode(cfg)))
+    _opcheck("logits_loss_fast", (logits, ids, tokens, mask.sum(), *ops.encode(LossOptions(cfg, cfg.transform))))
+    _opcheck("head_logprobs", (h, w, None, ids.reshape(-1), mask.reshape(-1),
+                               *ops.encode(LightOptions("head.light", LogitTransform(0.7), True, working_bytes=1 << 20))))
 
     def flat(x):
         return x.reshape(-1).float().contiguous()
 
     n_valid = float(mask.sum())
-    _opcheck("head_loss_fast", (
-        h, w, None, ids.reshape(-1), mask.reshape(-1), adv.repeat_interleave(T), flat(weights), flat(old), flat(ref),
-        None, torch.tensor([-0.01 / n_valid]), torch.tensor(1 / n_valid, dtype=torch.float64), torch.float32, 16,
-        True, True, False), cfg)
+    head_tokens = HeadTokens(adv.repeat_interleave(T), flat(weights), flat(old), flat(ref), None,
+                             torch.tensor([-0.01 / n_valid]))
+    _opcheck("head_loss_fast", (h, w, None, ids.reshape(-1), mask.reshape(-1), head_tokens.as_list(),
+                                torch.tensor(1 / n_valid, dtype=torch.float64), [True, True, False],
+                                *ops.encode(FastOptions(torch.float32, cfg, cfg.transform, 16))))
+
+
+def test_options_cross_the_op_boundary_unchanged():
+    """``ops.encode`` / ``ops.decode`` give back every option object the ops take, field for field (None, str
+    choices, dtypes, nested objects)."""
+    from grpo_kernels import ops
+    from grpo_kernels.config import LogitTransform
+    from grpo_kernels.head.fast import FastOptions
+    from grpo_kernels.head.light import LightOptions
+
+    cfg = GRPOLossConfig(loss_type="sapo", beta=0.04, delta=1.5, importance_sampling_level="sequence",
+                         max_completion_length=77, memory_budget=(1 << 40) + 3, softcap=30.0, deterministic=False)
+    for obj in (cfg, GRPOLossConfig(), LightOptions("head.no_grad", LogitTransform(0.25, None), False, 7, 8, 9, 10),
+                FastOptions(torch.bfloat16, cfg, LogitTransform(0.9, 20.0), 256)):
+        assert ops.decode(type(obj), *ops.encode(obj)) == obj
+    with pytest.raises(ValueError, match="option values"):
+        ops.decode(LogitTransform, [1.0, float("nan"), 2.0], [])
 
 
 _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels compiled for "

@@ -237,8 +237,8 @@ def test_padded_rows_are_not_computed(impl, path, monkeypatch):
     seen = []
     if path == "light":
         import grpo_kernels.head.light as light
-        original = light._forward
-        monkeypatch.setattr(light, "_forward", lambda h, *a: (seen.append(h.shape[0]), original(h, *a))[1])
+        original = light.light_forward
+        monkeypatch.setattr(light, "light_forward", lambda h, *a: (seen.append(h.shape[0]), original(h, *a))[1])
     else:
         import grpo_kernels.kernels.linear_epilogue_kernels as epilogue
         original = epilogue.head_loss_and_grads

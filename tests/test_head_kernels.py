@@ -14,6 +14,8 @@ import inspect
 import pytest
 import torch
 
+from grpo_kernels.config import LogitTransform
+from grpo_kernels.inputs import LogprobGrads
 from grpo_kernels.reference import logprobs_and_entropy
 
 pytest.importorskip("triton")
@@ -100,7 +102,8 @@ def check_backward(h, w, b, ids, entropy=True, deterministic=False, need=(True, 
     dtype = h.dtype
     _, lse, ent = check_forward(h, w, b, ids)
     gl, ge = grads_for(len(ids), entropy=entropy)
-    out = lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, *need, deterministic)
+    out = lbk.linear_logprobs_backward(h, w, b, ids, LogprobGrads(lse, ent, gl, ge), LogitTransform(TEMPERATURE),
+                                       need, deterministic)
     *_, truth = eager(h, w, b, ids, gl, ge, torch.float64)
     *_, same = eager(h, w, b, ids, gl, ge, dtype)
     for name, got, want, same_g, src, needed in zip(("d_hidden", "d_weight", "d_bias"), out, truth, same,
@@ -177,7 +180,8 @@ def test_backward_nothing_needed():
     h, w, b, ids = make_inputs(5, 40, 16, torch.float32)
     _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, 1.0)
     gl, ge = grads_for(5)
-    assert lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, 1.0, False, False, False, False) == \
+    assert lbk.linear_logprobs_backward(h, w, b, ids, LogprobGrads(lse, ent, gl, ge), LogitTransform(1.0),
+                                        (False, False, False), False) == \
         (None, None, None)
 
 
@@ -197,7 +201,8 @@ def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch, kernel_overr
     h, w, b, ids = make_inputs(37, 100, 40, torch.bfloat16)
     _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
     gl, ge = grads_for(37)
-    runs = [lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, True, True, True, True)
+    runs = [lbk.linear_logprobs_backward(h, w, b, ids, LogprobGrads(lse, ent, gl, ge), LogitTransform(TEMPERATURE),
+                                         (True, True, True), True)
             for _ in range(2)]
     for first, second in zip(*runs):
         assert torch.equal(first, second)
@@ -256,7 +261,8 @@ def test_deterministic_dlogits_by_gemm_several_chunks(dtype, entropy, kernel_ove
     first = check_backward(h, w, b, ids, entropy=entropy, deterministic=True)
     _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)
     gl, ge = grads_for(37, entropy=entropy)
-    again = lbk.linear_logprobs_backward(h, w, b, ids, lse, ent, gl, ge, TEMPERATURE, True, True, True, True)
+    again = lbk.linear_logprobs_backward(h, w, b, ids, LogprobGrads(lse, ent, gl, ge), LogitTransform(TEMPERATURE),
+                                         (True, True, True), True)
     assert all(torch.equal(x, y) for x, y in zip(first, again))
 
 

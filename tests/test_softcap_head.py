@@ -293,6 +293,8 @@ def test_a_new_cap_value_does_not_recompile():
     from grpo_kernels.kernels.linear_backward_kernels import linear_logprobs_backward
     from grpo_kernels.kernels.linear_epilogue_kernels import head_logprobs_chunked
     from grpo_kernels.kernels.linear_forward_kernels import linear_logprobs_forward
+    from grpo_kernels.config import LogitTransform
+    from grpo_kernels.inputs import LogprobGrads
     from grpo_kernels.kernels.linear_tiles import aot_inputs
 
     def signatures(softcap):
@@ -302,8 +304,8 @@ def test_a_new_cap_value_does_not_recompile():
             head_logprobs_chunked(hidden, weight, bias, ids, 0.7, softcap=softcap)
             linear_logprobs_forward(hidden, weight, bias, ids, 0.7, softcap=softcap)
             for deterministic in (True, False):
-                linear_logprobs_backward(hidden, weight, bias, ids, stats, stats, stats, stats, 0.7, True, True, True,
-                                         deterministic, softcap=softcap)
+                linear_logprobs_backward(hidden, weight, bias, ids, LogprobGrads(stats, stats, stats, stats),
+                                         LogitTransform(0.7, softcap), (True, True, True), deterministic)
         return [(r.kernel, signature_of(r.kernel, r.args, r.kwargs)) for r in records], records
 
     (on, on_records), (other, _), (off, _) = signatures(30.0), signatures(7.5), signatures(None)

@@ -170,6 +170,12 @@ def check_dtensor_head(weight, bias) -> bool:
     return True
 
 
+def backward_context(gather_head):
+    """What the head's backward enters again (a zero-argument callable, or None without ``gather_head``): a ZeRO-3
+    partition is emptied when the forward's gather context exits."""
+    return None if gather_head is None else functools.partial(gathered, gather_head)
+
+
 def gathered_dtensor_head(weight, bias):
     """(weight, bias) as plain full tensors when weight is a data-parallel DTensor (FSDP2), else unchanged.
 

@@ -103,7 +103,7 @@ class _TargetLogit(torch.autograd.Function):
     TARGET_CHUNK_ROWS rows keep its scratch small, and the backward scatters dW / dbias rows (fp32 accumulation)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_ids, temperature, softcap=None):
+    def forward(ctx, hidden, weight, bias, local_ids, transform):
         acc = accumulation_dtype(hidden)
         z = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         for r0 in range(0, hidden.shape[0], TARGET_CHUNK_ROWS):
@@ -112,12 +112,12 @@ class _TargetLogit(torch.autograd.Function):
             z[r0:r0 + c.shape[0]] = rows.sum(-1)
         if bias is not None:
             z += bias.index_select(0, local_ids).to(acc)
-        z = soft_cap(z, softcap)
+        z = soft_cap(z, transform.softcap)
         # the cap's derivative at the target, (N,): the backward's only extra state
-        ctx.cap_grad = soft_cap_derivative(z, softcap)
-        z /= temperature
+        ctx.cap_grad = soft_cap_derivative(z, transform.softcap)
+        z /= transform.temperature
         ctx.save_for_backward(hidden, weight, bias, local_ids)
-        ctx.temperature = temperature
+        ctx.temperature = transform.temperature
         return z
 
     @staticmethod
@@ -140,7 +140,7 @@ class _TargetLogit(torch.autograd.Function):
         if need_b and bias is not None:
             d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device).index_add_(0, local_ids, g)
             d_bias = d_bias.to(bias.dtype)
-        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype), d_bias, None, None, None)
+        return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype), d_bias, None, None)
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -184,7 +184,8 @@ def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None
            "n": ids.numel(), "n_valid": ids.numel() if valid is None else valid.sum(),
            "h": inputs.hidden.shape[-1], "id_min": lo, "id_max": hi, "ids_sum": _checksum(ids),
            "mask_sum": 0 if valid is None else _checksum(valid), "bias": int(inputs.bias is not None),
-           "temperature": _to_bits(inputs.temperature), "softcap": _to_bits(inputs.softcap or 0.0),
+           "temperature": _to_bits(inputs.transform.temperature),
+           "softcap": _to_bits(inputs.transform.softcap or 0.0),
            "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad), "msg_len": 0}
     values = [v.to(device=device, dtype=torch.int64).reshape(1) if isinstance(v, torch.Tensor)
               else torch.tensor([v], dtype=torch.int64, device=device) for v in (row[f] for f in _FIELDS)]
@@ -278,7 +279,7 @@ def validate(process_group, vocab_start, hidden, local):
 
 # ------------------------------------------------------------------------------------------------- the sharded head
 
-def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: ValidRows, deterministic: bool = True):
+def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: ValidRows):
     """(logp, entropy, lse) over the full vocabulary, shaped like the caller's ids, from this rank's shard.
 
     ``inputs.ids`` are full-vocabulary ids. Rows ``rows`` leaves out are skipped (0, no gradient)."""
@@ -289,8 +290,8 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: Val
     owned = (ids >= shard.start) & (ids < shard.start + shard.size)
     local_ids = (ids - shard.start).clamp(0, shard.size - 1)
     local = replace(inputs, hidden=hidden, ids=local_ids, shape=local_ids.shape)
-    logp_r, entropy_r, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()), deterministic)
-    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.temperature, inputs.softcap)
+    logp_r, entropy_r, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()))
+    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.transform)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
     table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]), shard)
     # the entropy of a mixture of the shards' softmaxes with weights w_r = exp(lse_r - lse): sum_r w_r H_r + H(w).

@@ -12,9 +12,13 @@ ratio, vespo's row weights, the off-policy row mask) take the same route with ch
 the fold kernel gives log-probs and entropies, autograd through the reference loss on the chunk's sequences gives
 their gradients, and the d-logits epilogue and GEMMs follow.
 
-A soft cap (``cfg.softcap``, Gemma 2's ``final_logit_softcapping``) is applied by the epilogue kernels themselves,
-before the temperature, in the fold and in the d-logits sweep (which multiplies by its derivative): the GEMMs see
-raw logits and raw-logit gradients, so nothing here changes but the option passed on.
+The logits transform (the inputs' temperature and soft cap, Gemma 2's ``final_logit_softcapping``) is applied by the
+epilogue kernels themselves, the cap before the temperature, in the fold and in the d-logits sweep (which multiplies
+by the cap's derivative): the GEMMs see raw logits and raw-logit gradients.
+
+``fast_loss`` and ``hand_out`` are ``head.fast``'s one body (``ops.py``): the eager Function keeps the gradients
+and scales them in place when it hands them out; the registered op (torch.compile) returns them as outputs and
+scales copies. ``head.fast_sequence`` runs Python per chunk of sequences and is eager only.
 
 The head runs on the tensors as given: under autocast the Function casts hidden / weight to the compute dtype
 itself, so that an fp32 (master) weight's gradient accumulates straight into its fp32 gradient (no second V x H
@@ -30,166 +34,144 @@ from torch.autograd.function import once_differentiable
 from torch.library import custom_op
 
 from .. import ops
-from ..config import GRPOLossConfig
+from ..config import GRPOLossConfig, LogitTransform
 from ..inputs import HeadInputs, HeadTokens, LossInputs, ValidRows
 from ..loss_types import LOSS_TABLE, reduction_weights
 from ..metrics import metrics_from_sums
 from ..reference import loss_from_logps
 
 
+@ops.options_type
 @dataclass(frozen=True)
-class FastParams:
-    """The non-differentiable inputs of the fast paths' Functions: the compute dtype, the loss options ``cfg``
-    (temperature and soft cap included, read by the kernels' launchers) and, per path, the row chunking (``rows``),
-    the per-token inputs (``tokens``) or the sequence chunks and their gradients."""
+class FastOptions:
+    """The non-tensor inputs of ``head.fast``: the compute dtype, the loss options, the logits transform and the
+    rows per chunk."""
 
     dtype: torch.dtype
     cfg: GRPOLossConfig
-    rows: int = 0
-    tokens: HeadTokens | None = None
-    entropy_scale: object = None
-    bounds: tuple = ()
-    token_grads: object = None
-    grad_ids: torch.Tensor | None = None
+    transform: LogitTransform
+    rows: int
 
 
-def _compute_dtype(ctx, hidden, weight, bias, dtype):
-    """hidden / weight / bias in the compute dtype (copies only where needed), and which gradients are wanted."""
-    needs = [bool(n) and t is not None for n, t in zip(ctx.needs_input_grad[:3], (hidden, weight, bias))]
-    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    cast = [None if t is None else t.to(dtype) for t in (hidden, weight, bias)]
-    return cast, needs
+def _in_compute_dtype(dtype, *tensors):
+    """The tensors in the compute dtype (copies only where needed; None stays None)."""
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
-def _hand_out(ctx, grad_loss):
-    """The gradients stored by a gradient-in-forward pass, scaled by the incoming gradient of the loss."""
-    # Why only a scale: the forward already holds d loss / d (hidden, weight, bias) at grad_loss = 1.
+def fast_loss(hidden, weight, bias, ids, tokens: HeadTokens, entropy_scale, needs: tuple, o: FastOptions):
+    """(loss fp32 0-dim, term sums fp64, d hidden in hidden's dtype | None, d weight fp32 | None, d bias fp32 | None)
+    of ``head.fast`` at an incoming gradient of 1: the path's one body (``ops.py``). hidden / weight / bias are cast
+    to ``o.dtype`` here, so that an fp32 (master) weight's gradient is the fp32 accumulator itself; the copies are
+    freed before this returns."""
+    from ..kernels.linear_epilogue_kernels import head_loss_and_grads  # lazy: creates the Triton kernels
+    h, w, b = _in_compute_dtype(o.dtype, hidden, weight, bias)
+    with torch.autocast(hidden.device.type, enabled=False):  # fp32 accumulation is the kernels' own
+        _logp, ent, terms, dh, dw32, db32 = head_loss_and_grads(
+            h, w, b, ids, tokens, o.cfg, o.transform, LOSS_TABLE[o.cfg.loss_type].policy_kind, o.rows, needs)
+    del h, w, b  # the compute-dtype copies (an fp32 master weight's bf16 copy) go before the backward
+    # Fixed-order fp64 sums of the per-token terms: deterministic, and no precision lost over many tokens.
+    sums = torch.cat([terms.double().sum(0), ent.double().sum().reshape(1)])
+    loss = sums[0] - o.cfg.entropy_coef * sums[-1] * entropy_scale
+    return loss.float(), sums, None if dh is None else dh.to(hidden.dtype), dw32, db32
+
+
+def hand_out(grads, grad_loss, dtypes, in_place: bool) -> list:
+    """The gradients a gradient-in-forward pass stored at a loss gradient of 1, scaled by the incoming gradient of
+    the loss and cast to their tensors' dtypes with one rounding from the fp32 accumulators.
+
+    in_place (eager): a gradient already in its tensor's dtype is scaled in its own buffer (an fp32 master weight's
+    gradient is the accumulator: no second V x H buffer); otherwise (the registered op's backward, which AOTAutograd
+    traces) into new buffers."""
+    out = []
+    for grad, dtype in zip(grads, dtypes):
+        if grad is None or dtype is None:
+            out.append(None)
+        elif not in_place:
+            out.append((grad * grad_loss).to(dtype))
+        elif grad.dtype == dtype:
+            out.append(grad.mul_(grad_loss.to(grad.device)))
+        else:
+            scaled = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+            out.append(torch.mul(grad, grad_loss.to(grad.device), out=scaled))
+    return out
+
+
+def _needs(ctx, bias) -> tuple:
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    return bool(need_h), bool(need_w), bool(need_b) and bias is not None
+
+
+def _dtypes(hidden, weight, bias) -> tuple:
+    return hidden.dtype, weight.dtype, None if bias is None else bias.dtype
+
+
+def _stored_grads(ctx):
+    """The gradients a forward stored, once: a second backward through the same graph finds none."""
     if ctx.grads is None:
         raise RuntimeError("fused_linear_grpo_loss computed its gradients in the forward and has already handed "
                            "them out (a second backward through the same graph, e.g. retain_graph=True): pass "
                            "grad_in_forward=False for repeated backward passes")
-    out = []
-    for grad, dtype in zip(ctx.grads, ctx.dtypes):
-        if grad is None:
-            out.append(None)
-        elif grad.dtype == dtype:
-            out.append(grad.mul_(grad_loss.to(grad.device)))  # in place: no second buffer
-        else:
-            scaled = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-            torch.mul(grad, grad_loss.to(grad.device), out=scaled)  # one rounding from the fp32 accumulator
-            out.append(scaled)
-    ctx.grads = None  # handed out (and partly scaled in place): release them with this backward
-    return out
+    grads, ctx.grads = ctx.grads, None  # handed out (and partly scaled in place): released with this backward
+    return grads
 
 
 class _HeadLossInForward(torch.autograd.Function):
     """(hidden (N, H), weight, bias, ids) -> (loss, term sums); the gradients are made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, p: FastParams):
-        from ..kernels.linear_epilogue_kernels import head_loss_and_grads  # lazy: creates the Triton kernels
-        (h, w, b), needs = _compute_dtype(ctx, hidden, weight, bias, p.dtype)
-        with torch.autocast(hidden.device.type, enabled=False):  # fp32 accumulation is the kernels' own
-            logp, ent, terms, dh, dw32, db32 = head_loss_and_grads(
-                h, w, b, ids, p.tokens, p.cfg, LOSS_TABLE[p.cfg.loss_type].policy_kind, p.rows, *needs)
-        del h, w, b  # the compute-dtype copies (an fp32 master weight's bf16 copy) go before the backward
-        # Fixed-order fp64 sums of the per-token terms: deterministic, and no precision lost over many tokens.
-        sums = torch.cat([terms.double().sum(0), ent.double().sum().reshape(1)])
-        loss = sums[0] - p.cfg.entropy_coef * sums[-1] * p.entropy_scale
-        ctx.grads = (None if dh is None else dh.to(hidden.dtype), dw32, db32)
+    def forward(ctx, hidden, weight, bias, ids, tokens: HeadTokens, entropy_scale, o: FastOptions):
+        loss, sums, *grads = fast_loss(hidden, weight, bias, ids, tokens, entropy_scale, _needs(ctx, bias), o)
+        ctx.grads, ctx.dtypes = grads, _dtypes(hidden, weight, bias)
         ctx.mark_non_differentiable(sums)
-        return loss.float(), sums
+        return loss, sums
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_sums):
-        return (*_hand_out(ctx, grad_loss), None, None)
-
-
-def _per_token(x, B: int, T: int, rows: ValidRows):
-    """A (B,), (B, 1) or (B, T) tensor as fp32 contiguous values at the valid tokens."""
-    if x is None:
-        return None
-    x = x.float()
-    x = x.reshape(B, 1).expand(B, T) if x.dim() == 1 or x.shape[-1] == 1 else x
-    (x,) = rows.compact(x.reshape(-1))
-    return x.contiguous()
+        return (*hand_out(_stored_grads(ctx), grad_loss, ctx.dtypes, in_place=True), None, None, None, None)
 
 
 @custom_op("grpo_kernels::head_loss_fast", mutates_args=())
 def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
-                    row_mask: Optional[torch.Tensor], adv: torch.Tensor, w: torch.Tensor,
-                    old: Optional[torch.Tensor], ref: Optional[torch.Tensor], isr: Optional[torch.Tensor],
-                    ge: Optional[torch.Tensor], entropy_scale: torch.Tensor,
-                    dtype: torch.dtype, rows: int, need_hidden: bool, need_weight: bool, need_bias: bool,
-                    loss_type: str, beta: float, epsilon_low: float, epsilon_high: float, delta: Optional[float],
-                    temperature: float, use_bias_correction_kl: bool, sapo_temperature_pos: float,
-                    sapo_temperature_neg: float, entropy_coef: float,
-                    softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor]:
-    """(loss, term sums fp64, d hidden, d weight fp32, d bias fp32) of ``head.fast`` at an incoming gradient of 1;
-    a gradient not wanted is an empty (0,) tensor."""
-    from ..kernels.linear_epilogue_kernels import head_loss_and_grads
-    cfg = ops.config_from_args(loss_type, beta, epsilon_low, epsilon_high, delta, temperature,
-                               use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, entropy_coef,
-                               softcap)
+                    row_mask: Optional[torch.Tensor], tokens: list[Optional[torch.Tensor]], entropy_scale: torch.Tensor,
+                    needs: list[bool], floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor, torch.Tensor]:
+    """(loss, term sums, d hidden, d weight fp32, d bias fp32) of ``fast_loss`` on the rows ``row_mask`` keeps
+    (``ValidRows.deferred``); tokens: ``HeadTokens.as_list()`` on all rows; floats, ints: ``ops.encode(FastOptions)``. A
+    gradient not wanted is an empty (0,) tensor."""
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
-    hidden_rows, ids, adv, w, old, ref, isr = ops.take_rows(index, hidden, ids, adv, w, old, ref, isr)
-    tokens = HeadTokens(adv=adv, w=w, old=old, ref=ref, isr=isr, ge=ge)
-    need_bias = need_bias and bias is not None
-    h, wt, b = (None if t is None else t.to(dtype) for t in (hidden_rows, weight, bias))
-    with torch.autocast(hidden.device.type, enabled=False):
-        _logp, ent, terms, dh, dw32, db32 = head_loss_and_grads(h, wt, b, ids, tokens, cfg,
-                                                                 LOSS_TABLE[loss_type].policy_kind, rows,
-                                                                 need_hidden, need_weight, need_bias)
-    sums = torch.cat([terms.double().sum(0), ent.double().sum().reshape(1)])
-    loss = (sums[0] - entropy_coef * sums[-1] * entropy_scale).float()
-    empty = hidden.new_empty((0,))
-    dh = empty if dh is None else ops.put_rows(index, N, dh.to(hidden.dtype))
-    return loss, sums, dh, empty if dw32 is None else dw32, empty if db32 is None else db32
+    hidden_rows, ids = ops.take_rows(index, hidden, ids)
+    loss, sums, dh, dw32, db32 = fast_loss(hidden_rows, weight, bias, ids, HeadTokens(*tokens).rows(index),
+                                           entropy_scale, tuple(needs), ops.decode(FastOptions, floats, ints))
+    return (loss, sums, ops.or_empty(ops.put_rows(index, N, dh), hidden), ops.or_empty(dw32, hidden),
+            ops.or_empty(db32, hidden))
 
 
 @_head_loss_fast.register_fake
-def _(hidden, weight, bias, ids, row_mask, adv, w, old, ref, isr, ge, entropy_scale, dtype, rows, need_hidden,
-      need_weight, need_bias, *cfg):
+def _(hidden, weight, bias, ids, row_mask, tokens, entropy_scale, needs, floats, ints):
     from ..kernels.linear_epilogue_kernels import N_ROW_TERMS
     empty = hidden.new_empty((0,))
     f32 = torch.float32
     return (hidden.new_empty((), dtype=f32), hidden.new_empty((N_ROW_TERMS + 1,), dtype=torch.float64),
-            torch.empty_like(hidden) if need_hidden else empty,
-            weight.new_empty(weight.shape, dtype=f32) if need_weight else empty,
-            bias.new_empty(bias.shape, dtype=f32) if need_bias and bias is not None else empty)
+            torch.empty_like(hidden) if needs[0] else empty,
+            weight.new_empty(weight.shape, dtype=f32) if needs[1] else empty,
+            bias.new_empty(bias.shape, dtype=f32) if needs[2] else empty)
 
 
 def _head_fast_setup(ctx, inputs, output):
     ctx.n_inputs = len(inputs)
-    hidden, weight, bias = inputs[:3]
-    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.dtypes = _dtypes(*inputs[:3])
     ctx.save_for_backward(*output[2:])
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _head_fast_backward(ctx, grad_loss, *_unused):
-    grads = []
-    for g, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3]):
-        # one rounding from the fp32 accumulator, as the eager hand-out
-        grads.append((g * grad_loss).to(dtype) if need and dtype is not None else None)
-    return ops.grads_for_inputs(ctx, *grads)
+    grads = [g if need else None for g, need in zip(ctx.saved_tensors, ctx.needs_input_grad[:3])]
+    return ops.grads_for_inputs(ctx, *hand_out(grads, grad_loss, ctx.dtypes, in_place=False))
 
 
 _head_loss_fast.register_autograd(_head_fast_backward, setup_context=_head_fast_setup)
-
-
-def _compiled_head_loss(hidden, weight, bias, ids, row_mask, params, needs):
-    """``_HeadLossInForward`` through the registered op (under torch.compile): (loss, term sums); row_mask:
-    ``ValidRows.deferred``; needs: (hidden, weight, bias) gradient wanted."""
-    t = params.tokens
-    loss, sums, *_ = _head_loss_fast(hidden, weight, bias, ids, row_mask, t.adv, t.w, t.old, t.ref,
-                                     t.isr, t.ge, params.entropy_scale, params.dtype, params.rows, *needs,
-                                     **ops.config_args(params.cfg))
-    return loss, sums
 
 
 def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, plan, rows: ValidRows):
@@ -202,38 +184,62 @@ def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossCon
     tokens = HeadTokens(adv=_per_token(batch.advantages, B, T, rows), w=_per_token(weights.weights, B, T, rows),
                         old=_per_token(batch.old_logps, B, T, rows), ref=_per_token(batch.ref_logps, B, T, rows),
                         isr=_per_token(batch.is_ratio, B, T, rows), ge=ge)
-    params = FastParams(inputs.dtype, cfg, rows=plan.chunk_rows, tokens=tokens,
-                        entropy_scale=1.0 / weights.count.double())
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
+    o = FastOptions(inputs.dtype, cfg, inputs.transform, plan.chunk_rows)
+    entropy_scale = 1.0 / weights.count.double()
+    if ops.compiling():  # the Function does not trace: its registered op does
         wants = torch.is_grad_enabled()
-        needs = tuple(wants and t is not None and t.requires_grad for t in (hidden, inputs.weight, inputs.bias))
-        loss, sums = _compiled_head_loss(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params, needs)
+        needs = [wants and t is not None and t.requires_grad for t in (hidden, inputs.weight, inputs.bias)]
+        loss, sums, *_ = _head_loss_fast(hidden, inputs.weight, inputs.bias, ids, rows.deferred, tokens.as_list(),
+                                         entropy_scale, needs, *ops.encode(o))
     else:
-        loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, params)
+        loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, tokens, entropy_scale, o)
     return loss, metrics_from_sums(sums, sums[-1], weights.count, batch.ref_logps is not None, cfg.loss_type)
+
+
+def _per_token(x, B: int, T: int, rows: ValidRows):
+    """A (B,), (B, 1) or (B, T) tensor as fp32 contiguous values at the valid tokens."""
+    if x is None:
+        return None
+    x = x.float()
+    x = x.reshape(B, 1).expand(B, T) if x.dim() == 1 or x.shape[-1] == 1 else x
+    (x,) = rows.compact(x.reshape(-1))
+    return x.contiguous()
 
 
 class _HeadSequenceGradsInForward(torch.autograd.Function):
     """(hidden, weight, bias, ids) -> (anchor, logp, entropy): the gradients are made in forward and handed out
-    by the backward of ``anchor``, a 0 added to the loss (whose value comes from the reference on logp, entropy)."""
+    by the backward of ``anchor``, a 0 added to the loss (whose value comes from the reference on logp, entropy).
+    Eager only: under torch.compile the planner takes ``head.light`` for sequence-level configurations."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, p: FastParams):
+    def forward(ctx, hidden, weight, bias, ids, o: SequenceOptions):
         from ..kernels.linear_epilogue_kernels import head_sequence_grads  # lazy: creates the Triton kernels
-        (h, w, b), needs = _compute_dtype(ctx, hidden, weight, bias, p.dtype)
+        h, w, b = _in_compute_dtype(o.dtype, hidden, weight, bias)
         with torch.autocast(hidden.device.type, enabled=False):
-            logp, ent, dh, dw32, db32 = head_sequence_grads(h, w, b, ids, list(p.bounds), p.token_grads,
-                                                            p.cfg.temperature, *needs, grad_ids=p.grad_ids,
-                                                            softcap=p.cfg.softcap)
+            logp, ent, dh, dw32, db32 = head_sequence_grads(h, w, b, ids, list(o.bounds), o.token_grads,
+                                                            o.transform, _needs(ctx, bias), grad_ids=o.grad_ids)
         del h, w, b
         ctx.grads = (None if dh is None else dh.to(hidden.dtype), dw32, db32)
+        ctx.dtypes = _dtypes(hidden, weight, bias)
         ctx.mark_non_differentiable(logp, ent)
         return torch.zeros((), dtype=torch.float32, device=hidden.device), logp, ent
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_anchor, _grad_logp, _grad_ent):
-        return (*_hand_out(ctx, grad_anchor), None, None)
+        return (*hand_out(_stored_grads(ctx), grad_anchor, ctx.dtypes, in_place=True), None, None)
+
+
+@dataclass(frozen=True)
+class SequenceOptions:
+    """The non-tensor inputs of ``head.fast_sequence``: the compute dtype, the logits transform, the chunks' row
+    bounds, the per-chunk gradient function and the one-hot ids of a vocabulary shard (None: ``ids``)."""
+
+    dtype: torch.dtype
+    transform: LogitTransform
+    bounds: tuple
+    token_grads: object
+    grad_ids: torch.Tensor | None = None
 
 
 def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, plan,
@@ -291,8 +297,8 @@ def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GR
         g_h = None if e is None else grads[1][sub_mask] * (sub_mask.sum().clamp(min=1) / weights.count)
         return g.float(), None if g_h is None else g_h.float()
 
-    params = FastParams(inputs.dtype, cfg, bounds=bounds, token_grads=token_grads, grad_ids=grad_ids)
-    anchor, logp, ent = _HeadSequenceGradsInForward.apply(hidden, inputs.weight, inputs.bias, ids, params)
+    o = SequenceOptions(inputs.dtype, inputs.transform, bounds, token_grads, grad_ids)
+    anchor, logp, ent = _HeadSequenceGradsInForward.apply(hidden, inputs.weight, inputs.bias, ids, o)
     logp, ent = rows.scatter(logp, ent)
     with torch.no_grad():
         loss, metrics = loss_from_logps(logp.view(B, T), batch.advantages, batch.mask, old_logps=batch.old_logps,

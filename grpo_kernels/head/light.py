@@ -7,10 +7,16 @@ logits = hidden @ weight.T (+ bias) are never written whole:
   recompute backward over vocab chunks and row blocks sized by the plan (``kernels/linear_backward_kernels.py``);
 - ``head.no_grad`` (Triton): per row chunk, cuBLAS fp32 logits + one fold kernel; no backward;
 - ``head.torch``: tiles with an online logsumexp, recomputed in the backward (``torch_tiles.py``).
+
+``light_forward`` / ``light_backward`` are the paths' one body (``ops.py``), called by the eager Function and by the
+registered ops. Eager-only: a context the caller gives (a ZeRO-3 head's gather, ``backward_context``) is entered again
+around the backward, and the valid rows are compacted before the call (differentiably); the ops compact inside,
+when they run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -18,62 +24,86 @@ from torch.autograd.function import once_differentiable
 from torch.library import custom_op
 
 from .. import ops
-from ..distributed.sharded_head import gathered
-from ..inputs import HeadInputs, ValidRows
+from ..config import LogitTransform
+from ..inputs import HeadInputs, LogprobGrads, ValidRows
+from ..paths import HEAD_LIGHT, HEAD_LOGPROB_PATHS, HEAD_NO_GRAD, HEAD_TORCH
 from .torch_tiles import torch_linear_logprobs_backward, torch_linear_logprobs_forward
 
 
+@ops.options_type(choices={"path": HEAD_LOGPROB_PATHS})
 @dataclass(frozen=True)
-class LightParams:
-    """The non-differentiable inputs of ``_HeadLogprobs``: the plan's path and chunking, the temperature and soft cap
-    (None: none) of the logits, and the ZeRO-3 gather context (None or a zero-argument callable returning a context
-    manager) entered again around the backward's use of weight / bias."""
+class LightOptions:
+    """The non-tensor inputs of the paths: the plan's path and layout, and the logits transform. chunk_rows: rows
+    per chunk (``head.no_grad``, ``head.torch``); chunk_bytes / row_block: the light backward's layout (0: chosen
+    when the op runs, within ``working_bytes``: a plan made under torch.compile leaves it to run time)."""
 
     path: str
-    temperature: float
+    transform: LogitTransform
     deterministic: bool = True
-    softcap: float | None = None
-    chunk_rows: int | None = None
-    chunk_bytes: int | None = None
-    row_block: int | None = None
-    gather_head: object = None
-    working_bytes: int | None = None  # under torch.compile: the budget of the backward layout (Plan.working_bytes)
+    chunk_rows: int = 0
+    chunk_bytes: int = 0
+    row_block: int = 0
+    working_bytes: int = 0
 
 
-def _forward(hidden, weight, bias, ids, p: LightParams):
-    if p.path == "head.no_grad":
-        from ..kernels.linear_epilogue_kernels import head_logprobs_chunked
-        return head_logprobs_chunked(hidden, weight, bias, ids, p.temperature, p.chunk_rows * 4 * weight.shape[0],
-                                     softcap=p.softcap)
-    if p.path == "head.light":
-        from ..kernels.linear_forward_kernels import linear_logprobs_forward
-        return linear_logprobs_forward(hidden, weight, bias, ids, p.temperature, softcap=p.softcap)
-    return torch_linear_logprobs_forward(hidden, weight, bias, ids, p.temperature, p.chunk_rows, softcap=p.softcap)
+def light_forward(hidden, weight, bias, ids, o: LightOptions):
+    """(logp, lse, entropy) (N,) in the accumulation dtype of ``o.path``."""
+    t = o.transform
+    with torch.autocast(hidden.device.type, enabled=False):  # the tiles keep their fp32 accumulation
+        if o.path == HEAD_NO_GRAD:
+            from ..kernels.linear_epilogue_kernels import head_logprobs_chunked  # lazy: creates the Triton kernels
+            return head_logprobs_chunked(hidden, weight, bias, ids, t.temperature, o.chunk_rows * 4 * weight.shape[0],
+                                         softcap=t.softcap)
+        if o.path == HEAD_LIGHT:
+            from ..kernels.linear_forward_kernels import linear_logprobs_forward
+            return linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap)
+        return torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows)
 
 
-def _backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, needs, p: LightParams):
-    if p.path == "head.light":
-        from ..kernels.linear_backward_kernels import linear_logprobs_backward
-        return linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy,
-                                        p.temperature, *needs, p.deterministic, chunk_bytes=p.chunk_bytes,
-                                        row_block=p.row_block, softcap=p.softcap)
-    if p.path == "head.torch":
-        return torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy,
-                                              p.temperature, *needs, p.chunk_rows, softcap=p.softcap)
+def light_backward(hidden, weight, bias, ids, stats: LogprobGrads, needs: tuple, o: LightOptions):
+    """(d hidden, d weight, d bias), None where not wanted (``needs``)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        if o.path == HEAD_LIGHT:
+            from ..kernels.linear_backward_kernels import linear_logprobs_backward
+            o = _layout_at_run_time(o, hidden, weight, needs)
+            return linear_logprobs_backward(hidden, weight, bias, ids, stats, o.transform, needs, o.deterministic,
+                                            chunk_bytes=o.chunk_bytes or None, row_block=o.row_block or None)
+        if o.path == HEAD_TORCH:
+            return torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, o.transform, needs,
+                                                  o.chunk_rows)
     raise RuntimeError("linear_token_logprobs ran its no-gradient path (the call had no input requiring grad, or ran "
                        "under torch.no_grad): it has no backward")
+
+
+def _layout_at_run_time(o: LightOptions, hidden, weight, needs) -> LightOptions:
+    """``o`` with the light backward's layout for ``hidden``'s rows within ``o.working_bytes`` when the plan left it
+    to run time (``planner``: a plan made under torch.compile)."""
+    if o.chunk_bytes or o.working_bytes <= 0:
+        return o
+    from ..kernels.linear_backward_kernels import backward_layout
+    V, H = weight.shape
+    layout = backward_layout(hidden.shape[0], V, H, hidden.dtype, hidden.device, o.working_bytes, *needs,
+                             o.deterministic)
+    if layout is None:
+        raise ValueError(f"memory_budget leaves {o.working_bytes} bytes, below the smallest backward layout of the "
+                         "memory-light head path; raise memory_budget (or leave it None)")
+    return replace(o, chunk_bytes=layout.chunk_bytes, row_block=layout.row_block)
+
+
+def _needs(ctx, bias) -> tuple:
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    return bool(need_h), bool(need_w), bool(need_b) and bias is not None
 
 
 class _HeadLogprobs(torch.autograd.Function):
     """(hidden (N, H), weight, bias, ids) -> (logp, entropy, lse); saves inputs plus two fp32 values per token."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, params: LightParams):
-        with torch.autocast(hidden.device.type, enabled=False):  # the tiles keep their fp32 accumulation
-            logp, lse, entropy = _forward(hidden, weight, bias, ids, params)
-        if params.path != "head.no_grad":
+    def forward(ctx, hidden, weight, bias, ids, o: LightOptions, backward_context):
+        logp, lse, entropy = light_forward(hidden, weight, bias, ids, o)
+        if o.path != HEAD_NO_GRAD:
             ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-        ctx.params = params
+        ctx.options, ctx.backward_context = o, backward_context
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         return logp, entropy, lse
@@ -82,135 +112,90 @@ class _HeadLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None
-        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
-        grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous()
-        # Why gather again: a ZeRO-3 partition was emptied when the forward's gather context exited.
-        with gathered(ctx.params.gather_head), torch.autocast(hidden.device.type, enabled=False):
-            d_hidden, d_weight, d_bias = _backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy,
-                                                   (need_h, need_w, need_b and bias is not None), ctx.params)
-        return d_hidden, d_weight, d_bias, None, None
-
-
-def _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, softcap):
-    return LightParams(path, temperature, deterministic, softcap, chunk_rows or None, chunk_bytes or None,
-                       row_block or None)
-
-
-def _deferred_layout(p, n, weight, dtype, device, working_bytes, needs):
-    """``p`` with the light backward's layout for ``n`` rows within ``working_bytes`` (a plan made under
-    torch.compile leaves it to run time: ``planner._plan_light``)."""
-    if p.path != "head.light" or p.chunk_bytes is not None or working_bytes <= 0:
-        return p
-    from dataclasses import replace
-
-    from ..kernels.linear_backward_kernels import backward_layout
-    V, H = weight.shape
-    layout = backward_layout(n, V, H, dtype, device, working_bytes, *needs, p.deterministic)
-    if layout is None:
-        raise ValueError(f"memory_budget leaves {working_bytes} bytes, below the smallest backward layout of the "
-                         "memory-light head path; raise memory_budget (or leave it None)")
-    return replace(p, chunk_bytes=layout.chunk_bytes, row_block=layout.row_block)
+        needs = _needs(ctx, bias)
+        if (grad_logp is None and grad_entropy is None) or not any(needs):
+            return None, None, None, None, None, None
+        stats = LogprobGrads.incoming(lse, entropy, grad_logp, grad_entropy)
+        # Why enter again: a ZeRO-3 partition was emptied when the forward's gather context exited.
+        with contextlib.nullcontext() if ctx.backward_context is None else ctx.backward_context():
+            d_hidden, d_weight, d_bias = light_backward(hidden, weight, bias, ids, stats, needs, ctx.options)
+        return d_hidden, d_weight, d_bias, None, None, None
 
 
 @custom_op("grpo_kernels::head_logprobs", mutates_args=())
 def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
-                   row_mask: Optional[torch.Tensor], path: str, temperature: float, deterministic: bool,
-                   chunk_rows: int, chunk_bytes: int, row_block: int, working_bytes: int,
-                   softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, lse) (N,) of the fused head, in the accumulation dtype; 0 at the rows ``row_mask`` drops."""
-    p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, softcap)
+                   row_mask: Optional[torch.Tensor],
+                   floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, lse) (N,) of ``light_forward``, 0 at the rows ``row_mask`` drops (``ValidRows.deferred``);
+    floats, ints: ``ops.encode(LightOptions)``."""
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
     h, i = ops.take_rows(index, hidden, ids)
-    with torch.autocast(hidden.device.type, enabled=False):
-        logp, lse, entropy = _forward(h, weight, bias, i, p)
+    logp, lse, entropy = light_forward(h, weight, bias, i, ops.decode(LightOptions, floats, ints))
     return ops.put_rows(index, N, logp), ops.put_rows(index, N, entropy), ops.put_rows(index, N, lse)
 
 
 @_head_logprobs.register_fake
-def _(hidden, weight, bias, ids, row_mask, path, temperature, deterministic, chunk_rows, chunk_bytes, row_block,
-      working_bytes, softcap):
-    dtype = ops.acc_dtype(hidden) if path == "head.torch" else torch.float32
+def _(hidden, weight, bias, ids, row_mask, floats, ints):
+    path = ops.decode(LightOptions, floats, ints).path
+    dtype = ops.acc_dtype(hidden) if path == HEAD_TORCH else torch.float32
     return tuple(hidden.new_empty((hidden.shape[0],), dtype=dtype) for _ in range(3))
 
 
 @custom_op("grpo_kernels::head_logprobs_backward", mutates_args=())
 def _head_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                            ids: torch.Tensor, row_mask: Optional[torch.Tensor], lse: torch.Tensor,
-                            entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
-                            path: str, temperature: float, deterministic: bool,
-                            chunk_rows: int, chunk_bytes: int, row_block: int, working_bytes: int,
-                            softcap: Optional[float], need_hidden: bool, need_weight: bool,
-                            need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d hidden, d weight, d bias); an empty (0,) tensor stands for a gradient not wanted (an op returns no None)."""
-    p = _light_params(path, temperature, deterministic, chunk_rows, chunk_bytes, row_block, softcap)
-    needs = (need_hidden, need_weight, need_bias and bias is not None)
+                            ids: torch.Tensor, row_mask: Optional[torch.Tensor], stats: list[Optional[torch.Tensor]],
+                            needs: list[bool], floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d hidden, d weight, d bias) of ``light_backward``; stats: ``LogprobGrads.as_list()``; an empty (0,) tensor
+    stands for a gradient not wanted."""
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
-    h, i, lse, entropy, grad_logp, grad_entropy = ops.take_rows(index, hidden, ids, lse, entropy, grad_logp,
-                                                                grad_entropy)
-    p = _deferred_layout(p, h.shape[0], weight, hidden.dtype, hidden.device, working_bytes, needs)
-    with torch.autocast(hidden.device.type, enabled=False):
-        d_h, d_w, d_b = _backward(h, weight, bias, i, lse, entropy, grad_logp, grad_entropy, needs, p)
-    grads = (ops.put_rows(index, N, d_h), d_w, d_b)
-    return tuple(hidden.new_empty((0,)) if g is None else g.to(t.dtype)
+    h, i = ops.take_rows(index, hidden, ids)
+    grads = light_backward(h, weight, bias, i, LogprobGrads(*stats).rows(index), tuple(needs),
+                           ops.decode(LightOptions, floats, ints))
+    grads = (ops.put_rows(index, N, grads[0]), grads[1], grads[2])
+    return tuple(ops.or_empty(None if g is None else g.to(t.dtype), hidden)
                  for g, t in zip(grads, (hidden, weight, hidden if bias is None else bias)))
 
 
 @_head_logprobs_backward.register_fake
-def _(hidden, weight, bias, ids, row_mask, lse, entropy, grad_logp, grad_entropy, path, temperature, deterministic,
-      chunk_rows, chunk_bytes, row_block, working_bytes, softcap, need_hidden, need_weight, need_bias):
-    need_bias = need_bias and bias is not None
-    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty((0,)),
-            torch.empty_like(weight) if need_weight else hidden.new_empty((0,)),
-            torch.empty_like(bias) if need_bias else hidden.new_empty((0,)))
+def _(hidden, weight, bias, ids, row_mask, stats, needs, floats, ints):
+    return tuple(torch.empty_like(t) if need else hidden.new_empty((0,)) for t, need in zip((hidden, weight, bias),
+                                                                                          needs))
 
 
 def _head_setup(ctx, inputs, output):
-    hidden, weight, bias, ids, row_mask, *args = inputs
+    hidden, weight, bias, ids, row_mask, floats, ints = inputs
     _logp, entropy, lse = output
     ctx.save_for_backward(hidden, weight, bias, ids, row_mask, lse, entropy)
-    ctx.args = tuple(args)
+    ctx.options = (floats, ints)
 
 
 def _head_backward(ctx, grad_logp, grad_entropy, _grad_lse):
     hidden, weight, bias, ids, row_mask, lse, entropy = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
-    grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous()
-    d_h, d_w, d_b = _head_logprobs_backward(hidden, weight, bias, ids, row_mask, lse, entropy, grad_logp, grad_entropy,
-                                            *ctx.args, bool(need_h), bool(need_w), bool(need_b and bias is not None))
-    return (d_h if need_h else None, d_w if need_w else None, d_b if need_b and bias is not None else None,
-            None, None, *([None] * len(ctx.args)))
+    needs = _needs(ctx, bias)
+    stats = LogprobGrads.incoming(lse, entropy, grad_logp, grad_entropy)
+    grads = _head_logprobs_backward(hidden, weight, bias, ids, row_mask, stats.as_list(), list(needs), *ctx.options)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None)
 
 
 _head_logprobs.register_autograd(_head_backward, setup_context=_head_setup)
 
 
-def _compiled_head_logprobs(hidden, weight, bias, ids, row_mask, params):
-    """``_HeadLogprobs`` through the registered op (under torch.compile): (logp, entropy, lse) (N,); row_mask:
-    ``ValidRows.deferred``."""
-    return _head_logprobs(hidden, weight, bias, ids, row_mask, params.path, params.temperature, params.deterministic,
-                          params.chunk_rows or 0, params.chunk_bytes or 0, params.row_block or 0,
-                          params.working_bytes or 0, params.softcap)
-
-
-def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, deterministic: bool = True, gather_head=None):
+def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, backward_context=None):
     """(logp, entropy, lse) shaped like the caller's ids, from validated inputs and their plan.
 
     Only the rows ``rows`` keeps are computed (the others get 0 and no gradient): padding costs neither the
-    N x V x H matmuls nor their backward. gather_head: see ``LightParams`` (the caller holds it open around this)."""
+    N x V x H matmuls nor their backward. backward_context: None, or a zero-argument callable returning a context
+    manager entered around the backward (a ZeRO-3 head's gather; the caller holds it open around this call)."""
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
-    params = LightParams(plan.path, inputs.temperature, bool(deterministic), inputs.softcap, plan.chunk_rows,
-                         plan.chunk_bytes, plan.row_block, gather_head, plan.working_bytes)
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
-        logp, entropy, lse = _compiled_head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred, params)
+    o = LightOptions(plan.path, inputs.transform, plan.deterministic, plan.chunk_rows or 0, plan.chunk_bytes or 0,
+                     plan.row_block or 0, plan.working_bytes or 0)
+    if ops.compiling():  # the Function does not trace: its registered op does
+        logp, entropy, lse = _head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred, *ops.encode(o))
     else:
-        logp, entropy, lse = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, params)
+        logp, entropy, lse = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, o, backward_context)
     logp, entropy, lse = rows.scatter(logp, entropy, lse)
     shape = inputs.shape
     return logp.view(shape), entropy.view(shape), lse.view(shape)

@@ -34,14 +34,15 @@ def _tile_raw_logits(h, w_tile, bias, v0, v1, acc):
     return z
 
 
-def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_rows: int, softcap=None):
-    """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy).
+def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_rows: int):
+    """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy)
+    of the logits under ``transform`` (temperature, soft cap).
 
     At most two (tile_rows, TORCH_HEAD_TILE_VOCAB) temporaries at a time (the logits tile and its exponentials),
     plus, for half-precision inputs, the weight tile and the hidden rows in the accumulation dtype."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden)
-    inv_t = 1.0 / temperature
+    inv_t, softcap = transform.inv_temperature, transform.softcap
     logp, lse, entropy = (torch.empty(N, dtype=acc, device=hidden.device) for _ in range(3))
     for r0 in range(0, N, tile_rows):
         h = hidden[r0:r0 + tile_rows].to(acc)
@@ -78,11 +79,14 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, temperature, tile_r
     return logp, lse, entropy
 
 
-def torch_linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature,
-                                   need_hidden, need_weight, need_bias, tile_rows: int, softcap=None):
+def torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs: tuple, tile_rows: int):
     """Tiled eager backward (always deterministic): recompute each tile, form dz in place, accumulate dh, dW, db
     in the accumulation dtype (fp32 accumulators for half-precision inputs, counted by the plan). Two tiles at a
-    time, as in the forward, with or without a soft cap (``torch_chunks.dlogits_``)."""
+    time, as in the forward, with or without a soft cap (``torch_chunks.dlogits_``). stats: an
+    ``inputs.LogprobGrads``; transform: the logits transform; needs: (d hidden, d weight, d bias) wanted."""
+    lse, entropy, grad_logp, grad_entropy = stats.lse, stats.entropy, stats.grad_logp, stats.grad_entropy
+    need_hidden, need_weight, need_bias = needs
+    temperature, softcap = transform.temperature, transform.softcap
     N, V = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden)
     inv_t = 1.0 / temperature

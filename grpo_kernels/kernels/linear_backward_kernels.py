@@ -128,20 +128,23 @@ def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     tl.store(out, to_input_dtype(dl, dl_ptr.dtype.element_ty, DOT_FP32), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def linear_logprobs_backward(hidden, weight, bias, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
-                             need_hidden: bool, need_weight: bool, need_bias: bool, deterministic: bool,
-                             chunk_bytes: int | None = None, row_block: int | None = None,
-                             softcap: float | None = None):
+def linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs: tuple,
+                             deterministic: bool, chunk_bytes: int | None = None, row_block: int | None = None):
     """(d_hidden | None, d_weight | None, d_bias | None) in hidden's / weight's / bias' dtype.
 
-    Inputs as in ``linear_logprobs_forward`` plus the forward's lse and entropy and the per-token grads grad_logp
-    and grad_entropy (fp32 (N,); grad_entropy may be None: its term is then not compiled in). Per element
-    dz_v = grad_logp (onehot_v - p_v) - grad_entropy p_v (log p_v + entropy), d logits = dz / temperature, times
-    1 - (y_v / softcap)^2 with a soft cap (y = softcap tanh(x / softcap); lse / entropy are the capped logits').
-    ``deterministic`` selects the atomic-free path (see the module docstring for both paths and their memory);
-    chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32 logits) and
-    row_block its rows (None: all N), both from the plan (``backward_layout``).
+    Inputs as in ``linear_logprobs_forward`` plus ``stats`` (an ``inputs.LogprobGrads``: the forward's lse and
+    entropy and the per-token grads grad_logp and grad_entropy, fp32 (N,); grad_entropy None: its term is then not
+    compiled in); transform: the logits transform (``config.LogitTransform``: temperature, soft cap); needs:
+    (d hidden, d weight, d bias) wanted.
+    Per element dz_v = grad_logp (onehot_v - p_v) - grad_entropy p_v (log p_v + entropy), d logits =
+    dz / temperature, times 1 - (y_v / softcap)^2 with a soft cap (y = softcap tanh(x / softcap); lse / entropy are
+    the capped logits'). ``deterministic`` selects the atomic-free path (see the module docstring for both paths and
+    their memory); chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32
+    logits) and row_block its rows (None: all N), both from the plan (``backward_layout``).
     """
+    temperature, softcap = transform.temperature, transform.softcap
+    need_hidden, need_weight, need_bias = needs
+    lse, entropy, grad_logp, grad_entropy = stats.lse, stats.entropy, stats.grad_logp, stats.grad_entropy
     N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
     need_bias = bool(need_bias) and bias is not None
     dev = hidden.device
@@ -362,12 +365,15 @@ def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: both backward modes per dtype, bias and entropy gradient; the
     atomic kernel also per combination of requested gradients (each is a separate compiled variant); and the bf16
     / fp32 tile kernels of both modes, heaviest flags, with the soft cap on (``_softcap``)."""
+    from ..config import LogitTransform
+    from ..inputs import LogprobGrads
+
     def scenario(dtype, has_bias, has_ent, need, deterministic, softcap=None):
         def thunk():
             hidden, weight, bias, ids = tiles.aot_inputs(dtype, has_bias)
-            stats = torch.zeros(hidden.shape[0])
-            linear_logprobs_backward(hidden, weight, bias, ids, stats, stats, stats, stats if has_ent else None, 1.0,
-                                     *need, deterministic, softcap=softcap)
+            x = torch.zeros(hidden.shape[0])
+            linear_logprobs_backward(hidden, weight, bias, ids, LogprobGrads(x, x, x, x if has_ent else None),
+                                     LogitTransform(1.0, softcap), need, deterministic)
         return thunk
 
     scenarios = []

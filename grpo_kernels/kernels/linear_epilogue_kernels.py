@@ -334,12 +334,12 @@ def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_b
     return logp, lse, ent
 
 
-def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind: int, rows: int,
-                        need_hidden: bool, need_weight: bool, need_bias: bool):
+def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind: int, rows: int, needs: tuple):
     """The gradient-in-forward pass over row chunks of ``rows`` tokens.
 
     tokens: an ``inputs.HeadTokens`` (fp32 (N,) per-token advantage, reduction weight, optional old / ref / is_ratio,
-    and the entropy bonus' d loss / d entropy); cfg: the loss options (``cfg.softcap`` caps the logits). Returns
+    and the entropy bonus' d loss / d entropy); cfg: the loss options; transform: the logits transform
+    (``config.LogitTransform``: temperature, soft cap); needs: (d hidden, d weight, d bias) wanted. Returns
     (logp, entropy, terms (N, 8) fp32, d_hidden in hidden's dtype | None, d_weight fp32 | None, d_bias fp32 | None);
     d_weight and d_bias accumulate over chunks in fp32. Extra memory: the fp32 (rows, V) chunk, plus the fp32 dW /
     dbias accumulators.
@@ -347,6 +347,7 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind: int, rows:
     N, H = hidden.shape
     V = weight.shape[0]
     dev, dtype = hidden.device, hidden.dtype
+    need_hidden, need_weight, need_bias = needs
     need_bias = need_bias and bias is not None
     write_grad = need_hidden or need_weight or need_bias
     logp, ent = alloc((N,), torch.float32, dev), alloc((N,), torch.float32, dev)
@@ -370,14 +371,14 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind: int, rows:
         launch(head_loss_grad_kernel, (r1 - r0,),
                z, dz, z if bias is None else bias, ids, old, ref, adv, isr, tokens.w, adv if ge is None else ge,
                logp, ent, terms, r0, V, z.stride(0), dz.stride(0),
-               1.0 / cfg.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0),
-               float(cfg.beta), float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
-               KIND=kind, HAS_OLD=opt["old"] is not None, HAS_REF=opt["ref"] is not None,
+               1.0 / transform.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high),
+               float(cfg.delta or 0.0), float(cfg.beta), float(cfg.sapo_temperature_pos),
+               float(cfg.sapo_temperature_neg), KIND=kind, HAS_OLD=opt["old"] is not None, HAS_REF=opt["ref"] is not None,
                HAS_IS=opt["isr"] is not None, HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_BIAS=bias is not None,
                HAS_ENTROPY_GRAD=ge is not None, WRITE_GRAD=write_grad,
                ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS,
-               **cap_args(cfg.softcap))
+               **cap_args(transform.softcap))
         if write_grad:
             chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
     return logp, ent, terms, d_hidden, dw32, db32
@@ -397,9 +398,7 @@ def chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0: int) -> None:
         db32 += dz.sum(0, dtype=torch.float32)
 
 
-def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperature: float,
-                        need_hidden: bool, need_weight: bool, need_bias: bool, grad_ids=None,
-                        softcap: float | None = None):
+def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, transform, needs: tuple, grad_ids=None):
     """The gradient-in-forward pass for losses whose per-token gradient needs more than the token: chunks of rows
     whose gradients ``token_grads`` forms from the chunk's statistics (whole sequences for GSPO's sequence ratio,
     vespo's row weights, the off-policy row mask; the vocab-parallel head combines the shards' statistics there).
@@ -408,15 +407,18 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, temperat
     entropy of ``ids``), ``token_grads(r0, r1, logp, lse, entropy)`` -> (d loss / d logp, d loss / d entropy or
     None), fp32 for rows r0 .. r1 (it receives views and may overwrite them, e.g. with statistics over the whole
     vocabulary), then the d-logits epilogue in place (its one-hot at ``grad_ids``, default ``ids``; an id outside
-    [0, V) adds none) and the cuBLAS gradient GEMMs. softcap: the logits are capped in both kernels (the
-    statistics ``token_grads`` receives are those of the capped logits). Returns (logp, entropy, d_hidden | None,
+    [0, V) adds none) and the cuBLAS gradient GEMMs. transform: the logits transform (temperature, soft cap: the
+    logits are capped in both kernels, and the statistics ``token_grads`` receives are those of the capped logits);
+    needs: (d hidden, d weight, d bias) wanted. Returns (logp, entropy, d_hidden | None,
     d_weight fp32 | None, d_bias fp32 | None).
     """
     N, H = hidden.shape
     V = weight.shape[0]
     dev, dtype = hidden.device, hidden.dtype
     grad_ids = ids if grad_ids is None else grad_ids
+    need_hidden, need_weight, need_bias = needs
     need_bias = need_bias and bias is not None
+    temperature, softcap = transform.temperature, transform.softcap
     write_grad = need_hidden or need_weight or need_bias
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
     d_hidden = alloc((N, H), dtype, dev) if need_hidden else None
@@ -463,7 +465,7 @@ def aot_launches():
             if full:
                 tokens = HeadTokens(adv=x, w=x, old=x, ref=x, isr=x, ge=torch.zeros(1))
             cfg = GRPOLossConfig(beta=0.04 if full else 0.0, delta=1.5 if full else None, softcap=softcap)
-            head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind, 64, True, False, full)
+            head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, cfg.transform, kind, 64, (True, False, full))
         return thunk
 
     from ..loss_types import POLICY_TERMS

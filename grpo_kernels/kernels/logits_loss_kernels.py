@@ -9,7 +9,7 @@ then sweeps the row again writing ``d logits = (g (onehot - p) - g_h p (log p + 
 logits buffer itself (in place) or a new one. Three passes over HBM (read forward, read + write backward) become
 one read and one write when the second sweep hits L2: programs are persistent, one per SM (rows in flight = SMs,
 see ``logits_rows``'s table), and the second sweep runs the row backwards. Each row also writes its loss and metric
-terms; the caller sums them in a fixed order (deterministic, no atomics). A soft cap (``cfg.softcap``) is applied to
+terms; the caller sums them in a fixed order (deterministic, no atomics). A soft cap (``transform.softcap``) is applied to
 every logit the two sweeps read and to the target's, in registers (``logits_rows``); its value is a runtime argument.
 
 Layout as ``logits_kernels``: any batch/time strides, unit vocab stride, a 1-D grid, int64 offsets, fp32 maths.
@@ -111,14 +111,14 @@ def scale_dlogits(dlogits_ptr, scale_ptr, mask_ptr, T, V, stride_b, stride_t, BL
             tl.store(base + v, (x * s).to(dlogits_ptr.dtype.element_ty), mask=v < V)
 
 
-def grad_in_forward(logits, ids, tokens, h_scale, cfg, kind: int, inplace: bool):
+def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inplace: bool):
     """One sweep pair per row: returns (d logits shaped like ``logits`` for a loss scaled by 1, per-row terms
     (B*T, N_TERMS) fp32). ``tokens``: an ``inputs.LossTokens`` (mask, weights, advantages, old / reference
     log-probs, importance weight); ``h_scale`` a one-element fp32 tensor
-    ``-entropy_coef / max(n_valid, 1)`` or None; ``cfg`` the loss options (the kernel reads the temperature, the soft
-    cap ``cfg.softcap`` and the policy's hyper-parameters); ``kind`` the policy term's index. With ``inplace`` the
-    d logits overwrite the logits buffer, any non-overlapping view of it (through a private copy, copied back, only
-    when the vocab dim is strided)."""
+    ``-entropy_coef / max(n_valid, 1)`` or None; ``cfg`` the loss options (the policy's hyper-parameters);
+    ``transform`` the logits transform (``config.LogitTransform``: temperature, soft cap); ``kind`` the policy term's
+    index. With ``inplace`` the d logits overwrite the logits buffer, any non-overlapping view of it (through a
+    private copy, copied back, only when the vocab dim is strided)."""
     x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
@@ -136,9 +136,9 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, kind: int, inplace: bool)
                old if old is not None else weights, ref if ref is not None else weights, adv,
                isr if isr is not None else weights, h_scale if h_scale is not None else weights, terms,
                N, T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), adv_sb, adv_st, is_sb, is_st,
-               1.0 / cfg.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.delta or 0.0),
-               float(cfg.beta), float(cfg.sapo_temperature_pos), float(cfg.sapo_temperature_neg),
-               **cap_args(cfg.softcap), KIND=kind, HAS_OLD=old is not None,
+               1.0 / transform.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high),
+               float(cfg.delta or 0.0), float(cfg.beta), float(cfg.sapo_temperature_pos),
+               float(cfg.sapo_temperature_neg), **cap_args(transform.softcap), KIND=kind, HAS_OLD=old is not None,
                HAS_REF=ref is not None, HAS_IS=isr is not None,
                HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
@@ -174,7 +174,7 @@ def aot_launches():
             tokens = LossTokens(torch.zeros(2), bt, bt, bt if full else None, bt if full else None,
                                 bt if full else None)
             grad_in_forward(logits, torch.zeros(2, 3, dtype=torch.long), tokens, torch.zeros(1) if full else None,
-                            cfg, kind, inplace=True)
+                            cfg, cfg.transform, kind, inplace=True)
         return thunk
 
     names = {KIND_CLIPPED: "clipped", KIND_CISPO: "cispo", KIND_SAPO: "sapo"}

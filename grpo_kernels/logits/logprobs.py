@@ -2,7 +2,9 @@
 ``kernels/logits_kernels.py``) and ``logits.torch`` (chunked PyTorch below) paths, behind one autograd Function.
 
 Neither path creates a second B x T x V tensor in the forward; the backward writes one d logits buffer, or reuses
-the logits buffer with ``inplace_backward=True``. The PyTorch path's rows per chunk come from the plan (its fp32
+the logits buffer with ``inplace_backward=True`` (an eager call only: under torch.compile the registered op always
+writes a new buffer). ``sweep_forward`` / ``sweep_backward`` are the path's one body, called by the eager Function
+and by the registered op alike (``ops.py``). The PyTorch path's rows per chunk come from the plan (its fp32
 temporaries fit the memory budget). A soft cap (``softcap``: ``z = softcap * tanh(logits / softcap) / temperature``)
 is applied by both paths: in the kernels' registers, and in the PyTorch path's chunk buffers (``reference.soft_cap``'s
 maths, in place), with its derivative on d logits; the PyTorch path keeps its two temporaries per chunk with it.
@@ -17,6 +19,7 @@ from torch.autograd.function import once_differentiable
 from torch.library import custom_op
 
 from .. import ops
+from ..config import LogitTransform
 from ..inputs import LogitsInputs
 from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
 
@@ -25,10 +28,9 @@ from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
 TORCH_LOGITS_TEMPS = 2
 
 
-def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_rows: int,
-                   softcap: float | None = None):
-    """Chunked eager path: fp32 out (fp64 for fp64 logits); two chunk_rows x V temporaries at a time. With
-    ``softcap`` the logits are capped in the chunk's buffer before the temperature."""
+def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, transform: LogitTransform, chunk_rows: int):
+    """Chunked eager path: fp32 out (fp64 for fp64 logits); two chunk_rows x V temporaries at a time. With a soft
+    cap the logits are capped in the chunk's buffer before the temperature."""
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
     flat_ids = ids.reshape(-1)
@@ -37,7 +39,7 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
     logp, lse, entropy = (torch.empty(N, dtype=acc, device=x.device) for _ in range(3))
     for start in range(0, N, chunk_rows):
         rows = slice(start, start + chunk_rows)
-        z = soft_cap_(x[rows].to(acc, copy=True), softcap).mul_(1.0 / temperature)
+        z = soft_cap_(x[rows].to(acc, copy=True), transform.softcap).mul_(transform.inv_temperature)
         m = z.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1)
@@ -53,10 +55,11 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
     return logp, lse, entropy
 
 
-def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, inplace, chunk_rows,
-                    softcap: float | None = None):
-    """d logits, chunk by chunk, formed in place: two chunk_rows x V temporaries at a time (with or without
-    ``softcap``). ``inplace``: ``logits`` itself holds d logits on return, for any non-overlapping view."""
+def _torch_backward(logits, ids, lse, entropy, grads, transform: LogitTransform, inplace: bool, chunk_rows: int):
+    """d logits, chunk by chunk, formed in place: two chunk_rows x V temporaries at a time (with or without a soft
+    cap). grads: (d loss / d logp, d loss / d entropy or None), flat in the accumulation dtype. ``inplace``:
+    ``logits`` itself holds d logits on return, for any non-overlapping view."""
+    grad_logp, grad_entropy = grads
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
     # Why a copy can be the output: reshape copies views that cannot be flattened (logits[:, :-1], transposes) and
@@ -65,7 +68,7 @@ def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperat
     out = x if inplace or private else torch.empty_like(x)
     flat_ids = ids.reshape(-1)
     acc = lse.dtype
-    inv_t = 1.0 / temperature
+    inv_t = transform.inv_temperature
     for start in range(0, x.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         g = grad_logp[rows].to(acc).unsqueeze(-1)
@@ -75,7 +78,7 @@ def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperat
             h = entropy[rows].unsqueeze(-1)
             g_h = grad_entropy[rows].to(acc).unsqueeze(-1)
             active = active | (g_h != 0)
-        dz = dlogits_(x[rows].to(acc, copy=True), lse[rows].unsqueeze(-1), h, g, g_h, inv_t, softcap,
+        dz = dlogits_(x[rows].to(acc, copy=True), lse[rows].unsqueeze(-1), h, g, g_h, inv_t, transform.softcap,
                       flat_ids[rows].unsqueeze(-1))
         # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits hold
         # NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
@@ -88,33 +91,52 @@ def _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperat
     return out.view(logits.shape)
 
 
+@ops.options_type(choices={"impl": ("triton", "torch")})
 @dataclass(frozen=True)
-class LogitsSweepParams:
-    """The non-differentiable inputs of ``_TokenLogprobs``: impl "triton" | "torch", the PyTorch path's rows per
-    chunk, the rows the Triton forward may skip (``row_mask``: their outputs are 0 and get no gradient), and the
-    soft cap (None: none)."""
+class SweepOptions:
+    """The non-tensor inputs of the path: the logits transform, impl "triton" | "torch" and the PyTorch path's
+    rows per chunk (from the plan; 0 on the Triton path)."""
 
-    temperature: float
+    transform: LogitTransform
     impl: str
-    inplace: bool
-    chunk_rows: int | None = None
-    row_mask: torch.Tensor | None = None
-    softcap: float | None = None
+    chunk_rows: int = 0
+
+
+def sweep_forward(logits, ids, row_mask, o: SweepOptions):
+    """(logp, lse, entropy) flat (N,), fp32 (fp64 for fp64 logits on the PyTorch path). row_mask (like ids, or None):
+    the Triton path skips rows where it is 0 (their outputs are 0; they must get no gradient)."""
+    if o.impl == "triton":
+        from ..kernels.logits_kernels import logits_logprobs_forward  # lazy: creates the Triton kernels
+        t = o.transform
+        logp, lse, entropy = logits_logprobs_forward(logits, ids, t.temperature, softcap=t.softcap,
+                                                     row_mask=row_mask)
+    else:
+        logp, lse, entropy = _torch_forward(logits, ids, o.transform, o.chunk_rows)
+    return logp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
+
+
+def sweep_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, o: SweepOptions, inplace: bool):
+    """d logits shaped like ``logits`` (written into the logits buffer when ``inplace``); a None incoming gradient
+    counts as zeros (d logp) or as no entropy term."""
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).to(lse.dtype)
+    grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).to(lse.dtype)
+    if o.impl == "triton":
+        from ..kernels.logits_kernels import logits_logprobs_backward
+        t = o.transform
+        return logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, t.temperature,
+                                        softcap=t.softcap, inplace=inplace)
+    return _torch_backward(logits, ids, lse, entropy, (grad_logp, grad_entropy), o.transform, inplace,
+                           o.chunk_rows)
 
 
 class _TokenLogprobs(torch.autograd.Function):
     """(logits, ids) -> (logp, entropy, lse); saves logits (no copy), ids and two fp32 values per token."""
 
     @staticmethod
-    def forward(ctx, logits, ids, params: LogitsSweepParams):
-        if params.impl == "triton":
-            from ..kernels.logits_kernels import logits_logprobs_forward
-            logp, lse, entropy = logits_logprobs_forward(logits, ids, params.temperature, softcap=params.softcap,
-                                                         row_mask=params.row_mask)
-        else:
-            logp, lse, entropy = _torch_forward(logits, ids, params.temperature, params.chunk_rows, params.softcap)
+    def forward(ctx, logits, ids, row_mask, o: SweepOptions, inplace: bool):
+        logp, lse, entropy = sweep_forward(logits, ids, row_mask, o)
         ctx.save_for_backward(logits, ids, lse, entropy)
-        ctx.params = params
+        ctx.options, ctx.inplace = o, inplace
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         shape = ids.shape
@@ -123,100 +145,75 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
-        params = ctx.params
-        if params.inplace:
+        if ctx.inplace:
             # The first in-place backward overwrote the saved logits (Triton writes bump no version counter).
             if getattr(ctx, "consumed", False):
                 raise RuntimeError("token_logprobs(inplace_backward=True): the logits were overwritten by the first "
                                    "backward; a second backward (retain_graph=True) needs inplace_backward=False")
             ctx.consumed = True
-        logits, ids, lse, entropy = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
-            return None, None, None
-        if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
-        grad_logp = grad_logp.reshape(-1).to(lse.dtype)
-        grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).to(lse.dtype)
-        if params.impl == "triton":
-            from ..kernels.logits_kernels import logits_logprobs_backward
-            dlogits = logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
-                                               params.temperature, softcap=params.softcap, inplace=params.inplace)
-        else:
-            dlogits = _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, params.temperature,
-                                      params.inplace, params.chunk_rows, params.softcap)
-        return dlogits, None, None
+            return None, None, None, None, None
+        logits, ids, lse, entropy = ctx.saved_tensors
+        dlogits = sweep_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, ctx.options, ctx.inplace)
+        return dlogits, None, None, None, None
 
 
 @custom_op("grpo_kernels::logits_logprobs", mutates_args=())
-def _logits_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, impl: str,
-                     chunk_rows: int, row_mask: Optional[torch.Tensor],
-                     softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, lse) flat (N,), fp32 (fp64 for fp64 logits on the PyTorch path); softcap: None or the cap."""
-    if impl == "triton":
-        from ..kernels.logits_kernels import logits_logprobs_forward
-        logp, lse, entropy = logits_logprobs_forward(logits, ids, temperature, softcap=softcap, row_mask=row_mask)
-    else:
-        logp, lse, entropy = _torch_forward(logits, ids, temperature, chunk_rows, softcap)
-    return logp.reshape(-1), entropy.reshape(-1), lse.reshape(-1)
+def _logits_logprobs(logits: torch.Tensor, ids: torch.Tensor, row_mask: Optional[torch.Tensor],
+                     floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, lse) flat (N,) of ``sweep_forward``; floats, ints: ``ops.encode(SweepOptions)``."""
+    logp, lse, entropy = sweep_forward(logits, ids, row_mask, ops.decode(SweepOptions, floats, ints))
+    return logp, entropy, lse
 
 
 @_logits_logprobs.register_fake
-def _(logits, ids, temperature, impl, chunk_rows, row_mask, softcap):
-    dtype = ops.acc_dtype(logits) if impl == "torch" else torch.float32
+def _(logits, ids, row_mask, floats, ints):
+    o = ops.decode(SweepOptions, floats, ints)
+    dtype = ops.acc_dtype(logits) if o.impl == "torch" else torch.float32
     return tuple(logits.new_empty((ids.numel(),), dtype=dtype) for _ in range(3))
 
 
 @custom_op("grpo_kernels::logits_logprobs_backward", mutates_args=())
-def _logits_logprobs_backward(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
-                              grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], temperature: float,
-                              impl: str, chunk_rows: int, softcap: Optional[float]) -> torch.Tensor:
-    """d logits (a new buffer shaped like logits)."""
-    if impl == "triton":
-        from ..kernels.logits_kernels import logits_logprobs_backward
-        return logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature,
-                                        softcap=softcap, inplace=False)
-    return _torch_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, False, chunk_rows,
-                           softcap)
+def _logits_logprobs_backward(logits: torch.Tensor, ids: torch.Tensor, stats: list[Optional[torch.Tensor]],
+                              floats: list[float], ints: list[int]) -> torch.Tensor:
+    """d logits (a new buffer shaped like logits) of ``sweep_backward``; stats: (lse, entropy, d logp, d entropy
+    or None)."""
+    lse, entropy, grad_logp, grad_entropy = stats
+    return sweep_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, ops.decode(SweepOptions, floats, ints),
+                          inplace=False)
 
 
 @_logits_logprobs_backward.register_fake
-def _(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature, impl, chunk_rows, softcap):
+def _(logits, ids, stats, floats, ints):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _logits_setup(ctx, inputs, output):
-    logits, ids, temperature, impl, chunk_rows, _row_mask, softcap = inputs
+    logits, ids, _row_mask, floats, ints = inputs
     _logp, entropy, lse = output
     ctx.save_for_backward(logits, ids, lse, entropy)
-    ctx.args = (temperature, impl, chunk_rows, softcap)
+    ctx.options = (floats, ints)
 
 
 def _logits_backward(ctx, grad_logp, grad_entropy, _grad_lse):
     logits, ids, lse, entropy = ctx.saved_tensors
-    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).to(lse.dtype)
-    grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).to(lse.dtype)
-    dlogits = _logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, *ctx.args)
-    return dlogits, None, None, None, None, None, None
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
+    dlogits = _logits_logprobs_backward(logits, ids, [lse, entropy, grad_logp, grad_entropy], *ctx.options)
+    return dlogits, None, None, None, None
 
 
 _logits_logprobs.register_autograd(_logits_backward, setup_context=_logits_setup)
 
 
-def _compiled_logprobs(logits, ids, params):
-    """``_TokenLogprobs`` through the registered op (under torch.compile): (logp, entropy, lse) shaped like ids."""
-    logp, entropy, lse = _logits_logprobs(logits, ids, params.temperature, params.impl, params.chunk_rows or 0,
-                                          params.row_mask, params.softcap)
-    shape = ids.shape
-    return logp.view(shape), entropy.view(shape), lse.view(shape)
-
-
 def logits_token_logprobs(inputs: LogitsInputs, plan, inplace_backward: bool = False, row_mask=None):
-    """(logp, entropy, lse) shaped like the ids, from validated inputs (their ``softcap`` included) and their plan.
+    """(logp, entropy, lse) shaped like the ids, from validated inputs and their plan.
 
     row_mask (like ids, optional): the Triton path skips rows where it is 0 (their outputs are 0 and they must get
     no gradient); the loss passes its mask so padded tokens cost no logits traffic."""
-    params = LogitsSweepParams(inputs.temperature, inputs.impl, bool(inplace_backward), plan.chunk_rows,
-                               row_mask if inputs.impl == "triton" else None, inputs.softcap)
-    if torch.compiler.is_compiling():  # the Function does not trace: its registered op does
-        return _compiled_logprobs(inputs.logits, inputs.ids, params)
-    return _TokenLogprobs.apply(inputs.logits, inputs.ids, params)
+    o = SweepOptions(inputs.transform, inputs.impl, plan.chunk_rows or 0)
+    row_mask = row_mask if inputs.impl == "triton" else None
+    if ops.compiling():  # the Function does not trace: its registered op does
+        logp, entropy, lse = _logits_logprobs(inputs.logits, inputs.ids, row_mask, *ops.encode(o))
+        shape = inputs.ids.shape
+        return logp.view(shape), entropy.view(shape), lse.view(shape)
+    return _TokenLogprobs.apply(inputs.logits, inputs.ids, row_mask, o, bool(inplace_backward))
