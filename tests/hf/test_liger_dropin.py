@@ -460,6 +460,22 @@ def test_difference_clip_metric_with_delta():
     assert theirs[1][0] > mine[1][0]
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_clip_metrics_read_the_delta_clamped_ratio(impl):
+    """TRL's clip metrics read coef_1 after the delta clamp: ratios e^0.5 with A > 0, delta = 1.1 < 1 + eps_high,
+    give no high clipping, on the reference (PyTorch path) and in the Triton kernels alike."""
+    import grpo_kernels as gk
+    from tests.oracles import trl_compute_loss
+
+    logits = torch.randn(2, 4, 9, generator=torch.Generator().manual_seed(0))
+    ids, adv = torch.zeros(2, 4, dtype=torch.long), torch.tensor([1.0, 0.5])
+    old = torch.log_softmax(logits, -1)[..., 0] - 0.5
+    cfg = gk.GRPOLossConfig(loss_type="grpo", delta=1.1, epsilon_high=0.28)
+    _, metrics = gk.grpo_loss(logits, ids, adv, old_logps=old, config=cfg, impl=impl)
+    _, trl = trl_compute_loss(logits.double(), ids, adv.double(), old_logps=old.double(), config=cfg)
+    assert metrics["clip_ratio/high_mean"].item() == trl["clip_ratio/high_mean"] == 0.0
+
+
 def test_difference_clip_metric_at_sequence_level():
     """Sequence-level ratios: TRL averages the clip indicator over sequences, Liger over valid tokens."""
     mine, theirs, trl = _three_numbers({"loss_type": "grpo", "importance_sampling_level": "sequence",
