@@ -11,6 +11,8 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POISON_ENV = "GRPO_KERNELS_POISON"
+# Opt-in: read the value checks on the host (one sync each), so that a GPU run raises the ValueError too.
+CHECK_VALUES_ENV = "GRPO_KERNELS_CHECK_VALUES"
 
 
 def _shape(t) -> tuple:
@@ -55,14 +57,40 @@ def softcap(value) -> float | None:
     return float(value)
 
 
-def token_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
-    """Ids must lie in [0, V): one reduction and one host sync, cheap next to a vocab sweep."""
-    if ids.numel() == 0 or ids.device.type == "meta":  # meta tensors (planning) carry no values
+def host_value_checks() -> bool:
+    """Whether the value checks read their verdict on the host (``GRPO_KERNELS_CHECK_VALUES=1``)."""
+    return os.environ.get(CHECK_VALUES_ENV, "0") == "1"
+
+
+def holds(ok: torch.Tensor, message: str, detail=None) -> None:
+    """A check of tensor values without a host sync (docs/api.md, "Host syncs"): ``ok`` is a 0-dim bool tensor
+    computed where the values are; where it is False a ValueError(message + detail()) is raised.
+
+    By default ``torch._assert_async``: on a GPU the verdict stays in the stream (no sync; a failure is a device-side
+    assert, which ends the process's CUDA context), on a CPU it is read at once and raised as the ValueError. With
+    ``GRPO_KERNELS_CHECK_VALUES=1`` the verdict is read on the host (one sync per check), so a GPU run raises the
+    ValueError too. detail: a zero-argument callable giving the values for the message, called only on failure."""
+    if ok.device.type == "meta":  # meta tensors (planning) carry no values
         return
-    lo, hi = torch.aminmax(ids)
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"{name} must lie in [0, V) = [0, {vocab_size}), got values in [{lo}, {hi}]")
+    if host_value_checks():
+        failed = not bool(ok)
+    else:
+        try:
+            torch._assert_async(ok, message)
+            failed = False
+        except RuntimeError:  # a CPU tensor: the verdict was read at once
+            failed = True
+    if failed:
+        raise ValueError(message + (detail() if detail is not None else ""))
+
+
+def token_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
+    """Ids must lie in [0, V): one reduction, checked on the device (``holds``)."""
+    if ids.numel() == 0:
+        return
+    ok = ((ids >= 0) & (ids < vocab_size)).all()
+    holds(ok, f"{name} must lie in [0, V) = [0, {vocab_size})",
+          lambda: f", got values in [{int(ids.min())}, {int(ids.max())}]")
 
 
 def overlaps_in_memory(t: torch.Tensor) -> bool:

@@ -74,6 +74,9 @@ class GRPOLossConfig:
         ValueError naming memory_budget when none does.
     softcap: soft-cap the logits, ``cap * tanh(logits / cap)``, before the temperature (Gemma 2's
         ``final_logit_softcapping``); None: no cap. Every path applies it inside its kernels (docs/numerics.md).
+    capturable: make no host sync at all, so that the call can be captured in a CUDA graph (docs/api.md, "Host
+        syncs"): the fused head then computes the padded rows too (they must hold finite values, as a model's hidden
+        states do; their loss and gradient contributions are exactly 0) instead of compacting the valid ones.
     """
 
     loss_type: str = "dapo"
@@ -99,6 +102,7 @@ class GRPOLossConfig:
     memory_budget: int | None = None
     # Why last: a new field in the middle would shift every positional argument after it
     softcap: float | None = None
+    capturable: bool = False
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -132,7 +136,7 @@ class GRPOLossConfig:
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}")
         _finite("entropy_coef", self.entropy_coef)
-        for name in ("use_bias_correction_kl", "deterministic", "grad_in_forward"):
+        for name in ("use_bias_correction_kl", "deterministic", "grad_in_forward", "capturable"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)

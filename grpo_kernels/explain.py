@@ -11,7 +11,7 @@ import inspect
 import torch
 
 from .config import GRPOLossConfig, LogitTransform
-from .inputs import LogitsInputs, ValidRows
+from .inputs import LogitsInputs
 from .paths import HEAD_GEMM_PATHS
 from .logprobs import validate_head_logprobs, linear_token_logprobs, plan_linear_token_logprobs, plan_token_logprobs, \
     token_logprobs
@@ -57,9 +57,8 @@ def plan_call(*args, **kwargs):
         inputs = LogitsInputs.validate(a["logits"], a["ids"], LogitTransform(a["temperature"], a["softcap"]),
                                        a["impl"], inplace_backward=a["inplace_backward"])
         return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"])
-    inputs, shard = validate_head_logprobs(**a)
-    return plan_linear_token_logprobs(inputs, ValidRows.of(a["mask"], inputs.ids.numel()), shard,
-                                      a["memory_budget"], a["deterministic"])
+    inputs, shard, rows = validate_head_logprobs(**a)
+    return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"])
 
 
 def _split_overrides(arguments: dict) -> dict:

@@ -173,24 +173,23 @@ class LossInputs:
         # Why not under torch.compile: the value checks below are host syncs, which a compiled graph cannot make;
         # they run in eager (docs/api.md, torch.compile).
         eager = not torch.compiler.is_compiling()
-        if eager and is_ratio is not None and is_ratio.device.type != "meta" and is_ratio.numel():
+        if eager and is_ratio is not None and is_ratio.numel():
             # finite negative weights at valid positions are refused; non-finite ones propagate (NaN/Inf rule) and
-            # padded positions are neutral whatever they hold. One host sync, only when is_ratio is given.
+            # padded positions are neutral whatever they hold. Checked on the device (``_checks.holds``).
             bad = (is_ratio < 0) & torch.isfinite(is_ratio)
             if mask is not None:
                 valid = mask.bool() if is_ratio.dim() == 2 and is_ratio.shape[-1] == T else mask.bool().any(-1)
                 bad = bad & valid.reshape(bad.shape)
-            if bool(bad.any()):
-                raise ValueError(f"is_ratio must be >= 0 (an importance weight), got {is_ratio[bad].min().item()} "
-                                 "at a valid position")
+            _checks.holds(~bad.any(), "is_ratio must be >= 0 (an importance weight)",
+                          lambda: f", got {is_ratio[bad].min().item()} at a valid position")
         n = num_items_in_batch
         if n is not None:
             if isinstance(n, torch.Tensor):
                 if n.numel() != 1:
                     raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(n.shape)}")
-                if eager and n.device.type != "meta" and not float(n) > 0:  # a host sync, only when it is given
-                    raise ValueError(f"num_items_in_batch must be > 0 (the token count that normalizes the loss), "
-                                     f"got {float(n)!r}")
+                if eager:
+                    _checks.holds((n > 0).all(), "num_items_in_batch must be > 0 (the token count that normalizes "
+                                  "the loss)", lambda: f", got {float(n)!r}")
             elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
                 raise ValueError(f"num_items_in_batch must be a number > 0 (the token count that normalizes the "
                                  f"loss) or a scalar tensor, got {n!r}")
@@ -312,27 +311,46 @@ class LogprobGrads:
 class ValidRows:
     """The flat indices of the tokens a mask keeps, or ``index=None`` when it keeps all ``total`` of them.
 
-    Why compact: padded tokens then cost neither the N x V x H matmuls nor a vocab sweep. ``of`` makes the one host
-    sync (the compact batch's size); on meta tensors (planning without data) every token counts as valid. Under
-    torch.compile a data-dependent size cannot enter the graph: ``deferred`` then holds the flat mask and the
-    registered ops of the head paths make the same compaction when they run."""
+    Why compact: padded tokens then cost neither the N x V x H matmuls nor a vocab sweep. ``of`` makes the call's
+    one host sync: the valid tokens per sequence (``counts``, B integers read at once), which size the compact batch
+    and plan the sequence chunks; the index itself is then made on the device with that size (no second sync).
+    ``keep_padding`` (the ``capturable`` option) skips it: every row is computed, no sync. On meta tensors (planning
+    without data) every token counts as valid. Under torch.compile a data-dependent size cannot enter the graph:
+    ``deferred`` then holds the flat mask and the registered ops of the head paths make the same compaction when
+    they run."""
 
     index: torch.Tensor | None
     total: int
+    counts: tuple | None = None
     deferred: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, mask, total: int) -> "ValidRows":
-        if mask is None or mask.device.type == "meta":
-            return cls(None, total)
-        if torch.compiler.is_compiling():
-            return cls(None, total, mask.reshape(-1))
-        index = (mask.reshape(-1) != 0).nonzero().squeeze(1)
-        return cls(None if index.numel() == total else index, total)
+    def of(cls, mask, total: int, keep_padding: bool = False) -> "ValidRows":
+        counts = cls.counts_on_device(mask, keep_padding)
+        # the one host sync of the call
+        return cls.from_counts(mask, total, None if counts is None else counts.tolist(), keep_padding)
+
+    @staticmethod
+    def counts_on_device(mask, keep_padding: bool = False):
+        """The valid tokens per sequence (a (B,) tensor; (1,) for a flat mask), or None where no compaction is
+        made (no mask, meta tensors, ``keep_padding``, torch.compile)."""
+        if mask is None or mask.device.type == "meta" or keep_padding or torch.compiler.is_compiling():
+            return None
+        return (mask.reshape(mask.shape[0] if mask.dim() > 1 else 1, -1) != 0).sum(-1)
+
+    @classmethod
+    def from_counts(cls, mask, total: int, counts, keep_padding: bool = False) -> "ValidRows":
+        """The compaction of ``mask`` from its per-sequence counts, read on the host (``counts_on_device``)."""
+        if counts is None:
+            deferred = mask is not None and not keep_padding and torch.compiler.is_compiling()
+            return cls(None, total, deferred=mask.reshape(-1) if deferred else None)
+        count = sum(counts)
+        keep = mask.reshape(-1) != 0
+        return cls(None if count == total else _flat_index(keep, count), total, tuple(counts))
 
     @property
     def count(self) -> int:
-        return self.total if self.index is None else int(self.index.numel())
+        return self.total if self.index is None else self.index.shape[0]
 
     def compact(self, *tensors):
         """Each tensor's rows at the valid tokens (differentiable); unchanged when every token is valid."""
@@ -346,3 +364,11 @@ class ValidRows:
             return tensors
         return tuple(torch.zeros(self.total, dtype=t.dtype, device=t.device).index_copy(0, self.index, t)
                      for t in tensors)
+
+
+def _flat_index(keep: torch.Tensor, count: int) -> torch.Tensor:
+    """The positions of ``keep``'s True entries, ``count`` of them (known on the host): no sync for the size."""
+    try:
+        return torch.nonzero_static(keep, size=count).squeeze(1)
+    except (AttributeError, NotImplementedError):  # a torch without nonzero_static for this device
+        return torch.argsort((~keep).to(torch.uint8), stable=True)[:count]

@@ -44,8 +44,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
 
 
 def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, impl="auto", mask=None,
-                           process_group=None, vocab_start=None, softcap=None, **_ignored):
-    """(inputs, shard | None) of one ``linear_token_logprobs`` call (also what ``explain`` shows)."""
+                           process_group=None, vocab_start=None, softcap=None, capturable=False, **_ignored):
+    """(inputs, shard | None, ValidRows) of one ``linear_token_logprobs`` call (also what ``explain`` shows)."""
     def local():
         inputs = HeadInputs.validate(hidden, weight, ids, bias, LogitTransform(temperature, softcap), impl,
                                      check_ids=process_group is None)
@@ -54,9 +54,9 @@ def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, i
 
     if process_group is None:
         inputs, _, _ = local()
-        return inputs, None
-    inputs, _, _, shard = vocab_parallel.validate(process_group, vocab_start, hidden, local)
-    return inputs, shard
+        return inputs, None, ValidRows.of(mask, inputs.ids.numel(), keep_padding=bool(capturable))
+    inputs, _, _, shard, rows = vocab_parallel.validate(process_group, vocab_start, hidden, local, bool(capturable))
+    return inputs, shard, rows
 
 
 def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, memory_budget=None,
@@ -71,7 +71,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
                           temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
                           deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
                           vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None,
-                          softcap: float | None = None):
+                          softcap: float | None = None, capturable: bool = False):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``, or under
     ``softmax(softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature)`` with ``softcap`` (Gemma 2's
     ``final_logit_softcapping``, applied inside the kernels on every path).
@@ -82,7 +82,9 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     ``torch.no_grad()`` it is the one-sweep old/reference-policy path. Never holds an N x V tensor. With ``mask``
     (shaped like ids) only the rows where it is non-zero are computed; the others are 0. Under ``torch.autocast``
     the head runs in the autocast dtype, like ``nn.Linear``. memory_budget: bytes of transient memory the call may
-    allocate (GRPOLossConfig.memory_budget's meaning); ``grpo_kernels.explain`` shows the plan.
+    allocate (GRPOLossConfig.memory_budget's meaning); ``grpo_kernels.explain`` shows the plan. capturable: no host
+    sync (CUDA graph capture; GRPOLossConfig.capturable's meaning): the rows ``mask`` drops are computed too, then
+    zeroed.
 
     Vocab-parallel (``process_group``, a torch.distributed group): ``weight`` / ``bias`` are this rank's contiguous
     shard (V_r, H) / (V_r,) of the vocabulary, starting at full-vocabulary id ``vocab_start`` (None: the sum of
@@ -101,14 +103,16 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     ops.check_head_compilable(process_group, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
-        inputs, shard = validate_head_logprobs(hidden=hidden, weight=weight, ids=ids, bias=bias,
-                                               temperature=temperature, impl=impl, mask=mask,
-                                               process_group=process_group, vocab_start=vocab_start,
-                                               softcap=softcap)
-        rows = ValidRows.of(mask, inputs.ids.numel())
+        inputs, shard, rows = validate_head_logprobs(hidden=hidden, weight=weight, ids=ids, bias=bias,
+                                                     temperature=temperature, impl=impl, mask=mask,
+                                                     process_group=process_group, vocab_start=vocab_start,
+                                                     softcap=softcap, capturable=capturable)
         plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic)
         if shard is not None:
             logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows)
         else:
             logp, entropy, _ = head_token_logprobs(inputs, plan, rows, sharded_head.backward_context(gather_head))
+    if capturable and mask is not None:  # the rows the mask drops were computed: 0 there, and no gradient
+        keep = mask.reshape(logp.shape) != 0
+        logp, entropy = torch.where(keep, logp, 0.0), torch.where(keep, entropy, 0.0)
     return (logp, entropy) if return_entropy else logp

@@ -80,10 +80,9 @@ def validate_head_loss(*, hidden, weight, ids, advantages, mask=None, bias=None,
 
     if process_group is None:
         inputs, _, batch = local()
-        shard = None
-    else:
-        inputs, _, batch, shard = vocab_parallel.validate(process_group, vocab_start, hidden, local)
-    return inputs, batch, cfg, ValidRows.of(batch.mask, inputs.ids.numel()), shard
+        return inputs, batch, cfg, ValidRows.of(batch.mask, inputs.ids.numel(), cfg.capturable), None
+    inputs, _, batch, shard, rows = vocab_parallel.validate(process_group, vocab_start, hidden, local, cfg.capturable)
+    return inputs, batch, cfg, rows, shard
 
 
 def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, rows: ValidRows,
@@ -93,14 +92,12 @@ def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, r
     needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
     B, T = inputs.shape
 
-    def counts():  # valid tokens per sequence: one host sync, asked only for the sequence-level fast path
+    def counts():  # valid tokens per sequence, read by the valid-row compaction's one host sync
         if torch.compiler.is_compiling():
             # Why None: a compiled graph makes no host sync, and the sequence-level path runs Python per chunk of
             # sequences; the planner then takes the memory-light path
             return None
-        if batch.mask is None or batch.mask.device.type == "meta":
-            return [T] * B
-        return batch.mask.bool().sum(-1).tolist()
+        return [T] * B if rows.counts is None else list(rows.counts)
 
     return planner.plan_head(planner.HeadCall("fused_linear_grpo_loss", inputs, cfg,
                                               planner.Budget.of(cfg.memory_budget), needs, rows.count,

@@ -128,13 +128,16 @@ def off_policy_mask(advantages, logps, sampling_logps, mask, threshold: float) -
 
 def high_entropy_mask(entropy, mask, top_quantile: float) -> torch.Tensor:
     """Tokens whose entropy is at or above the ``1 - top_quantile`` quantile of the valid tokens' entropies."""
-    valid = entropy.detach()[mask]
-    if valid.numel() == 0:
-        return torch.zeros_like(mask)
+    e = entropy.detach()
+    # Why nanquantile over the padded grid: padded tokens become NaN and are left out, so the quantile is that of
+    # the valid tokens, with no host sync to compact them (``e[mask]`` would be one). A NaN entropy at a valid token
+    # must still reach the result (NaN threshold: no token kept), as the quantile of the valid tokens would.
     # quantile needs fp32 or fp64; rounding a float64 threshold to fp32 would drop the token that sits on it
-    threshold = torch.quantile(valid if valid.dtype == torch.float64 else valid.float(), 1.0 - top_quantile)
-    threshold = threshold.to(entropy.dtype)
-    return (torch.where(mask, entropy.detach(), 0.0) >= threshold) & mask
+    grid = torch.where(mask, e, float("nan"))
+    grid = grid if grid.dtype == torch.float64 else grid.float()
+    threshold = torch.nanquantile(grid.reshape(-1), 1.0 - top_quantile)
+    threshold = torch.where(torch.isnan(torch.where(mask, e, 0.0)).any(), float("nan"), threshold)
+    return (torch.where(mask, e, 0.0) >= threshold.to(e.dtype)) & mask
 
 
 def _masked_mean(x, mask, n_valid) -> torch.Tensor:
@@ -264,8 +267,8 @@ def _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, ent
 
 
 def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg):
-    """(per-token policy loss, vespo's phi or None, the ratio the clip metrics read) of the loss type's policy term
-    (docs/DESIGN.md section 2); that ratio is TRL's ``coef_1`` after its delta clamp."""
+    """(per-token policy loss, vespo's phi or None, the ratio the clip metrics read: delta-clamped for the clipped
+    term, as TRL's) of the loss type's policy term (docs/DESIGN.md section 2)."""
     if policy == "cispo":
         return -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps, None, coef_1
     if policy == "clipped":

@@ -250,9 +250,10 @@ def _table_device(group, hidden) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def validate(process_group, vocab_start, hidden, local):
+def validate(process_group, vocab_start, hidden, local, keep_padding: bool = False):
     """Run ``local()`` -> (HeadInputs, mask or None, extra) on this rank, then agree with the group in one
-    all-gather. Returns (inputs, mask, extra, VocabShard); raises the same ValueError on every rank."""
+    all-gather. Returns (inputs, mask, extra, VocabShard, ValidRows); raises the same ValueError on every rank.
+    The valid-row counts of the mask are read in the same transfer as the gathered table: the call's one sync."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("process_group needs an initialized torch.distributed (init_process_group)")
     if not isinstance(process_group, dist.ProcessGroup):
@@ -267,14 +268,22 @@ def validate(process_group, vocab_start, hidden, local):
         result = local()
     except Exception as error:  # reported through the gather below, so that every rank raises alike
         message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-    mine = _local_row(result[0], result[1], vocab_start, message, _table_device(process_group, hidden))
+    device = _table_device(process_group, hidden)
+    mine = _local_row(result[0], result[1], vocab_start, message, device)
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=process_group)
-    starts, total, error = _verdict(torch.stack(parts).tolist(), world)  # the one host sync
+    counts = None if message else ValidRows.counts_on_device(result[1], keep_padding)
+    table = torch.stack(parts)
+    read = torch.cat([table.reshape(-1), counts.to(device)]) if counts is not None else table.reshape(-1)
+    values = read.tolist()  # the one host sync: the table, and this rank's valid-row counts
+    starts, total, error = _verdict([values[k * mine.numel():(k + 1) * mine.numel()] for k in range(world)], world)
     if error:
         raise ValueError(error)
     inputs, mask, extra = result
-    return inputs, mask, extra, VocabShard(process_group, rank, world, starts[rank], inputs.weight.shape[0], total)
+    rows = ValidRows.from_counts(mask, inputs.ids.numel(), None if counts is None else values[world * mine.numel():],
+                                 keep_padding)
+    shard = VocabShard(process_group, rank, world, starts[rank], inputs.weight.shape[0], total)
+    return inputs, mask, extra, shard, rows
 
 
 # ------------------------------------------------------------------------------------------------- the sharded head

@@ -247,56 +247,19 @@ def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GR
     """(loss, metrics) on ``head.fast_sequence`` (or, with ``shard_view``, ``head.fast_vocab_parallel``), chunks of
     whole sequences from the plan.
 
-    Per chunk, d loss / d logp and d loss / d entropy come from autograd through the reference loss on those
-    sequences alone (one definition of the maths), rescaled from the sub-batch's reduction weights to the batch's:
-    within a sequence every reduction weights its tokens alike, so the rescale is exact.
-
     shard_view (a vocabulary shard, ``distributed/vocab_parallel.py``): ``shard_view(hidden, ids)`` -> (hidden whose
     gradient is summed over the ranks, ids clamped into the shard, one-hot ids (-1 where another rank owns the id),
     ``combine(r0, r1, logp, lse, entropy)`` turning a chunk's shard statistics into whole-vocabulary ones in place).
-    With ``cfg.softcap`` the fold kernel's (logp, lse, entropy) are already those of the capped logits, so the combine
+    With a soft cap the fold kernel's (logp, lse, entropy) are already those of the capped logits, so the combine
     (which works on them alone) and the d-logits epilogue (which recomputes the cap) need nothing more."""
     B, T = inputs.shape
-    dev = inputs.hidden.device
-    weights = batch.token_weights(cfg, B, T, dev)
-    mask_b = weights.mask_b
+    weights = batch.token_weights(cfg, B, T, inputs.hidden.device)
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     grad_ids = combine = None
     if shard_view is not None:
         hidden, ids, grad_ids, combine = shard_view(hidden, ids)
-    sequences_of = {r0: (b0, b1) for b0, b1, r0, _ in plan.sequence_chunks}
+    token_grads = _SequenceGrads(batch, cfg, weights, rows, plan, T, combine)
     bounds = (0,) + tuple(r1 for *_, r1 in plan.sequence_chunks)
-
-    def rows_of(x, b0, b1):
-        return None if x is None else x[b0:b1]
-
-    def token_grads(r0, r1, logp, lse, ent):
-        if combine is not None:
-            combine(r0, r1, logp, lse, ent)
-        b0, b1 = sequences_of[r0]
-        sub_mask = mask_b[b0:b1]
-        with torch.enable_grad():
-            x = torch.zeros(sub_mask.shape, dtype=torch.float32, device=dev)
-            x[sub_mask] = logp
-            x.requires_grad_(True)
-            e = None
-            if cfg.entropy_coef != 0.0:
-                e = torch.zeros(sub_mask.shape, dtype=torch.float32, device=dev)
-                e[sub_mask] = ent
-                e.requires_grad_(True)
-            sub_loss, _ = loss_from_logps(x, batch.advantages[b0:b1], sub_mask,
-                                          old_logps=rows_of(batch.old_logps, b0, b1),
-                                          ref_logps=rows_of(batch.ref_logps, b0, b1),
-                                          is_ratio=rows_of(batch.is_ratio, b0, b1), entropy=e,
-                                          num_items_in_batch=None,
-                                          sampling_logps=rows_of(batch.sampling_logps, b0, b1), config=cfg)
-            grads = torch.autograd.grad(sub_loss, [x] if e is None else [x, e])
-        sub_w = reduction_weights(sub_mask.float(), cfg.loss_type, None, cfg.max_completion_length)
-        scale = (weights.weights[b0:b1][sub_mask] / sub_w[sub_mask])
-        g = grads[0][sub_mask] * scale
-        g_h = None if e is None else grads[1][sub_mask] * (sub_mask.sum().clamp(min=1) / weights.count)
-        return g.float(), None if g_h is None else g_h.float()
-
     o = SequenceOptions(inputs.dtype, inputs.transform, bounds, token_grads, grad_ids)
     anchor, logp, ent = _HeadSequenceGradsInForward.apply(hidden, inputs.weight, inputs.bias, ids, o)
     logp, ent = rows.scatter(logp, ent)
@@ -306,3 +269,52 @@ def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GR
                                         num_items_in_batch=batch.num_items_in_batch,
                                         sampling_logps=batch.sampling_logps, config=cfg)
     return loss.float() + anchor, metrics
+
+
+class _SequenceGrads:
+    """``token_grads(r0, r1, logp, lse, entropy)`` of ``head_sequence_grads``: d loss / d logp and d loss / d entropy
+    of the valid tokens r0 .. r1 (a chunk of whole sequences), from autograd through the reference loss on those
+    sequences alone (one definition of the maths), rescaled from the sub-batch's reduction weights to the batch's:
+    within a sequence every reduction weights its tokens alike, so the rescale is exact.
+
+    Why flat positions and not a boolean mask: ``x[mask] = v`` is a host sync (its size depends on the data), made
+    per chunk; the positions of a chunk's tokens in its (sequences, T) grid come from the valid-row index already
+    made, so the loop never waits for the device."""
+
+    def __init__(self, batch: LossInputs, cfg: GRPOLossConfig, weights, rows: ValidRows, plan, T: int, combine):
+        self.batch, self.cfg, self.weights, self.rows, self.T, self.combine = batch, cfg, weights, rows, T, combine
+        self.sequences_of = {r0: (b0, b1) for b0, b1, r0, _ in plan.sequence_chunks}
+
+    def _positions(self, r0: int, r1: int, b0: int):
+        index = self.rows.index
+        flat = torch.arange(r0, r1, device=self.weights.mask_b.device) if index is None else index[r0:r1]
+        return flat - b0 * self.T
+
+    def __call__(self, r0, r1, logp, lse, ent):
+        if self.combine is not None:
+            self.combine(r0, r1, logp, lse, ent)
+        b0, b1 = self.sequences_of[r0]
+        cfg, batch, pos = self.cfg, self.batch, self._positions(r0, r1, b0)
+        sub_mask = self.weights.mask_b[b0:b1]
+
+        def on_grid(values):  # (b1 - b0, T) fp32, the chunk's values at its valid tokens, zeros elsewhere
+            grid = torch.zeros((b1 - b0) * self.T, dtype=torch.float32, device=values.device)
+            return grid.index_copy_(0, pos, values.float()).view(b1 - b0, self.T).requires_grad_(True)
+
+        def rows_of(x):
+            return None if x is None else x[b0:b1]
+
+        with torch.enable_grad():
+            x = on_grid(logp)
+            e = on_grid(ent) if cfg.entropy_coef != 0.0 else None
+            sub_loss, _ = loss_from_logps(x, batch.advantages[b0:b1], sub_mask, old_logps=rows_of(batch.old_logps),
+                                          ref_logps=rows_of(batch.ref_logps), is_ratio=rows_of(batch.is_ratio),
+                                          entropy=e, num_items_in_batch=None,
+                                          sampling_logps=rows_of(batch.sampling_logps), config=cfg)
+            grads = torch.autograd.grad(sub_loss, [x] if e is None else [x, e])
+        sub_w = reduction_weights(sub_mask.float(), cfg.loss_type, None, cfg.max_completion_length)
+        at = lambda t: t.reshape(-1).index_select(0, pos)  # noqa: E731  (the chunk's valid tokens, in order)
+        sub_w = at(sub_w)  # 0 at a padded token, which a ``capturable`` call computes too: its gradient is 0
+        g = at(grads[0]) * torch.where(sub_w != 0, at(self.weights.weights[b0:b1]) / sub_w, 0.0)
+        g_h = None if e is None else at(grads[1]) * (sub_mask.sum().clamp(min=1) / self.weights.count)
+        return g.float(), None if g_h is None else g_h.float()

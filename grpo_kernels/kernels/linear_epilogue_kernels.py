@@ -194,7 +194,8 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
     """Row r of the chunk: fold, per-token loss terms and gradient, then (WRITE_GRAD) d logits in place.
 
     Per-token inputs (old, ref, adv, isr, reduction weight w) are fp32 (N,) indexed by token row0 + r; ge_ptr holds
-    d loss / d entropy (one fp32 value for every valid token). Writes logp, entropy, the token's 8 metric terms and
+    d loss / d entropy (one fp32 value for every valid token); a row whose weight is 0 is padding (``capturable``):
+    its terms, entropy and gradient are 0. Writes logp, entropy, the token's 8 metric terms and
     d logits = (g (onehot - p) - g_H p (log p + H)) * inv_temperature to out_ptr's row r (row stride stride_out),
     times the soft cap's derivative when SOFTCAP.
     """
@@ -205,12 +206,16 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
     target = tl.load(ids_ptr + tok)
     y_target = _target_logit(z_row, b_ptr, target, True, softcap, HAS_BIAS, SOFTCAP)
     logp = y_target * inv_temperature - lse
-    tl.store(logp_ptr + tok, logp)
-    tl.store(ent_ptr + tok, ent)
-
     # The per-token GRPO maths, defined once (token_terms.py); the reduction is the precomputed weight w.
     adv = tl.load(adv_ptr + tok)
     w = tl.load(w_ptr + tok)
+    # Why a row is valid where its weight is not 0: every reduction weights a valid token by a positive number and a
+    # padded one by 0. Padded rows reach this kernel only when the call keeps them (``capturable``): whatever their
+    # old / ref log-probs hold, they add exact zeros to every sum and gradient (per row, not per element).
+    valid = w != 0.0
+    tl.store(logp_ptr + tok, logp)
+    tl.store(ent_ptr + tok, tl.where(valid, ent, 0.0))
+
     policy, d_policy, kl, rho, rho1 = token_terms_at(logp, old_ptr, ref_ptr, isr_ptr, tok, tok, adv, eps_low,
                                                      eps_high, delta, beta, sapo_t_pos, sapo_t_neg, KIND, HAS_OLD,
                                                      HAS_REF, HAS_IS, HAS_DELTA, USE_BETA, BIAS_CORRECTION)
@@ -219,20 +224,20 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
     terms = terms_ptr + tok.to(tl.int64) * 8
     # Why the select: a NaN log-prob (NaN hidden / weight at a valid row) must reach the loss, even where the
     # policy term's clamps and minimum would drop it (advantage 0, a clipped ratio).
-    tl.store(terms + 0, tl.where(logp != logp, logp, w * policy))
-    tl.store(terms + 1, kl)
-    tl.store(terms + 2, low)
-    tl.store(terms + 3, high)
-    tl.store(terms + 4, tl.maximum(low, high))
-    tl.store(terms + 5, tl.where((rho > eps_high) & (adv > 0), 1.0, 0.0))
+    tl.store(terms + 0, tl.where(valid, tl.where(logp != logp, logp, w * policy), 0.0))
+    tl.store(terms + 1, tl.where(valid, kl, 0.0))
+    tl.store(terms + 2, tl.where(valid, low, 0.0))
+    tl.store(terms + 3, tl.where(valid, high, 0.0))
+    tl.store(terms + 4, tl.where(valid, tl.maximum(low, high), 0.0))
+    tl.store(terms + 5, tl.where(valid & (rho > eps_high) & (adv > 0), 1.0, 0.0))
     tl.store(terms + 6, 0.0)
     tl.store(terms + 7, 0.0)
 
     if WRITE_GRAD:
-        g = w * d_policy
+        g = tl.where(valid, w * d_policy, 0.0)
         g_h = 0.0
         if HAS_ENTROPY_GRAD:
-            g_h = tl.load(ge_ptr)
+            g_h = tl.where(valid, tl.load(ge_ptr), 0.0)
         # Why a second sweep rather than keeping the row on chip: V fp32 logits (600 KB at V = 152k) do not fit;
         # the second read of the row is the price of writing d logits without a recompute GEMM.
         _dlogits_row(z_row, out_ptr + r.to(tl.int64) * stride_out, b_ptr, target, y_target, lse, ent, g, g_h, V,
