@@ -93,6 +93,27 @@ def token_ids(ids: torch.Tensor, vocab_size: int, name: str = "ids") -> None:
           lambda: f", got values in [{int(ids.min())}, {int(ids.max())}]")
 
 
+def overlaps_in_memory(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory, decided from its sizes and strides alone.
+
+    Dimensions of size 1 are ignored; a zero stride on a larger dimension is overlap (``expand``). The others,
+    sorted by stride, must each step over everything the dimensions inside them reach: ``stride >= 1 + sum((size -
+    1) * stride)`` of the smaller-strided ones. Every view made by slicing (``logits[:, :-1]``, ``[:, ::2]``),
+    ``transpose`` / ``permute`` or ``narrow`` of a non-overlapping tensor passes; ``expand`` and ``as_strided``
+    onto itself fail. Why not ``torch._debug_has_internal_overlap``: it answers "too hard" for any view that is
+    not contiguous (``logits[:, :-1]`` included). Sufficient, not necessary: an interleaved ``as_strided`` layout
+    whose elements happen to be distinct (sizes (2, 3), strides (3, 2)) is also reported as overlapping."""
+    if t.numel() <= 1:
+        return False
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    reach = 1  # elements spanned by the dimensions already walked, plus one
+    for stride, size in dims:
+        if stride < reach:  # also a zero stride: every index of this dim hits the same element
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
 def same_device(**tensors) -> None:
     devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     if len(set(devices.values())) > 1:

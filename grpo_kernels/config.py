@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from . import _checks
 from .loss_types import CLIPPED_LOSS_TYPES, LOSS_TYPES  # noqa: F401  (the table's names, re-exported)
+from .peer_warnings import warn_like_peers
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPLS = ("auto", "triton", "torch")
@@ -141,6 +142,7 @@ class GRPOLossConfig:
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                or not isinstance(self.memory_budget, int) or self.memory_budget < 0):
             raise ValueError(f"memory_budget must be None or an int number of bytes >= 0, got {self.memory_budget!r}")
+        warn_like_peers(self.loss_type, self.importance_sampling_level)  # TRL's warnings (peer_warnings.py)
 
     @property
     def needs_entropy(self) -> bool:

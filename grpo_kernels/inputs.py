@@ -41,8 +41,9 @@ class LogitsInputs:
         if inplace_backward and torch.compiler.is_compiling():
             raise ValueError("inplace_backward=True is not supported under torch.compile (d logits cannot be written "
                              "into a buffer the compiled graph owns); pass inplace_backward=False")
-        if inplace_backward and logits.device.type != "meta" and torch._debug_has_internal_overlap(logits) != 0:
-            # Why refuse: d logits written into a buffer whose rows share memory would overwrite each other.
+        if inplace_backward and _checks.overlaps_in_memory(logits):
+            # Why refuse: d logits written into a buffer whose rows share memory would overwrite each other. Any
+            # non-overlapping view (logits[:, :-1], transposed, step-sliced) is written in place.
             raise ValueError("inplace_backward=True needs logits whose elements do not overlap in memory (got an "
                              "expanded or as_strided tensor); pass logits.contiguous() or inplace_backward=False")
         _checks.tensor("ids", ids, integer=True, dims=(logits.dim() - 1,))

@@ -7,6 +7,8 @@ loss, masks and reduction: inside a Triton kernel on the fast paths, else ``toke
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -202,6 +204,9 @@ class FusedLinearGRPOLoss(nn.Module):
             if named.get(required) is None:
                 raise ValueError(f"FusedLinearGRPOLoss.forward needs {required!r}")
         ref_input, ref_weight, ref_bias = (named.pop(k, None) for k in ("ref_input", "ref_weight", "ref_bias"))
+        if ref_input is not None and named.get("ref_logps") is not None:  # Liger warns the same way
+            warnings.warn("grpo_kernels: both ref_logps (Liger: ref_per_token_logps) and ref_input are given; using "
+                          "ref_logps (ref_input / ref_weight / ref_bias are ignored)", UserWarning, stacklevel=2)
         if named.get("ref_logps") is None and self.config.beta != 0.0 and ref_input is not None:
             with torch.no_grad():
                 named["ref_logps"] = linear_token_logprobs(

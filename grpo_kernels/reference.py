@@ -7,6 +7,7 @@ implementation go through ``loss_from_logps`` below, on tensors of size B x T, s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -146,22 +147,42 @@ def _masked_mean(x, mask, n_valid) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum() / n_valid.clamp(min=1)
 
 
-def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None,
-                    entropy=None, num_items_in_batch=None, sampling_logps=None,
-                    config: GRPOLossConfig | None = None):
-    """GRPO loss of docs/DESIGN.md section 2 from per-token log-probs: returns ``(loss, metrics)``.
+@dataclass(frozen=True)
+class PerTokenLoss:
+    """Section 2's per-token terms before the reduction (``per_token_loss``): (B, T) tensors or (B, 1) ones that
+    broadcast to (B, T).
 
-    logps (B, T) differentiable (fp32 or fp64); advantages (B,) or (B, T); mask (B, T) bool/int/float or None;
-    old_logps, ref_logps, sampling_logps (B, T); is_ratio (B,), (B, 1) or (B, T); entropy (B, T), differentiable
-    when ``config.entropy_coef != 0``. Inputs must already be validated and on logps' device; they are cast to
-    logps' dtype. metrics: detached 0-dim tensors ``kl``, ``entropy``, ``clip_ratio/{low,high,region}_mean`` and,
-    for cispo / vespo, ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
-    """
+    loss: ``l = policy * masks * is_ratio + beta * kl``, differentiable (padded tokens hold finite values that every
+    reduction weights by 0); kl: the k3 KL (times the ratio with ``use_bias_correction_kl``), None without
+    ``ref_logps``; coef_1: the ratio the clip metrics read (after the delta clamp, as TRL's); adv: the advantages as
+    broadcast (0 at padded tokens when (B, T)); mask: bool (B, T); entropy: 0 at padded tokens, or None; phi:
+    vespo's weights or None; entropy_mask: the top-entropy mask or None."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor | None
+    coef_1: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+    phi: torch.Tensor | None = None
+    entropy_mask: torch.Tensor | None = None
+
+    def clipped(self, cfg: GRPOLossConfig):
+        """(low, high, cispo) bool indicators of the clip metrics: ``rho < 1 - eps_low`` with A < 0, ``rho > 1 +
+        eps_high`` with A > 0, and cispo's ``rho > eps_high`` with A > 0 (TRL's definitions)."""
+        low = (self.coef_1 < 1 - cfg.epsilon_low) & (self.adv < 0)
+        high = (self.coef_1 > 1 + cfg.epsilon_high) & (self.adv > 0)
+        return low, high, (self.coef_1 > cfg.epsilon_high) & (self.adv > 0)
+
+
+def per_token_loss(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None, entropy=None,
+                   sampling_logps=None, config: GRPOLossConfig | None = None) -> PerTokenLoss:
+    """The per-token loss of docs/DESIGN.md section 2 and what its metrics read, before any reduction; arguments
+    as ``loss_from_logps`` (which reduces it)."""
     cfg = config or GRPOLossConfig()
     policy = LOSS_TABLE[cfg.loss_type].policy
     x = _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy)
     logps, mask, adv, dtype = x["logps"], x["mask"], x["adv"], logps.dtype
-    B, T = logps.shape
 
     log_ratio = logps - x["old"]
     if cfg.importance_sampling_level == "token":
@@ -177,27 +198,44 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
         if cfg.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    per_token_loss, phi, coef_1 = _policy_term(policy, coef_1, adv, logps, log_ratio, mask, x["is_ratio"], cfg)
+    loss, phi, coef_1 = _policy_term(policy, coef_1, adv, logps, log_ratio, mask, x["is_ratio"], cfg)
     if cfg.off_policy_mask_threshold is not None:
         sampling = x["old"] if x["sampling"] is None else x["sampling"]
-        per_token_loss = per_token_loss * off_policy_mask(adv, logps, sampling, mask,
-                                                          cfg.off_policy_mask_threshold).to(dtype)
-    entropy, entropy_mask = x["entropy"], None
+        loss = loss * off_policy_mask(adv, logps, sampling, mask, cfg.off_policy_mask_threshold).to(dtype)
+    entropy_mask = None
     if cfg.top_entropy_quantile < 1.0:
-        entropy_mask = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile)
-        per_token_loss = per_token_loss * entropy_mask.to(dtype)
+        entropy_mask = high_entropy_mask(x["entropy"], mask, cfg.top_entropy_quantile)
+        loss = loss * entropy_mask.to(dtype)
     if x["is_ratio"] is not None and policy != "vespo":
-        per_token_loss = per_token_loss * x["is_ratio"]
+        loss = loss * x["is_ratio"]
     if cfg.beta != 0.0:
-        per_token_loss = per_token_loss + cfg.beta * per_token_kl
+        loss = loss + cfg.beta * per_token_kl
+    return PerTokenLoss(loss, per_token_kl, coef_1, adv, mask, x["entropy"], phi, entropy_mask)
 
+
+def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None,
+                    entropy=None, num_items_in_batch=None, sampling_logps=None,
+                    config: GRPOLossConfig | None = None):
+    """GRPO loss of docs/DESIGN.md section 2 from per-token log-probs: returns ``(loss, metrics)``.
+
+    logps (B, T) differentiable (fp32 or fp64); advantages (B,) or (B, T); mask (B, T) bool/int/float or None;
+    old_logps, ref_logps, sampling_logps (B, T); is_ratio (B,), (B, 1) or (B, T); entropy (B, T), differentiable
+    when ``config.entropy_coef != 0``. Inputs must already be validated and on logps' device; they are cast to
+    logps' dtype. metrics: detached 0-dim tensors ``kl``, ``entropy``, ``clip_ratio/{low,high,region}_mean`` and,
+    for cispo / vespo, ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
+    """
+    cfg = config or GRPOLossConfig()
+    terms = per_token_loss(logps, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio,
+                           entropy=entropy, sampling_logps=sampling_logps, config=cfg)
+    mask, dtype = terms.mask, logps.dtype
+    B, T = logps.shape
     weights = reduction_weights(mask.to(dtype), cfg.loss_type, num_items_in_batch, cfg.max_completion_length)
-    loss = torch.where(mask, weights * per_token_loss.expand(B, T), 0.0).sum()
+    loss = torch.where(mask, weights * terms.loss.expand(B, T), 0.0).sum()
 
     if cfg.entropy_coef != 0.0:
-        eff = mask if entropy_mask is None else entropy_mask
-        loss = loss - cfg.entropy_coef * torch.where(eff, entropy, 0.0).sum() / eff.sum().clamp(min=1)
-    return loss, _metrics(coef_1, adv, mask, per_token_kl, entropy, phi, cfg)
+        eff = mask if terms.entropy_mask is None else terms.entropy_mask
+        loss = loss - cfg.entropy_coef * torch.where(eff, terms.entropy, 0.0).sum() / eff.sum().clamp(min=1)
+    return loss, _metrics(terms, cfg)
 
 
 def _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy):
@@ -245,26 +283,24 @@ def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg):
     return -phi * adv * logps, phi, coef_1
 
 
-def _metrics(coef_1, adv, mask, per_token_kl, entropy, phi, cfg) -> dict:
+def _metrics(terms: PerTokenLoss, cfg) -> dict:
     """The metrics dict (detached 0-dim masked means over the batch) of ``loss_from_logps``."""
     with torch.no_grad():
-        dtype = coef_1.dtype
+        mask, dtype = terms.mask, terms.coef_1.dtype
         n_valid = mask.sum().to(dtype)
-        zero = torch.zeros((), dtype=dtype, device=coef_1.device)
-        low = (coef_1 < 1 - cfg.epsilon_low) & (adv < 0)
-        high = (coef_1 > 1 + cfg.epsilon_high) & (adv > 0)
+        zero = torch.zeros((), dtype=dtype, device=mask.device)
+        low, high, cispo_clipped = terms.clipped(cfg)
         metrics = {
-            "kl": zero if per_token_kl is None else _masked_mean(per_token_kl, mask, n_valid),
-            "entropy": zero if entropy is None else _masked_mean(entropy.detach(), mask, n_valid),
+            "kl": zero if terms.kl is None else _masked_mean(terms.kl, mask, n_valid),
+            "entropy": zero if terms.entropy is None else _masked_mean(terms.entropy.detach(), mask, n_valid),
             "clip_ratio/low_mean": _masked_mean(low.to(dtype), mask, n_valid),
             "clip_ratio/high_mean": _masked_mean(high.to(dtype), mask, n_valid),
             "clip_ratio/region_mean": _masked_mean((low | high).to(dtype), mask, n_valid),
         }
         if LOSS_TABLE[cfg.loss_type].policy == "cispo":
-            metrics["cispo_clip_ratio"] = _masked_mean(((coef_1 > cfg.epsilon_high) & (adv > 0)).to(dtype),
-                                                       mask, n_valid)
-        if phi is not None:
-            metrics["vespo/phi_seq_mean"] = _masked_mean(phi, mask, n_valid)
+            metrics["cispo_clip_ratio"] = _masked_mean(cispo_clipped.to(dtype), mask, n_valid)
+        if terms.phi is not None:
+            metrics["vespo/phi_seq_mean"] = _masked_mean(terms.phi, mask, n_valid)
         return {k: v.detach() for k, v in metrics.items()}
 
 

@@ -22,7 +22,8 @@ def _run(name: str, steps: int, timeout: int = 240) -> str:
 
 
 def test_examples_are_short_and_documented():
-    assert [p.name for p in EXAMPLES] == ["fused_loss_loop.py", "train_custom_reward.py", "trl_grpo.py"]
+    assert [p.name for p in EXAMPLES] == ["fused_loss_loop.py", "liger_switch.py", "train_custom_reward.py",
+                                          "trl_grpo.py"]
     for path in EXAMPLES:
         text = path.read_text()
         assert len(text.splitlines()) <= 50, path.name
@@ -50,6 +51,16 @@ def test_fused_loss_loop_learns():
     out = _run("fused_loss_loop.py", steps=30)
     rewards = [float(r) for r in re.findall(r"reward ([\d.]+)", out)]
     assert len(rewards) == 4 and rewards[0] < 0.2 and rewards[-1] > 0.8, out
+
+
+def test_liger_switch_runs_liger_code_on_grpo_kernels():
+    """Liger's API after one changed import; with liger-kernel installed, Liger's own loss on the same batch."""
+    out = _run("liger_switch.py", steps=2)
+    assert re.search(r"step  1  loss [+-][\d.]+  kl [\d.]+  clip_ratio [\d.]+", out), out
+    if "not installed" not in out:
+        theirs, ours = map(float, re.search(r"own module: loss ([+-][\d.]+), grpo_kernels.liger: loss ([+-][\d.]+)",
+                                            out).groups())
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
 
 
 def test_char_tokenizer_is_public(tmp_path):

@@ -80,6 +80,18 @@ def as_btv(logits: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def dlogits_result(logits: torch.Tensor, x: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """d logits, written by a kernel into ``out`` (B, T, V), shaped like ``logits``; ``x`` is ``as_btv(logits)``.
+
+    In place, the kernel wrote into ``x``: that is ``logits`` itself for any batch / time strides (slices such as
+    ``logits[:, :-1]``, transposes), but a private copy when the vocab dim is strided; then one copy back makes
+    ``logits`` hold d logits all the same (the elements outside the view are never touched)."""
+    if inplace and x.data_ptr() != logits.data_ptr():
+        logits.copy_(out.view(logits.shape))
+        out = logits
+    return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
+
+
 def tiles(kernel: str, x: torch.Tensor, block_v: int | None = None) -> RowTiles:
     """The tile table's launch configuration for ``kernel`` on ``x``'s device and dtype, the vocab block capped
     by ``block_v`` (or the testing override's ``max_block_v``) when given."""
@@ -116,15 +128,13 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
     """d loss / d logits from per-token grads of logp and entropy (fp32 (N,); grad_entropy may be None), with
     ``softcap`` the same as the forward's (lse / entropy are then the capped row's; the cap's derivative is applied).
 
-    Returns a tensor shaped like ``logits`` in its dtype: a new buffer, or ``logits`` itself when ``inplace``.
+    Returns a tensor shaped like ``logits`` in its dtype: a new buffer, or ``logits`` itself when ``inplace`` (any
+    non-overlapping view: ``dlogits_result``).
     """
     x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
-    if inplace and x.data_ptr() == (logits if logits.dim() == 3 else logits.unsqueeze(0)).data_ptr():
-        out = x
-    else:
-        out = alloc((B, T, V), x.dtype, x.device)
+    out = x if inplace else alloc((B, T, V), x.dtype, x.device)
     if N:
         cfg = tiles("backward", x, block_v)
         has_h = grad_entropy is not None
@@ -134,7 +144,7 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
                **cap_args(softcap), HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v,
                VEC=vec_for(cfg.block_v, x.dtype),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
+    return dlogits_result(logits, x, out, inplace)
 
 
 def aot_launches():

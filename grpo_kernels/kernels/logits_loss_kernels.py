@@ -21,7 +21,7 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .logits_kernels import as_btv, tiles
+from .logits_kernels import as_btv, dlogits_result, tiles
 from .common import cap_args, num_sms, soft_cap
 from .logits_rows import row_logsumexp_entropy, vec_for, write_row_dlogits
 from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
@@ -117,8 +117,8 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inp
     log-probs, importance weight); ``h_scale`` a one-element fp32 tensor
     ``-entropy_coef / max(n_valid, 1)`` or None; ``cfg`` the loss options (the policy's hyper-parameters);
     ``transform`` the logits transform (``config.LogitTransform``: temperature, soft cap); ``kind`` the policy term's
-    index. With ``inplace`` the
-    d logits overwrite the logits buffer (a copy is made only when the vocab dim is strided)."""
+    index. With ``inplace`` the d logits overwrite the logits buffer, any non-overlapping view of it (through a
+    private copy, copied back, only when the vocab dim is strided)."""
     x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
@@ -144,7 +144,7 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inp
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
                BLOCK_V=cfg_t.block_v, VEC=vec_for(cfg_t.block_v, x.dtype), num_warps=cfg_t.num_warps,
                num_stages=cfg_t.num_stages)
-    return (out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)), terms
+    return dlogits_result(logits, x, out, inplace), terms
 
 
 def scale_dlogits_(dlogits: torch.Tensor, scale: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ def scale_dlogits_(dlogits: torch.Tensor, scale: torch.Tensor, mask_f: torch.Ten
         t = tiles("backward", x)
         launch(scale_dlogits, (B * T,), x, scale.reshape(1).float(), mask_f, T, V, x.stride(0), x.stride(1),
                BLOCK_V=t.block_v, num_warps=t.num_warps, num_stages=t.num_stages)
-    return dlogits
+    return dlogits_result(dlogits, x, x, True)  # a strided vocab dim: the scaled copy is copied back
 
 
 def aot_launches():

@@ -57,11 +57,15 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, transform: LogitTran
 
 def _torch_backward(logits, ids, lse, entropy, grads, transform: LogitTransform, inplace: bool, chunk_rows: int):
     """d logits, chunk by chunk, formed in place: two chunk_rows x V temporaries at a time (with or without a soft
-    cap). grads: (d loss / d logp, d loss / d entropy or None), flat in the accumulation dtype."""
+    cap). grads: (d loss / d logp, d loss / d entropy or None), flat in the accumulation dtype. ``inplace``:
+    ``logits`` itself holds d logits on return, for any non-overlapping view."""
     grad_logp, grad_entropy = grads
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
-    out = x if inplace and x.data_ptr() == logits.data_ptr() else torch.empty_like(x)
+    # Why a copy can be the output: reshape copies views that cannot be flattened (logits[:, :-1], transposes) and
+    # that copy is private; each chunk reads its rows before writing them, as in place. In place, it is copied back.
+    private = x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
+    out = x if inplace or private else torch.empty_like(x)
     flat_ids = ids.reshape(-1)
     acc = lse.dtype
     inv_t = transform.inv_temperature
@@ -81,6 +85,9 @@ def _torch_backward(logits, ids, lse, entropy, grads, transform: LogitTransform,
         dz.masked_fill_(~active, 0.0)
         out[rows].copy_(dz)
         del dz
+    if inplace and private:
+        logits.copy_(out.view(logits.shape))
+        return logits.view(logits.shape)
     return out.view(logits.shape)
 
 

@@ -1,0 +1,145 @@
+"""inplace_backward=True on non-overlapping views of a larger logits buffer (issue 30): ``logits[:, :-1]`` (the
+shifted sequence every causal-LM caller scores), transposed, step-sliced and vocab-strided views, on every logits
+path. The gradient equals the out-of-place call's, the view holds d logits afterwards, and the elements of the
+buffer outside the view are untouched. Overlap is decided from sizes and strides (``_checks.overlaps_in_memory``):
+only real overlap (expand, as_strided onto itself) is refused."""
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels import planner
+from grpo_kernels._checks import overlaps_in_memory
+from grpo_kernels.explain import plan_call
+from grpo_kernels.logits.logprobs import TORCH_LOGITS_TEMPS
+from tests.cases import CASES, make_inputs
+
+B, T, V = 3, 5, 37
+
+
+def _view(kind: str, raw: torch.Tensor):
+    """(buffer, view of it shaped (B, T, V)) for ``raw`` (B, T, V) values; the buffer is a non-leaf tensor (as a
+    model's logits are) holding ``raw`` inside the view and other values outside it."""
+    g = torch.Generator().manual_seed(11)
+    if kind == "shifted":            # logits[:, :-1]: the caller's (B, T + 1, V) logits
+        base = torch.randn(B, T + 1, V, generator=g)
+        index = (slice(None), slice(0, T))
+        make = lambda buf: buf[:, :-1]                                      # noqa: E731
+    elif kind == "transposed":       # (T + 1, B, V) time-major logits, transposed and shifted
+        base = torch.randn(T + 1, B, V, generator=g)
+        index = (slice(1, T + 1),)
+        make = lambda buf: buf.transpose(0, 1)[:, 1:]                       # noqa: E731
+    elif kind == "step":             # every second position
+        base = torch.randn(B, 2 * T, V, generator=g)
+        index = (slice(None), slice(0, 2 * T, 2))
+        make = lambda buf: buf[:, ::2]                                      # noqa: E731
+    elif kind == "vocab-strided":    # vocab-major storage: the kernels' unit-stride rows need a private copy
+        base = torch.randn(V + 3, B, T, generator=g)
+        index = (slice(2, V + 2),)
+        make = lambda buf: buf.permute(1, 2, 0)[..., 2:V + 2]               # noqa: E731
+    else:
+        raise AssertionError(kind)
+    base = base.to(raw.dtype)
+    make(base).copy_(raw)
+    assert not overlaps_in_memory(make(base)) and not make(base).is_contiguous()
+    return base, index, make
+
+
+KINDS = ["shifted", "transposed", "step", "vocab-strided"]
+# (function, impl, grad_in_forward, importance_sampling_level) -> the path the planner picks
+PATHS = {
+    "token_logprobs-torch": ("token_logprobs", "torch", True, "token", planner.LOGITS_TORCH),
+    "token_logprobs-triton": ("token_logprobs", "triton", True, "token", planner.LOGITS_SWEEP),
+    "grpo_loss-torch": ("grpo_loss", "torch", True, "token", planner.LOGITS_TORCH),
+    "grpo_loss-triton-fast": ("grpo_loss", "triton", True, "token", planner.LOGITS_FAST),
+    "grpo_loss-triton-sweep": ("grpo_loss", "triton", False, "token", planner.LOGITS_SWEEP),
+    "grpo_loss-triton-sequence": ("grpo_loss", "triton", True, "sequence", planner.LOGITS_SWEEP),
+}
+
+
+def _run(path: str, kind: str, raw, inputs, inplace: bool, knobs, plans):
+    """Forward + backward of ``path`` on the ``kind`` view; returns (grad of the buffer's leaf, buffer after)."""
+    fn, impl, gif, level, _ = PATHS[path]
+    leaf, index, make = _view(kind, raw)
+    leaf = leaf.requires_grad_(True)
+    buffer = leaf * 1.0              # a non-leaf buffer, as a model's logits
+    view = make(buffer)
+    knobs(max_block_v=16)            # the Triton sweeps cross vocab-block boundaries and a tail
+    budget = None
+    if impl == "torch":              # several row chunks: room for 2 rows of temporaries beside the rest
+        probe = plan_call(gk.token_logprobs, view.detach(), inputs["ids"], impl="torch")
+        budget = probe.transient_bytes - (probe.chunk_rows - 2) * TORCH_LOGITS_TEMPS * 4 * V
+    if fn == "token_logprobs":
+        logp, entropy = gk.token_logprobs(view, inputs["ids"], temperature=0.8, return_entropy=True, impl=impl,
+                                          inplace_backward=inplace, memory_budget=budget)
+        out = (logp * inputs["advantages"][:, None]).sum() + 0.3 * (entropy * inputs["mask"]).sum()
+    else:
+        rest = {k: inputs[k] for k in ("old_logps", "ref_logps") if k in inputs}
+        out, _ = gk.grpo_loss(view, inputs["ids"], inputs["advantages"], inputs["mask"], impl=impl,
+                              inplace_backward=inplace, loss_type="grpo", beta=0.04, epsilon_high=0.28,
+                              temperature=0.8, grad_in_forward=gif, importance_sampling_level=level,
+                              memory_budget=budget, **rest)
+    (2.0 * out).backward()           # a scaled loss: the fast path's backward rescales the stored gradient
+    if impl == "torch":
+        assert plans[-1].chunk_rows == 2, plans[-1]
+    assert plans[-1].path == PATHS[path][4], plans[-1]
+    return leaf.grad, buffer.detach(), index, make
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_inplace_on_a_view_matches_out_of_place(path, kind, knobs, plans):
+    impl = PATHS[path][1]
+    if impl == "triton":
+        pytest.importorskip("triton")
+    case = next(c for c in CASES if c.id == "grpo-beta-kl")
+    inputs = make_inputs(case, B=B, T=T, V=V, seed=4)
+    raw = inputs.pop("logits")
+    expected, untouched, _, _ = _run(path, kind, raw, inputs, False, knobs, plans)
+    grad, after, index, make = _run(path, kind, raw, inputs, True, knobs, plans)
+    assert torch.equal(grad, expected), (grad - expected).abs().max()
+    # the view holds d logits (the gradient of the view), the rest of the buffer is as it was
+    assert torch.equal(make(after), make(expected))
+    outside = torch.ones_like(after, dtype=torch.bool)
+    make(outside).fill_(False)
+    assert outside.any() and torch.equal(after[outside], untouched[outside])
+    # the out-of-place call left the whole buffer alone
+    assert torch.equal(make(untouched), raw)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_token_logprobs_on_a_row_slice_of_2d_logits(impl):
+    """(N, V) logits sliced out of a wider, taller buffer: written in place, the rest untouched."""
+    g = torch.Generator().manual_seed(2)
+    leaf = torch.randn(9, V + 4, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (7,), generator=g)
+    expected = torch.autograd.grad(gk.token_logprobs(leaf[1:8, 2:V + 2], ids, impl=impl).sum(), leaf)[0]
+    buffer = leaf * 1.0
+    gk.token_logprobs(buffer[1:8, 2:V + 2], ids, impl=impl, inplace_backward=True).sum().backward()
+    assert torch.equal(leaf.grad, expected)
+    assert torch.equal(buffer.detach()[1:8, 2:V + 2], expected[1:8, 2:V + 2])
+    assert torch.equal(buffer.detach()[0], leaf.detach()[0]) and torch.equal(buffer.detach()[:, :2],
+                                                                             leaf.detach()[:, :2])
+
+
+def test_overlap_is_decided_from_sizes_and_strides():
+    x = torch.zeros(2, 5, 7)
+    for fine in (x, x[:, :-1], x[:, ::2], torch.zeros(5, 2, 7).transpose(0, 1), x[..., 1:4],
+                 torch.zeros(7, 2, 5).permute(1, 2, 0), torch.zeros(1, 1, 7).expand(1, 1, 7), torch.zeros(0, 3),
+                 x.as_strided((2, 3), (10, 3))):
+        assert not overlaps_in_memory(fine), (tuple(fine.shape), fine.stride())
+    for bad in (torch.zeros(1, 1, 7).expand(2, 3, 7), x.as_strided((2, 5, 7), (7, 7, 1)), x.unfold(2, 3, 1),
+                x.as_strided((4, 4), (1, 1))):
+        assert overlaps_in_memory(bad), (tuple(bad.shape), bad.stride())
+
+
+@pytest.mark.parametrize("make", [lambda x: x[:1, :1].expand(2, 3, 11), lambda x: x.as_strided((2, 3, 11), (0, 11, 1)),
+                                  lambda x: x.as_strided((2, 3, 11), (11, 5, 1))],
+                         ids=["expanded", "as_strided-zero-stride", "as_strided-rows-overlap"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_real_overlap_is_refused(make, impl):
+    logits = make(torch.randn(2, 3, 11))
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        gk.grpo_loss(logits, ids, torch.ones(2), inplace_backward=True, impl=impl)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        gk.token_logprobs(logits, ids, inplace_backward=True, impl=impl)
