@@ -79,20 +79,20 @@ def hand_out(grads, grad_loss, dtypes, in_place: bool) -> list:
     """The gradients a gradient-in-forward pass stored at a loss gradient of 1, scaled by the incoming gradient of
     the loss and cast to their tensors' dtypes with one rounding from the fp32 accumulators.
 
-    in_place (eager): a gradient already in its tensor's dtype is scaled in its own buffer (an fp32 master weight's
-    gradient is the accumulator: no second V x H buffer); otherwise (the registered op's backward, which AOTAutograd
-    traces) into new buffers."""
+    in_place (eager): one pass of the scale kernel, the scale read on the device (``kernels/scale_kernels.py``): a
+    gradient already in its tensor's dtype is scaled in its own buffer, and not touched at all for a scale of 1 (an
+    fp32 master weight's gradient is the accumulator: no second V x H buffer, no pass); a half-precision one is
+    scaled and cast in one read of the accumulator. Otherwise (the registered op's backward, which AOTAutograd
+    traces) torch ops into new buffers."""
     out = []
     for grad, dtype in zip(grads, dtypes):
         if grad is None or dtype is None:
             out.append(None)
         elif not in_place:
             out.append((grad * grad_loss).to(dtype))
-        elif grad.dtype == dtype:
-            out.append(grad.mul_(grad_loss.to(grad.device)))
         else:
-            scaled = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-            out.append(torch.mul(grad, grad_loss.to(grad.device), out=scaled))
+            from ..kernels.scale_kernels import scaled_gradient  # lazy: creates the Triton kernel
+            out.append(scaled_gradient(grad, grad_loss.to(grad.device), dtype))
     return out
 
 
