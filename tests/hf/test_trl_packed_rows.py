@@ -12,6 +12,7 @@ tokens), ``shift_labels`` is the next token at each trained position and -100 el
   log-probs, entropies and (fp32) the model's gradients, and the padded (B, T) call equals the packed one;
 - the exact AsyncGRPO call (TRL's ``TreeRow.pack``, shared prompts, TRL's ``tree_fa3`` attention), with flash-attn's
   varlen function replaced by a PyTorch equivalent: the real one is a CUDA kernel fetched from the Hugging Face hub;
+  also through TRL's CUDA branch, which hands the head only the labelled positions;
 - ``patch_trl(strict=True)`` accepts an AsyncGRPO model at setup, and the report lists the route;
 - a two-step AsyncGRPO run, stock vs patched, with an in-process rollout stub (no vLLM server).
 Every patched call must reach grpo_kernels: TRL's own kernel raises if it is called.
@@ -32,6 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from trl.experimental.async_grpo import async_grpo_trainer as trl_async  # noqa: E402
 from trl.experimental.async_grpo import packing as trl_packing  # noqa: E402
 from trl.kernels import ChunkedLogProbFunction  # noqa: E402
+import trl.trainer.utils as trl_utils  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import grpo_kernels  # noqa: E402
@@ -246,10 +248,14 @@ def test_packed_row_stock_vs_patched(family, precision, impl, only_grpo_kernels,
         torch.testing.assert_close(ent_pad[scored], ent[0, token_index], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_async_grpo_tree_row(family, tree_attention, only_grpo_kernels):
+@pytest.mark.parametrize("family, compact", [("llama", False), ("qwen2", False), ("llama", True)],
+                         ids=["llama", "qwen2", "llama-compact"])
+def test_async_grpo_tree_row(family, compact, tree_attention, only_grpo_kernels, monkeypatch):
     """AsyncGRPO's exact call: TRL's TreeRow packing (a group's samples share their prompt, forwarded once) and its
-    tree attention; stock and patched log-probs / entropies at ``token_index`` against float64 per-sequence truth."""
+    tree attention; stock and patched log-probs / entropies at ``token_index`` against float64 per-sequence truth.
+    compact: TRL's CUDA branch (only the labelled positions reach the head, scattered back), taken here on CPU."""
+    if compact:
+        monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
     model, model64 = _tiny_model(family, tree_attention), _tiny_model(family).double()
     samples = _samples(shared_prompts=True)
     inputs, tree, token_index = _pack(samples)
@@ -265,7 +271,8 @@ def test_async_grpo_tree_row(family, tree_attention, only_grpo_kernels):
     calls = only_grpo_kernels()
     with patch_trl(strict=True):
         ours = [x.flatten()[token_index] for x in _fused(model, inputs, tree)]
-    assert len(calls) == 1
+    labelled = int((inputs["shift_labels"] != -100).sum())
+    assert len(calls) == 1 and calls[0][0] == (labelled if compact else inputs["input_ids"].shape[1])
     for name, (lp, ent) in {"patched": ours, "stock TRL": stock}.items():
         assert_three_way(lp, naive_lp, truth_lp, torch.float32, f"{family} tree row {name} log-probs")
         assert_three_way(ent, naive_ent, truth_ent, torch.float32, f"{family} tree row {name} entropies")
