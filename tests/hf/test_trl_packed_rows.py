@@ -143,11 +143,13 @@ def only_grpo_kernels(monkeypatch):
     return arm
 
 
-def _fused(model, inputs, tree=None, patched=False, autocast=False):
-    """Per-token (log_probs, entropy) of TRL's fused forward, flat over the row (the padded call: (B, T-1))."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = model(**inputs, **(tree or {}), fused_lm_head=True)
-    return out.log_probs, out.entropy
+def _fused(model, inputs, tree=None, autocast=False):
+    """Per-token (log_probs, entropy) of TRL's fused forward on the model's device, returned on the CPU: (1, N) for a
+    packed row, (B, T-1) for the padded call."""
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = model(**{k: v.to(device) for k, v in inputs.items()}, **(tree or {}), fused_lm_head=True)
+    return out.log_probs.cpu(), out.entropy.cpu()
 
 
 def _logprobs_entropy(logits, ids):
@@ -161,41 +163,48 @@ def _per_sequence(model, samples, coef=None, autocast=False):
     float64 model gives the ground truth). Returns (logp, entropy) at the trained tokens in TRL's ``token_index``
     order and, with coef, the gradients of ``sum(coef[0] * logp + coef[1] * entropy)``."""
     logps, ents = [], []
+    device = next(model.parameters()).device
     for s in samples:
-        ids, scored = s["input_ids"], s["completion_mask"][1:].bool()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ids, scored = s["input_ids"].to(device), s["completion_mask"][1:].bool().to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=ids[None]).logits[0, :-1]
         lp, ent = _logprobs_entropy(logits.detach() if coef is None else logits, ids[1:])
         logps.append(lp[scored])
         ents.append(ent[scored])
-    logp, ent = torch.cat(logps), torch.cat(ents)
+    logp, ent = torch.cat(logps).cpu(), torch.cat(ents).cpu()
     if coef is None:
         return logp, ent, None
     model.zero_grad()
     (coef[0].to(logp.dtype) @ logp + coef[1].to(ent.dtype) @ ent).backward()
-    return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logp.detach(), ent.detach(), {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
 def _grads_of(model, logp, ent, coef):
     model.zero_grad()
     (coef[0] @ logp.double() + coef[1] @ ent.double()).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family, precision, impl", [
-    ("llama", "fp32", "auto"), ("llama", "bf16-autocast", "auto"), ("qwen2", "fp32", "auto"),
-    ("qwen2", "bf16-autocast", "auto"),
-    pytest.param("llama", "fp32", "triton", marks=pytest.mark.interpreter),
-    pytest.param("qwen2", "bf16-autocast", "triton", marks=pytest.mark.interpreter),
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("family, precision, impl, device", [
+    ("llama", "fp32", "auto", "cpu"), ("llama", "bf16-autocast", "auto", "cpu"), ("qwen2", "fp32", "auto", "cpu"),
+    ("qwen2", "bf16-autocast", "auto", "cpu"),
+    pytest.param("llama", "fp32", "triton", "cpu", marks=pytest.mark.interpreter),
+    pytest.param("qwen2", "bf16-autocast", "triton", "cpu", marks=pytest.mark.interpreter),
+    # CUDA: TRL compacts the row to its labelled positions; TRL's Triton kernel vs grpo_kernels' Triton kernels.
+    pytest.param("llama", "fp32", "auto", "cuda", marks=_CUDA),
+    pytest.param("qwen2", "bf16-autocast", "auto", "cuda", marks=_CUDA),
 ], ids=lambda v: v)
-def test_packed_row_stock_vs_patched(family, precision, impl, only_grpo_kernels, monkeypatch):
+def test_packed_row_stock_vs_patched(family, precision, impl, device, only_grpo_kernels, monkeypatch):
     """A packed row (position_ids restarting, shift_labels) through TRL's fused forward: stock and patched against
     float64 per-sequence truth (three-way rule), gradients too in fp32; the padded (B, T) call gives the same
     log-probs at the completion tokens."""
     if impl == "triton":
         monkeypatch.setenv("GRPO_KERNELS_IMPL", "triton")
     autocast, dtype = precision == "bf16-autocast", (torch.bfloat16 if precision == "bf16-autocast" else torch.float32)
-    model = _tiny_model(family)
+    model = _tiny_model(family).to(device)
     model64 = _tiny_model(family).double()
     samples = _samples(shared_prompts=False)
     inputs, _, token_index = _pack(samples)
@@ -224,7 +233,8 @@ def test_packed_row_stock_vs_patched(family, precision, impl, only_grpo_kernels,
         padded = dict(input_ids=ids, attention_mask=(torch.arange(width)[None] < torch.tensor(lens)[:, None]).long(),
                       labels=labels)
         lp_pad, ent_pad = _fused(model, padded, autocast=autocast)
-    assert len(calls) == 2 and calls[0][0] == inputs["input_ids"].shape[1]  # one call per forward, the whole row
+    # One call per forward: the whole row (TRL scores every position off CUDA), its labelled positions on CUDA.
+    assert len(calls) == 2 and calls[0][0] == (m if device == "cuda" else inputs["input_ids"].shape[1])
     assert lp.shape == ent.shape == inputs["input_ids"].shape and lp.dtype == torch.float32
     assert (lp[inputs["shift_labels"] == -100] == 0).all()  # TRL's convention: zero where not trained
 
