@@ -301,14 +301,16 @@ def test_patch_returns_a_report_and_logs_one_line(caplog):
         report = grpo_kernels.patch_trl()
     assert isinstance(report, gk_trl.TRLPatchReport) and report.newly_patched and not report.strict
     assert report.trl_version == trl.__version__
-    assert report.patched == ("trl.trainer.utils._ChunkedLogProbFunction",
-                              "trl.trainer.grpo_trainer.add_fused_lm_head")
-    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 4
+    assert report.patched[:2] == ("trl.trainer.utils._ChunkedLogProbFunction",
+                                  "trl.trainer.grpo_trainer.add_fused_lm_head")
+    assert report.patched[2:] == ("trl.experimental.async_grpo.async_grpo_trainer.add_fused_lm_head",)  # padding-free
+    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 5
     assert any("final_logit_softcapping" in r.calls for r in report.kernel_calls)
     assert any("soft cap not finite > 0" in r.calls and "warned once" in r.why for r in report.fallbacks)
     text = str(report).splitlines()
     assert text[0] == (f"grpo_kernels.patch_trl: TRL {trl.__version__} patched (strict=False); swapped: "
-                       "trl.trainer.utils._ChunkedLogProbFunction, trl.trainer.grpo_trainer.add_fused_lm_head")
+                       "trl.trainer.utils._ChunkedLogProbFunction, trl.trainer.grpo_trainer.add_fused_lm_head, "
+                       "trl.experimental.async_grpo.async_grpo_trainer.add_fused_lm_head")
     assert len(text) == 3 + len(report.routes) <= 12
     assert text[3].split()[:2] == ["GRPO/RLOO", "policy"] and "grpo_kernels" in text[3]
     records = [r for r in caplog.records if r.name == "grpo_kernels"]
