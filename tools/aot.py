@@ -76,6 +76,7 @@ class KernelReport:
     loop_instructions: list = dataclasses.field(default_factory=list)  # SASS per sweep loop body, in code order
     loop_elements: int = 0  # elements per thread one iteration covers (0: not a row sweep)
     error: str = ""
+    triton: str = ""  # the version of the Triton that compiled it
 
     @property
     def per_element(self) -> list:
@@ -260,7 +261,8 @@ def report(name: str, fn, signature: dict, constexprs: dict, arch: int = 90) -> 
                         spill_loads=info["spill_loads"], shared_bytes=kernel.metadata.shared + info["static_shared"],
                         num_warps=warps, num_stages=stages, hgmma=info["hgmma"], hmma=info["hmma"],
                         ldg128=info["ldg128"], stg128=info["stg128"], ldg16=info["ldg16"], stg16=info["stg16"],
-                        loop_instructions=info["loop_instructions"], loop_elements=loop_elements(constexprs))
+                        loop_instructions=info["loop_instructions"], loop_elements=loop_elements(constexprs),
+                        triton=_triton()[0].__version__)
 
 
 _REPORT_FILE = "grpo_aot_report_v3.json"  # v3: with the sweep-loop instruction counts
@@ -293,24 +295,30 @@ def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
 def module_configs(module: str, arch: int):
     """Every distinct kernel config ``module.aot_launches()`` launches for ``sm_<arch>`` (see the module docstring).
 
-    A scenario that launches one kernel names its config; one that launches several (a forward and its merge)
-    names them ``scenario/kernel``. Identical configs reached from several scenarios are listed once."""
+    Each scenario is recorded as a CUDA run would launch it (``launch.recording``: GPU routes, compiled tiles), twice:
+    under torch's default fp32 matmul precision ("highest", IEEE fp32) and under "high" (TF32). A scenario that
+    launches one kernel names its config; one that launches several (a forward and its merge) names them
+    ``scenario/kernel``; configs that only the TF32 run launches get ``_tf32`` after the scenario's name. Identical
+    configs reached from several scenarios (or both precisions) are listed once."""
     from grpo_kernels.kernels.launch import recording
 
     configs, seen = [], set()
-    for name, thunk in importlib.import_module(module).aot_launches():
-        with recording(arch) as records:
-            thunk()
-        if not records:
-            raise RuntimeError(f"{module}: AOT scenario {name!r} launched no kernel")
-        for rec in records:
-            sig, consts = signature_of(rec.kernel, rec.args, rec.kwargs)
-            key = (_as_jit(rec.kernel).fn, tuple(sorted(sig.items())), repr(sorted(consts.items())))
-            if key in seen:
-                continue
-            seen.add(key)
-            label = name if len(records) == 1 else f"{name}/{_as_jit(rec.kernel).__name__}"
-            configs.append((label, rec.kernel, sig, consts))
+    scenarios = importlib.import_module(module).aot_launches()
+    for tf32 in (False, True):
+        for name, thunk in scenarios:
+            with recording(arch, tf32=tf32) as records:
+                thunk()
+            if not records:
+                raise RuntimeError(f"{module}: AOT scenario {name!r} launched no kernel")
+            scenario = f"{name}_tf32" if tf32 else name
+            for rec in records:
+                sig, consts = signature_of(rec.kernel, rec.args, rec.kwargs)
+                key = (_as_jit(rec.kernel).fn, tuple(sorted(sig.items())), repr(sorted(consts.items())))
+                if key in seen:
+                    continue
+                seen.add(key)
+                label = scenario if len(records) == 1 else f"{scenario}/{_as_jit(rec.kernel).__name__}"
+                configs.append((label, rec.kernel, sig, consts))
     return configs
 
 
@@ -323,22 +331,35 @@ def _report_job(job) -> KernelReport:
         return report(name, fn, sig, const, arch)
     except Exception as exc:
         return KernelReport(name, arch, 0, 0, 0, 0, 0, 0, const.get("num_warps", 4), const.get("num_stages", 3),
-                            False, False, error=f"{type(exc).__name__}: {exc}")
+                            False, False, error=f"{type(exc).__name__}: {exc}", triton=_triton()[0].__version__)
+
+
+def child_python() -> str:
+    """The interpreter whose Triton compiles in ``report_module``'s child process: ``$GRPO_AOT_PYTHON`` when set
+    (e.g. ``.venv-triton36/bin/python``, the GPU image's Triton 3.6: scripts/setup_aot36.sh), else this one."""
+    return os.environ.get("GRPO_AOT_PYTHON") or sys.executable
+
+
+def child_env() -> dict:
+    """The child process' environment: no interpreter, and this checkout importable (tests run from a checkout; the
+    Triton 3.6 environment does not install the package)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def report_module(modules, archs=(90, 80), jobs: int | None = None, only: str = "",
                   timeout: float = 3600.0) -> list[KernelReport]:
     """Compile every config of ``module_configs`` for ``modules`` (a name or a list) for each arch.
 
-    Runs ``python -m tools.aot`` in a child process with ``TRITON_INTERPRET=0``, so it works from an
-    interpreted test session; ``jobs`` worker processes compile in parallel (default: the CPU count, at most 8).
+    Runs ``python -m tools.aot`` in a child process (``child_python()``, so ``GRPO_AOT_PYTHON`` selects another
+    Triton) with ``TRITON_INTERPRET=0``, so it works from an interpreted test session; ``jobs`` worker processes
+    compile in parallel (default: the CPU count, at most 8).
     """
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
-    # The child must import this package even when it is not installed (tests run from a checkout).
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "tools.aot", "--json", "--only", only]
+    env = child_env()
+    cmd = [child_python(), "-m", "tools.aot", "--json", "--only", only]
     for module in [modules] if isinstance(modules, str) else modules:
         cmd += ["--module", module]
     for arch in archs:

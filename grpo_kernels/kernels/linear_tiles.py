@@ -22,7 +22,7 @@ import torch
 from .._precision import fp32_matmuls_use_tf32
 from .._triton import import_triton, interpreting
 from .common import generation, num_sms, overrides, soft_cap, soft_cap_grad
-from .launch import target_arch
+from .launch import as_cuda
 
 triton, tl = import_triton()
 
@@ -53,8 +53,9 @@ TILES = {
     (80, "fwd", "half"): Tile(128, 128, 32, 8, 3),
     (80, "bwd", "half"): Tile(128, 128, 32, 8, 2),
     (80, "dlogits", "half"): Tile(128, 128, 32, 8, 3),
-    **{(arch, kind, "fp32"): Tile(64, 64, 16, 4, 2) for arch in (90, 80) for kind in ("fwd", "dlogits")},
-    **{(arch, "bwd", "fp32"): Tile(32, 32, 32, 4, 2) for arch in (90, 80)},
+    **{(arch, kind, cls): Tile(64, 64, 16, 4, 2) for arch in (90, 80) for kind in ("fwd", "dlogits")
+       for cls in ("fp32", "tf32")},
+    **{(arch, "bwd", cls): Tile(32, 32, 32, 4, 2) for arch in (90, 80) for cls in ("fp32", "tf32")},
 }
 # Token blocks per group of the (token block, vocab block) swizzle of the backward kernels.
 GROUP_M = 8
@@ -70,18 +71,22 @@ DOT_NATIVE, DOT_IEEE, DOT_TF32 = 0, 1, 2
 
 def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[Tile, int, int]:
     """(tile, number of SMs, DOT_FP32) for a launch on ``device`` (or for ``target_arch()`` while recording).
-    The tile table's key is the GPU generation's (``common.GENERATIONS``)."""
-    fp32_dot = DOT_TF32 if fp32_matmuls_use_tf32() else DOT_IEEE
-    if target_arch() is not None:
-        return (TILES[(generation(device).tiles, kind, "fp32" if dtype == torch.float32 else "half")],
-                num_sms(device), DOT_IEEE if dtype == torch.float32 else DOT_NATIVE)
-    if device.type != "cuda":
+    The tile table's key is the GPU generation's (``common.GENERATIONS``) and the dot class: "half" (bf16 / fp16),
+    "fp32" (IEEE fp32 dots) or "tf32" (fp32 inputs while torch's fp32 matmuls use TF32)."""
+    if not as_cuda(device):
         assert interpreting(), "CPU tensors need TRITON_INTERPRET=1 (the API layer chooses the implementation)"
         # Why DOT_IEEE for bf16 here: the interpreter's bf16 tl.dot returns garbage (docs/DESIGN.md section 6).
         return (overrides().interpret_tile or INTERPRET_TILE, overrides().interpret_sms or INTERPRET_SMS,
                 DOT_IEEE if dtype in (torch.float32, torch.bfloat16) else DOT_NATIVE)
-    return (TILES[(generation(device).tiles, kind, "fp32" if dtype == torch.float32 else "half")], num_sms(device),
-            fp32_dot if dtype == torch.float32 else DOT_NATIVE)
+    # A CUDA launch, or one recorded as a CUDA run would make it (launch.as_cuda): fp32 follows torch's fp32 matmul
+    # precision (TF32 or IEEE), and the tiles are per dot class ("tf32" has its own: tensor-core dots).
+    if dtype != torch.float32:
+        dot, cls = DOT_NATIVE, "half"
+    elif fp32_matmuls_use_tf32():
+        dot, cls = DOT_TF32, "tf32"
+    else:
+        dot, cls = DOT_IEEE, "fp32"
+    return TILES[(generation(device).tiles, kind, cls)], num_sms(device), dot
 
 
 def check_inputs(hidden, weight, bias, ids) -> tuple[int, int, int]:

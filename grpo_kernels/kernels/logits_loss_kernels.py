@@ -66,6 +66,10 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
         target = tl.load(ids_ptr + row)
         # Why the raw target logit is kept in a register: in place, the second sweep overwrites it in memory.
         z_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32)
+        # Why the barrier: a fast warp's second sweep may store the target's block while a slow warp has yet to read
+        # it; every thread's read must be performed before any thread stores (bar.sync orders memory across the
+        # block like a membar.cta). Once per row, outside the sweep loops.
+        tl.debug_barrier()
         logp = soft_cap(z_target, softcap, SOFTCAP) * inv_temperature - lse
         w = tl.load(w_ptr + row)
         adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
@@ -161,7 +165,7 @@ def scale_dlogits_(dlogits: torch.Tensor, scale: torch.Tensor, mask_f: torch.Ten
 def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: the launchers above on small CPU tensors of the GPU shape class
     (V = 151936): bf16 with every option for each policy kind, plain bf16, and fp32 / fp16 with every option; the
-    bf16 clipped ones also with the soft cap on (suffix _softcap: reported, not held to the budget of the others)."""
+    clipped ones also with the soft cap on (suffix _softcap: reported, not held to the budget of the others)."""
     from ..config import GRPOLossConfig
     from ..inputs import LossTokens
 
@@ -181,8 +185,9 @@ def aot_launches():
     scenarios.append(("logits_loss_bf16_clipped_plain", scenario(torch.bfloat16, KIND_CLIPPED, False)))
     scenarios += [(f"logits_loss_bf16_clipped_{flags}_softcap", scenario(torch.bfloat16, KIND_CLIPPED, full, 30.0))
                   for flags, full in (("plain", False), ("all_options", True))]
-    scenarios += [(f"logits_loss_{ty}_clipped_all_options", scenario(dt, KIND_CLIPPED, True))
-                  for dt, ty in ((torch.float32, "fp32"), (torch.float16, "fp16"))]
+    scenarios += [(f"logits_loss_{ty}_clipped_all_options{suffix}", scenario(dt, KIND_CLIPPED, True, cap))
+                  for dt, ty in ((torch.float32, "fp32"), (torch.float16, "fp16")) for cap, suffix in ((None, ""),
+                                                                                                      (30.0, "_softcap"))]
     for dt, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         scenarios.append((f"logits_scale_{ty}", lambda dt=dt: scale_dlogits_(torch.zeros(2, 3, 151936, dtype=dt),
                                                                           torch.ones(1), torch.ones(2, 3))))
