@@ -322,12 +322,20 @@ def module_configs(module: str, arch: int):
     return configs
 
 
+_CONFIGS: dict = {}  # (module, arch) -> module_configs(module, arch), per worker process
+
+
 def _report_job(job) -> KernelReport:
-    """Worker: compile config ``name`` of ``module`` for ``arch``; a compile error is a result, not a crash."""
+    """Worker: compile config ``name`` of ``module`` for ``arch``; a compile error is a result, not a crash.
+
+    Why the per-process cache: recording a module's scenarios takes seconds (the light backward's CPU GEMMs), and a
+    worker compiles many configs of one module."""
     module, arch, name = job
     const = {}
     try:
-        _, fn, sig, const = next(c for c in module_configs(module, arch) if c[0] == name)
+        if (module, arch) not in _CONFIGS:
+            _CONFIGS[(module, arch)] = module_configs(module, arch)
+        _, fn, sig, const = next(c for c in _CONFIGS[(module, arch)] if c[0] == name)
         return report(name, fn, sig, const, arch)
     except Exception as exc:
         return KernelReport(name, arch, 0, 0, 0, 0, 0, 0, const.get("num_warps", 4), const.get("num_stages", 3),

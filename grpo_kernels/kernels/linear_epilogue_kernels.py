@@ -51,6 +51,12 @@ triton, tl = import_triton()
 # under 48 registers on sm_90, so four programs share an SM and keep enough loads in flight).
 ROW_BLOCK = 2048
 ROW_WARPS = 8
+# Register cap (the ``maxnreg`` launch option) of the loss-gradient epilogue by d-logits dtype; absent: ptxas' own
+# choice (32-48 registers for bf16 / fp16). Why 64 for fp32 rows: Triton 3.6's ptxas targets 48 registers for that
+# kernel on its own and spills 4 B there (sm_90, every option); under a cap of 64 it takes 56 and spills nothing, still
+# four 8-warp programs per SM. (A cap on the half-precision variants would only raise them from 32-48 registers to
+# 48-64, five programs per SM to four, for nothing.)
+LOSS_GRAD_MAXNREG = {torch.float32: 64}
 # Under TRITON_INTERPRET: a small block, so that small test rows cross the main-loop / tail boundary.
 INTERPRET_ROW_BLOCK = 16
 N_ROW_TERMS = 8  # w*l, kl, clip low, clip high, clip region, cispo clipped, (2 unused: 32-byte rows)
@@ -384,6 +390,7 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, kind: int, rows:
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_BIAS=bias is not None,
                HAS_ENTROPY_GRAD=ge is not None, WRITE_GRAD=write_grad,
                ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS,
+               **({"maxnreg": LOSS_GRAD_MAXNREG[dtype]} if dtype in LOSS_GRAD_MAXNREG else {}),
                **cap_args(cfg.softcap))
         if write_grad:
             chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)

@@ -43,9 +43,14 @@ class Tile:
     num_stages: int
 
 
-# (arch, kernel kind, dtype class) -> Tile. "half" = bf16/fp16 (tensor-core dots, wgmma on sm_90 needs
-# BLOCK_M >= 64 and 4 or 8 warps); "fp32" = IEEE fp32 FMA dots (no TF32), smaller tiles. The AOT test checks
-# that none of them spills on sm_90 / sm_80 and that bf16 lowers to HGMMA on sm_90.
+# (arch, kernel kind, dot class) -> Tile. "half" = bf16/fp16 (tensor-core dots, wgmma on sm_90 needs
+# BLOCK_M >= 64 and 4 or 8 warps); "fp32" = IEEE fp32 FMA dots (no TF32), smaller tiles; "tf32" = fp32 inputs while
+# torch's fp32 matmuls use TF32 (tensor-core dots): the fp32 tiles, except the atomic backward's. Why 64 x 64 x 32 on
+# 8 warps there: the fp32 tile (32 x 32 x 32, 4 warps) spilled 8 B under TF32 with Triton 3.9 on sm_90 (80
+# registers), and at BLOCK_K 16 it would stay a 32 x 32 tensor-core tile with twice the atomics per FLOP of a
+# 64 x 64 one; 64 x 64 x 32 on 8 warps takes 100-124 registers on both Triton versions, no spill, HGMMA on sm_90
+# (not measured on a GPU yet). The AOT test checks that none of them spills on sm_90 / sm_80 with Triton 3.6 and 3.9,
+# that bf16 lowers to HGMMA on sm_90, IEEE fp32 to no tensor-core MMA and TF32 to HGMMA / HMMA.
 TILES = {
     (90, "fwd", "half"): Tile(128, 128, 64, 8, 3),
     (90, "bwd", "half"): Tile(128, 128, 64, 8, 3),
@@ -55,7 +60,8 @@ TILES = {
     (80, "dlogits", "half"): Tile(128, 128, 32, 8, 3),
     **{(arch, kind, cls): Tile(64, 64, 16, 4, 2) for arch in (90, 80) for kind in ("fwd", "dlogits")
        for cls in ("fp32", "tf32")},
-    **{(arch, "bwd", cls): Tile(32, 32, 32, 4, 2) for arch in (90, 80) for cls in ("fp32", "tf32")},
+    **{(arch, "bwd", "fp32"): Tile(32, 32, 32, 4, 2) for arch in (90, 80)},
+    **{(arch, "bwd", "tf32"): Tile(64, 64, 32, 8, 2) for arch in (90, 80)},
 }
 # Token blocks per group of the (token block, vocab block) swizzle of the backward kernels.
 GROUP_M = 8
