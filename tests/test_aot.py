@@ -2,17 +2,20 @@
 
 Uses ``tools.aot`` (Triton's compiler + the cuobjdump/ptxas shipped in its wheel) in a child
 process with TRITON_INTERPRET=0, on the ``aot_launches()`` scenarios of every kernel module of grpo_kernels.kernels
-(fused linear, logits, token loss, ...). Fails on compile errors, register spills (ptxas "spill stores/loads" or
-local memory) and shared memory over the GPU's limit; checks that bf16/fp16 fused-linear configs use Hopper's
-HGMMA on sm_90 (HMMA on sm_80) and that fp32 configs use no tensor-core MMA at all (input_precision="ieee", i.e.
-no silent TF32), and that the half-precision logits kernels stream rows with 16-byte vector loads / stores
+(fused linear, logits, token loss, ...), recorded as a CUDA run launches them (GPU routes; fp32 under torch's IEEE and
+TF32 matmul precisions). Fails on compile errors, register spills (ptxas "spill stores/loads" or local memory) and
+shared memory over the GPU's limit; checks that bf16/fp16 fused-linear configs use Hopper's HGMMA on sm_90 (HMMA on
+sm_80), that IEEE fp32 configs use no tensor-core MMA at all (input_precision="ieee", i.e. no silent TF32) and TF32
+ones do (``_tf32``), and that the half-precision logits kernels stream rows with 16-byte vector loads / stores
 (``LDG.E.128`` / ``STG.E.128``, no 2-byte ``LDG.E.U16`` / ``STG.E.U16``). Prints registers / spills / shared
 memory per kernel (pytest -s), and holds every half-precision row sweep to ``SWEEP_BUDGET`` SASS instructions per
-element on sm_90 (docs/kernels.md: the issue-time estimate of a sweep at or below its memory floor). The default
-test compiles a subset
-(each fused-linear kernel with its heaviest flags, in fp32 and bf16, plus all configs of the other modules:
-~25 s cold on 2 busy cores); the ``slow`` one compiles everything (~190 kernels: 1.5-3.5 min cold on 2 busy
-cores, seconds once Triton's cache is warm).
+element on sm_90 (docs/kernels.md: the issue-time estimate of a sweep at or below its memory floor).
+
+The compiler is the child's Triton: this environment's (CI: 3.9), or the one ``GRPO_AOT_PYTHON`` names (CI's slow
+step runs this file again with ``.venv-triton36/bin/python``, the GPU image's Triton 3.6: scripts/setup_aot36.sh).
+The default tests compile a subset (each fused-linear kernel with its heaviest flags, in fp32, TF32 and bf16, plus
+all configs of the other modules but the head epilogue's); the ``slow`` one compiles everything (~440 configs for
+both architectures; times in docs/kernels.md, seconds once Triton's cache is warm).
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ same ptxas on the PTX when the kernel came from Triton's cache). Shared memory i
 
 Where the configs come from: every kernel module of ``grpo_kernels.kernels`` has ``aot_launches()``, a list of
 ``(name, thunk)`` scenarios that call the module's real launchers on small CPU tensors of the GPU shape class.
-``module_configs`` runs each thunk under ``grpo_kernels.kernels.launch.recording(arch)``: nothing runs, every
+``module_configs`` runs each thunk under ``grpo_kernels.kernels.launch.recording(arch, tf32)``, once with torch's
+fp32 matmul precision at "highest" (IEEE) and once at "high" (TF32; configs only that run launches are named
+``..._tf32``): nothing runs, routes are decided as on a CUDA device (``launch.as_cuda``), every
 ``launch(kernel, grid, *args, **kwargs)`` is recorded, and ``signature_of`` derives the signature from the actual
 arguments with Triton's own specialization rule (the JIT's ``specialize_impl``: pointer dtypes, i32/i64, ints
 divisible by 16 or equal to 1, 16-byte aligned pointers, ``do_not_specialize``). So no signature is written by
@@ -31,6 +33,10 @@ Kernels created while ``TRITON_INTERPRET=1`` are interpreter objects, not JITFun
 resolve to interpreter objects too; ``report_module`` therefore compiles in a child process with
 ``TRITON_INTERPRET=0`` (``python -m tools.aot --module MOD --arch 90``), which works from any
 process, the interpreted test session included. ``compile_config`` compiles in-process.
+
+Which Triton compiles: the child's. ``GRPO_AOT_PYTHON`` names its interpreter (default: this one), e.g.
+``.venv-triton36/bin/python`` (scripts/setup_aot36.sh: the GPU image's Triton 3.6 beside CI's 3.9); each report
+carries the compiling Triton's version. Only APIs both versions have are used here.
 """
 from __future__ import annotations
 

@@ -29,6 +29,8 @@ from .token_terms import token_terms_at
 
 # Per-row terms: w*l, m*kl, m*low, m*high, m*region, m*cispo_clipped (token_loss_kernels' sums), then m*entropy.
 N_TERMS = 7
+# 32-bit registers per SM on sm_80 and sm_90 (and per-thread limit).
+REGISTERS_PER_SM, MAX_THREAD_REGISTERS = 65536, 255
 
 triton, tl = import_triton()
 
@@ -135,6 +137,11 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, kind: int, inplace: bool)
     if N:
         cfg_t = tiles("grad_in_forward", x)
         grid = (min(N, cfg_t.programs_per_sm * num_sms(x.device)),)
+        # Why a register cap at the program's share of the register file: with one resident program per SM, more
+        # registers cost no occupancy, but left to itself ptxas targets 64 per thread at 16 warps and spilled there
+        # (Triton 3.6, sm_80, bf16 / fp16 with every option and the soft cap: 4-8 B). The cap states the budget.
+        maxnreg = min(MAX_THREAD_REGISTERS,
+                      REGISTERS_PER_SM // (32 * cfg_t.num_warps * max(1, cfg_t.programs_per_sm)))
         launch(logits_loss_grad_in_forward, grid, x, out, ids.reshape(N).contiguous(), mask_f, weights,
                old if old is not None else weights, ref if ref is not None else weights, adv,
                isr if isr is not None else weights, h_scale if h_scale is not None else weights, terms,
@@ -146,7 +153,7 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, kind: int, inplace: bool)
                HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
                BLOCK_V=cfg_t.block_v, VEC=vec_for(cfg_t.block_v, x.dtype), num_warps=cfg_t.num_warps,
-               num_stages=cfg_t.num_stages)
+               num_stages=cfg_t.num_stages, maxnreg=maxnreg)
     return (out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)), terms
 
 
