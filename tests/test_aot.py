@@ -20,6 +20,7 @@ both architectures; times in docs/kernels.md, seconds once Triton's cache is war
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pkgutil
 import re
@@ -62,16 +63,21 @@ FAST = (r"^(?!linear_|head_)|^head_(fold_bias|loss_grad_bf16_clipped_all_options
 
 def expected_names(pattern: str = "") -> set:
     """(arch, name) of every config the modules declare (names only; computed in the child as well)."""
+    return {p for p in _declared_names() if not pattern or re.search(pattern, p[1])}
+
+
+@functools.lru_cache(maxsize=None)
+def _declared_names() -> frozenset:
     import subprocess
-    code = ("import sys; from tools.aot import module_configs\n"
+    code = ("import sys, torch; from tools.aot import module_configs\n"
+            "torch.set_num_threads(1)\n"
             "for m in sys.argv[2:]:\n"
             "    for a in (90, 80):\n"
             "        for c in module_configs(m, a):\n"
             "            print(a, c[0])\n")
     out = subprocess.run([aot.child_python(), "-c", code, "x", *MODULES], env=aot.child_env(), capture_output=True,
                          text=True, check=True).stdout.split()
-    pairs = {(int(a), n) for a, n in zip(out[::2], out[1::2])}
-    return {p for p in pairs if not pattern or re.search(pattern, p[1])}
+    return frozenset((int(a), n) for a, n in zip(out[::2], out[1::2]))
 
 
 def check(reports) -> None:
