@@ -8,42 +8,12 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels.reference import reference_grpo_loss
 
-from .cases import CASES, make_inputs
-from .oracles import trl_compute_loss
-from .tolerances import assert_three_way, naive_logprobs_entropy
+from ..support.cases import CASES, make_inputs, optional_inputs
+from ..support.heads import HIDDEN, head_call, linear_truth
+from ..support.tolerances import assert_three_way, naive_logprobs_entropy
 
-HIDDEN = 24
 IMPLS = ["torch", "triton"]
-
-
-def _rest(inputs):
-    return {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "ids", "advantages", "mask")}
-
-
-def _ours(inputs, case, impl, bias=None, dtype=None, **kw):
-    h = inputs["hidden"].clone().requires_grad_(True)
-    w = inputs["weight"].clone().requires_grad_(True)
-    b = None if bias is None else bias.clone().requires_grad_(True)
-    loss, metrics = gk.fused_linear_grpo_loss(h, w, inputs["ids"], inputs["advantages"], inputs["mask"], bias=b,
-                                              config=case.config, impl=impl, **_rest(inputs), **kw)
-    grads = torch.autograd.grad(loss, [t for t in (h, w, b) if t is not None])
-    return loss.detach(), grads, metrics
-
-
-def _linear_truth(inputs, case, bias=None, dtype=torch.float64, oracle="reference"):
-    """Loss and (d hidden, d weight[, d bias]) through full logits, by TRL or the reference, in ``dtype``."""
-    h = inputs["hidden"].to(dtype).requires_grad_(True)
-    w = inputs["weight"].to(dtype).requires_grad_(True)
-    b = None if bias is None else bias.to(dtype).requires_grad_(True)
-    logits = h @ w.T + (0 if b is None else b)
-    rest = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in _rest(inputs).items()}
-    fn = trl_compute_loss if oracle == "trl" else reference_grpo_loss
-    loss, metrics = fn(logits, inputs["ids"], inputs["advantages"].to(dtype), inputs["mask"], config=case.config,
-                       **rest)
-    grads = torch.autograd.grad(loss, [t for t in (h, w, b) if t is not None])
-    return loss.detach(), grads, metrics
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -51,8 +21,8 @@ def _linear_truth(inputs, case, bias=None, dtype=torch.float64, oracle="referenc
 def test_matches_trl_fp32(case, impl):
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=2)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(9)) * 0.1
-    loss, grads, metrics = _ours(inputs, case, impl, bias=bias)
-    t_loss, t_grads, t_metrics = _linear_truth(inputs, case, bias=bias, dtype=torch.float32, oracle="trl")
+    loss, grads, metrics = head_call(inputs, case, impl, bias=bias)
+    t_loss, t_grads, t_metrics = linear_truth(inputs, case, bias=bias, dtype=torch.float32, oracle="trl")
     assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(abs(t_loss.item()), 1e-6)
     for name, g, t in zip(("d hidden", "d weight", "d bias"), grads, t_grads):
         err = ((g.double() - t.double()).abs().max() / t.abs().max().clamp(min=1e-6)).item()
@@ -67,8 +37,8 @@ def test_matches_trl_fp32(case, impl):
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("grpo-beta-kl", "everything")], ids=lambda c: c.id)
 def test_triton_backward_modes_match_trl(case, deterministic):
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=2)
-    loss, grads, _ = _ours(inputs, case, "triton", deterministic=deterministic, grad_in_forward=False)
-    t_loss, t_grads, _ = _linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
+    loss, grads, _ = head_call(inputs, case, "triton", deterministic=deterministic, grad_in_forward=False)
+    t_loss, t_grads, _ = linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
     assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(abs(t_loss.item()), 1e-6)
     for g, t in zip(grads, t_grads):
         assert ((g - t).abs().max() / t.abs().max()).item() <= 1e-5
@@ -83,8 +53,8 @@ LOW_PRECISION_CASES = [c for c in CASES if c.id in ("grpo-token", "dapo-token", 
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=lambda c: c.id)
 def test_three_way_low_precision(case, dtype, impl):
     inputs = make_inputs(case, B=3, T=5, V=300, hidden_size=40, dtype=dtype, seed=4)
-    loss, grads, _ = _ours(inputs, case, impl)
-    t_loss, t_grads, _ = _linear_truth(inputs, case)
+    loss, grads, _ = head_call(inputs, case, impl)
+    t_loss, t_grads, _ = linear_truth(inputs, case)
 
     # plain PyTorch in the same dtype: logits and log-softmax in D, autograd back to hidden/weight
     h = inputs["hidden"].clone().requires_grad_(True)
@@ -92,7 +62,7 @@ def test_three_way_low_precision(case, dtype, impl):
     logp, ent = naive_logprobs_entropy(h @ w.T, inputs["ids"], case.config.temperature)
     from grpo_kernels.reference import loss_from_logps
     d_loss, _ = loss_from_logps(logp, inputs["advantages"], inputs["mask"], entropy=ent, config=case.config,
-                                **_rest(inputs))
+                                **optional_inputs(inputs))
     d_grads = torch.autograd.grad(d_loss, (h, w))
     assert_three_way(loss, d_loss.detach(), t_loss, dtype, "loss")
     for name, g, d, t in zip(("d hidden", "d weight"), grads, d_grads, t_grads):
@@ -108,7 +78,7 @@ def test_frozen_head_gets_no_weight_gradient_torch_path():
     h = inputs["hidden"].clone().requires_grad_(True)
     w = inputs["weight"].clone()  # frozen
     loss, _ = gk.fused_linear_grpo_loss(h, w, inputs["ids"], inputs["advantages"], inputs["mask"],
-                                        config=case.config, impl=impl, **_rest(inputs))
+                                        config=case.config, impl=impl, **optional_inputs(inputs))
     loss.backward()
     assert w.grad is None and h.grad is not None and h.grad.abs().sum() > 0
 
@@ -249,10 +219,10 @@ def test_padded_rows_are_not_computed(impl, path, monkeypatch):
     h = hidden.requires_grad_(True)
     loss, _ = gk.fused_linear_grpo_loss(h, inputs["weight"], inputs["ids"], inputs["advantages"], mask,
                                         config=case.config, impl=impl, grad_in_forward=path != "light",
-                                        **_rest(inputs))
+                                        **optional_inputs(inputs))
     loss.backward()
     assert seen == [int(mask.sum())]
     assert torch.isfinite(loss) and (h.grad[~mask] == 0).all() and torch.isfinite(h.grad).all()
-    t_loss, t_grads, _ = _linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
+    t_loss, t_grads, _ = linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
     assert abs(loss.item() - t_loss.item()) <= 1e-5 * abs(t_loss.item())
     assert torch.allclose(h.grad[mask], t_grads[0][mask], rtol=1e-4, atol=1e-6)

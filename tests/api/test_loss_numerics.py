@@ -12,7 +12,7 @@ import grpo_kernels as gk
 from grpo_kernels.config import CLIPPED_LOSS_TYPES, LOSS_TYPES
 from grpo_kernels.reference import logprobs_and_entropy, reference_grpo_loss
 
-from .tolerances import assert_three_way, naive_logprobs_entropy
+from ..support.tolerances import assert_three_way, naive_logprobs_entropy
 
 IMPLS = ["torch", "triton"]
 
@@ -243,7 +243,7 @@ def test_every_row_masked(impl, loss_type):
 
 def test_long_sequence_torch_path():
     """T = 131073 > 2^17 at a tiny vocabulary: both losses on the PyTorch path against float64. (On the Triton
-    path the 1-D token grid has no T limit; the interpreter is too slow at this T, tests/test_gpu_kernels.py runs the
+    path the 1-D token grid has no T limit; the interpreter is too slow at this T, tests/kernels/test_gpu_kernels.py runs the
     compiled kernels at T = 131072.)"""
     g = _gen(8)
     B, T, V, H = 1, 131073, 5, 3
@@ -327,8 +327,8 @@ def test_fused_linear_offsets_beyond_2_to_the_31(impl, deterministic):
 
 def test_vocab_262144_fused_linear_torch_path():
     """V = 262144 at tiny N on the fused-linear PyTorch path (the logits-path Triton kernels are tested at this V in
-    tests/test_logits_kernels.py; the fused-linear Triton kernels take minutes at this V under the interpreter and
-    run at V = 151936 in tests/test_gpu_kernels.py). Three-way rule: against float64, within K times the error of
+    tests/kernels/test_logits_kernels.py; the fused-linear Triton kernels take minutes at this V under the interpreter and
+    run at V = 151936 in tests/kernels/test_gpu_kernels.py). Three-way rule: against float64, within K times the error of
     naive fp32 autograd (``h @ W.T``, log-softmax) on the same inputs, measured in this run on this CPU."""
     g = _gen(10)
     V, H = 262144, 4

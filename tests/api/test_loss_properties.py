@@ -9,7 +9,7 @@ tiny shapes and fewer examples.
 Pass rules (docs/numerics.md, "Accuracy against float64"), against float64 ground truth computed on the same rounded inputs:
 - per-token outputs and the loss are fp32 for every input dtype: ``|ours - truth| <= LOSS_RTOL * max(1, |truth|)``;
 - gradients come back in the input dtype: ``err(ours) <= K * err(truth rounded to the dtype) + ATOL[dtype]``,
-  errors relative to max |truth| (the three-way rule of tests/tolerances.py with the best possible result in
+  errors relative to max |truth| (the three-way rule of tests/support/tolerances.py with the best possible result in
   that dtype as the middle term).
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _check_grad(grad, truth, dtype, what):
     if scale == 0.0:
         # An exactly zero truth (e.g. V = 1: p = 1, so onehot - p = 0) may come out as rounding noise when the
         # forward and the backward form the logits with different GEMMs (cuBLAS / tl.dot): bounded absolutely,
-        # with the atol of the dtype (the scale floor of 1 of tests/tolerances.py).
+        # with the atol of the dtype (the scale floor of 1 of tests/support/tolerances.py).
         worst = grad.abs().max().item() if grad.numel() else 0.0
         assert worst <= GRAD_ATOL[dtype], f"{what}: the float64 gradient is zero, ours reaches {worst:.3e}"
         return

@@ -5,8 +5,8 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.reference import loss_from_logps, reference_grpo_loss
 
-from .cases import CASES, make_inputs
-from .oracles import liger_fused_linear_loss
+from ..support.cases import CASES, make_inputs
+from ..support.oracles import liger_fused_linear_loss
 
 
 def _trl_style_advantages(rewards, G, scale, eps=1e-4):

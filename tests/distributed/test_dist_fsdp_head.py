@@ -18,7 +18,7 @@ Layouts (``LAYOUTS``), each run on 2 ranks in float64 (torch impl) and compared 
   Llama; TRL calls ``full_tensor()`` itself before our function. ``trl_separate`` shows TRL's unreduced gradient
   (docs/distributed.md documents it); ``trl_root`` is right.
 - ``hf_separate``: ``causal_lm_token_logprobs`` (``get_lm_head``) with the backbone and lm_head wrapped separately.
-The launch (all layouts, one process per rank) is bounded by ``LAUNCH_TIMEOUT`` of tests/test_dist_vocab_parallel.py.
+The launch (all layouts, one process per rank) is bounded by ``LAUNCH_TIMEOUT`` of tests/support/ranks.py.
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 import grpo_kernels as gk
-from tests.tiny_models import tiny_llama
+from tests.support.tiny_models import tiny_llama
 
 try:
-    from tests.tolerances import ATOL
+    from tests.support.tolerances import ATOL
 except ImportError:  # run as a worker script
     ATOL = None
 
@@ -252,7 +252,7 @@ def error_messages() -> dict:
 def worker(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from tests.test_dist_vocab_parallel import LAUNCH_TIMEOUT
+    from tests.support.ranks import LAUNCH_TIMEOUT
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
@@ -284,7 +284,7 @@ def worker(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
-    from tests.test_dist_vocab_parallel import start_ranks
+    from tests.support.ranks import start_ranks
 
     tmp = tmp_path_factory.mktemp("fsdp_head")
     start_ranks(WORLD, tmp, lambda r: [__file__, str(r), str(tmp / "store"), str(tmp)])

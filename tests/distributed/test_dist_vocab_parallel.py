@@ -1,8 +1,8 @@
 """Vocab-parallel lm_head (``process_group=``) on CPU with gloo: 2 and 3 ranks against the unsharded call.
 
-Each launch starts ``world`` plain processes running this file (``python tests/test_dist_vocab_parallel.py MODE RANK
-WORLD STORE OUT``), joined through a file store, bounded by LAUNCH_TIMEOUT (a hang fails the test instead of
-blocking CI). A launch runs all its cases and saves each rank's results; the tests compare them with the
+Each launch starts ``world`` plain processes running this file
+(``python tests/distributed/test_dist_vocab_parallel.py MODE RANK WORLD STORE OUT``, tests/support/ranks.py), joined
+through a file store, bounded by LAUNCH_TIMEOUT (a hang fails the test instead of blocking CI). A launch runs all its cases and saves each rank's results; the tests compare them with the
 unsharded call made here: loss, metrics, d hidden, the ranks' dW / dbias shards concatenated, logp and entropy.
 V = 23 is divisible by neither 2 nor 3. The error launch gives one rank a bad shard / N / ids / argument and
 checks that every rank raises the same ValueError (and that the group still works afterwards).
@@ -13,23 +13,20 @@ import datetime
 import os
 import re
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import grpo_kernels as gk
+from tests.support.ranks import LAUNCH_TIMEOUT, REPO, start_ranks
 
 try:
-    from tests.tolerances import assert_three_way
+    from tests.support.tolerances import assert_three_way
 except ImportError:  # run as a worker script: only the package is needed there
     assert_three_way = None
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH_TIMEOUT = 150  # seconds for a whole launch (process start, imports, every case); ~10-25 s when idle
 B, T, H, V = 4, 5, 8, 23
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -249,33 +246,6 @@ def worker(mode: str, rank: int, world: int, store: str, out: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ pytest side
 
-def start_ranks(world: int, tmp: Path, argv, env=None) -> list[str]:
-    """Start ``world`` processes (``argv(rank)``, extra environment ``env(rank)``), wait at most LAUNCH_TIMEOUT,
-    kill any still running; fail on a hang or a non-zero exit. Returns each rank's output."""
-    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1")
-    logs = [open(tmp / f"rank{r}.log", "w") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, *argv(r)], env={**base, **(env(r) if env else {})}, cwd=ROOT,
-                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-        for r in hung:
-            procs[r].kill()
-            procs[r].wait()
-        for f in logs:
-            f.close()
-    outputs = [(tmp / f"rank{r}.log").read_text() for r in range(world)]
-    tails = "\n".join(f"--- rank {r} ---\n{out[-3000:]}" for r, out in enumerate(outputs))
-    assert not hung, f"ranks {hung} still running after {LAUNCH_TIMEOUT} s (a hang):\n{tails}"
-    assert all(p.returncode == 0 for p in procs), f"a rank failed:\n{tails}"
-    return outputs
-
 
 def launch(world: int, mode: str, tmp: Path) -> list[dict]:
     """Run this file's worker on ``world`` ranks; return each rank's results."""
@@ -376,7 +346,7 @@ def test_bad_shard_raises_on_every_rank(sharded_results, name):
 
 def test_readme_example_runs_on_two_ranks(tmp_path):
     """docs/distributed.md's vocab-parallel example, as written, on 2 ranks with the environment torchrun would set."""
-    text = (ROOT / "docs" / "distributed.md").read_text()
+    text = (REPO / "docs" / "distributed.md").read_text()
     code = re.search(r"```python\n(.*?)```", text[text.index("## Vocab-parallel head"):], re.S).group(1)
     script = tmp_path / "vocab_parallel_example.py"
     script.write_text(code)

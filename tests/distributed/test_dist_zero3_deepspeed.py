@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import tiny_llama
+from tests.support.tiny_models import tiny_llama
 
 WORLD, VOCAB, B, L = 2, 43, 2, 9
 STEPS = ("patched", "trl")  # patch_trl(strict=True), then TRL's own kernel, on the same engine
@@ -232,10 +232,10 @@ def _head_model_truth():
 
 def test_zero3_real_deepspeed(tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test]' (it pins "
-                        "deepspeed) runs this test; tests/test_dist_zero3_emulated.py emulates ZeRO-3 meanwhile")
+                        "deepspeed) runs this test; tests/distributed/test_dist_zero3_emulated.py emulates ZeRO-3 meanwhile")
     pytest.importorskip("trl")
-    from tests.test_dist_vocab_parallel import start_ranks
-    from tests.tolerances import ATOL
+    from tests.support.ranks import start_ranks
+    from tests.support.tolerances import ATOL
 
     import socket
     with socket.socket() as s:

@@ -4,7 +4,7 @@
 tensor (``ds_status`` NOT_AVAILABLE), and the gather context, like ``deepspeed.zero.GatheredParameters``, restores
 the full values and empties them again on exit, i.e. before autograd runs the backward. A head that does not
 gather again in its backward then fails (negative controls below). The real DeepSpeed run (2 ranks, gloo, CPU) is
-tests/test_dist_zero3_deepspeed.py.
+tests/distributed/test_dist_zero3_deepspeed.py.
 """
 import contextlib
 import enum
@@ -14,8 +14,8 @@ import torch
 
 from grpo_kernels import FusedLinearGRPOLoss, fused_linear_grpo_loss, linear_token_logprobs
 from grpo_kernels.config import GRPOLossConfig
-from tests.tiny_models import tiny_llama
-from tests.tolerances import ATOL
+from tests.support.tiny_models import tiny_llama
+from tests.support.tolerances import ATOL
 
 
 class Status(enum.Enum):  # mirrors deepspeed.runtime.zero.partition_parameters.ZeroParamStatus

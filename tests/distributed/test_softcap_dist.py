@@ -2,12 +2,12 @@
 TRITON_INTERPRET=1: ``head.fast_vocab_parallel`` (gradients in the forward; the shards' (logp, lse, entropy) of the
 capped logits combined per chunk) and the memory-light path per shard (``head.light``, deterministic and atomic;
 ``head.no_grad`` for log-probs without gradients), each equal to the unsharded Triton call to fp32 rounding and, by
-the three-way rule of tests/tolerances.py, to the float64 ground truth of the unsharded PyTorch path, the middle term
-being that path in fp32 (which applies the cap on its own: a kernel bug shared by the sharded and unsharded Triton
-calls still fails).
+the three-way rule of tests/support/tolerances.py, to the float64 ground truth of the unsharded PyTorch path, the
+middle term being that path in fp32 (which applies the cap on its own: a kernel bug shared by the sharded and
+unsharded Triton calls still fails).
 
-Ranks are started as in tests/test_dist_vocab_parallel.py (``python tests/test_softcap_dist.py RANK WORLD STORE OUT``,
-joined through a file store, bounded by its LAUNCH_TIMEOUT); outputs are poisoned (GRPO_KERNELS_POISON=1).
+Ranks are started by tests/support/ranks.py (``python tests/distributed/test_softcap_dist.py RANK WORLD STORE OUT``,
+joined through a file store, bounded by LAUNCH_TIMEOUT); outputs are poisoned (GRPO_KERNELS_POISON=1).
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from .test_dist_vocab_parallel import start_ranks
+    from tests.support.ranks import start_ranks
     tmp = tmp_path_factory.mktemp("softcap_vp")
     start_ranks(WORLD, tmp, lambda r: [__file__, str(r), str(WORLD), str(tmp / "store"), str(tmp)],
                 lambda r: {"GRPO_KERNELS_POISON": "1"})
@@ -128,7 +128,7 @@ def ranks(tmp_path_factory):
 def test_vocab_parallel_softcap_matches_unsharded(ranks, name, monkeypatch):
     """Every rank: the planner's path, loss / metrics / log-probs and the all-reduced d hidden equal to the
     unsharded call; the ranks' d weight / d bias shards, concatenated, equal to the unsharded gradients."""
-    from .tolerances import assert_three_way
+    from ..support.tolerances import assert_three_way
     monkeypatch.setenv("GRPO_KERNELS_POISON", "1")
     x = case_inputs()
     expected = run_case(name, x, x["weight"], x["bias"], torch.float32)

@@ -148,7 +148,7 @@ def test_autocast_bf16_close_to_model():
 
 
 def test_refuses_an_invalid_softcap():
-    """A cap that is not a finite number > 0 (valid caps run: tests/test_hf_models.py)."""
+    """A cap that is not a finite number > 0 (valid caps run: tests/hf/test_hf_models.py)."""
     torch.manual_seed(0)
     cfg = Gemma2Config(**{k: v for k, v in SMALL.items() if k != "pad_token_id"}, head_dim=8,
                        final_logit_softcapping=0.0)

@@ -6,7 +6,6 @@ final parameters. fp32 (``bf16=False``): under bf16 autocast TRL rounds each log
 accumulates in fp32, so the two agree only to bf16 precision there (``test_bf16_autocast_*`` checks which is closer
 to the truth).
 """
-import math
 import warnings
 
 import pytest
@@ -17,8 +16,7 @@ import trl  # noqa: E402
 import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
 import trl.trainer.utils as trl_utils  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.kernels import ChunkedLogProbFunction  # noqa: E402
 
@@ -28,16 +26,11 @@ from grpo_kernels.integrations.trl import (  # noqa: E402
     SUPPORTED_TRL_VERSIONS, TRLLogProbFunction, is_trl_patched, patch_trl, unpatch_trl,
 )
 
-WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(40)]
-# Logged values that measure wall time, not maths.
-TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+from ..support.trl_runs import (  # noqa: E402
+    WORDS, assert_informative, assert_same_run, even_words, head_inputs, run_head, short, word_tokenizer,
+)
 
-
-@pytest.fixture(autouse=True)
-def _always_unpatched():
-    unpatch_trl()
-    yield
-    unpatch_trl()
+pytestmark = pytest.mark.usefixtures("unpatched_trl")
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +45,7 @@ def tiny_lm_tied(tmp_path_factory):
 
 
 def _save_tiny_lm(path, tied: bool):
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words back with spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>")
+    tokenizer = word_tokenizer()
     torch.manual_seed(0)
     # A large init makes the sampling distributions peaked enough that rewards vary inside a group.
     config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -66,15 +55,6 @@ def _save_tiny_lm(path, tied: bool):
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path), tokenizer
-
-
-def even_words(completions, **kwargs):
-    """Rule-based reward: fraction of words with an even index."""
-    return [sum(w[-1] in "02468" for w in c.split()) / max(len(c.split()), 1) for c in completions]
-
-
-def short(completions, **kwargs):
-    return [-0.1 * len(c.split()) for c in completions]
 
 
 def _train(tiny_lm, tmp_path, patched: bool, **overrides):
@@ -109,33 +89,13 @@ def _train(tiny_lm, tmp_path, patched: bool, **overrides):
     return trainer.state.log_history, params, len(calls)
 
 
-def _assert_same_run(ref, out, rtol=1e-4, atol=1e-6):
-    (ref_logs, ref_params, ref_calls), (logs, params, calls) = ref, out
-    assert ref_calls == 0 and calls > 0, "the patched run must go through grpo_kernels, the reference must not"
-    assert len(ref_logs) == len(logs)
-    for step, (a, b) in enumerate(zip(ref_logs, logs)):
-        assert a.keys() == b.keys(), step
-        for key in a:
-            if key in TIMING_KEYS or not isinstance(a[key], (int, float)):
-                continue
-            assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=atol), f"step {step} {key}: {a[key]} != {b[key]}"
-    for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=rtol, atol=atol, msg=name)
-
-
-def _assert_informative(logs, *keys):
-    """The compared metrics must not be trivially zero, or agreement proves nothing."""
-    for key in keys:
-        assert any(abs(entry.get(key, 0.0)) > 0 for entry in logs), f"{key} stayed 0: the case does not test it"
-
-
 def test_grpo_beta_ref_model_iterations_accumulation(tiny_lm, tmp_path):
     """grpo loss, KL to a reference model, 2 iterations per generation (ratio != 1: clipping), grad accumulation."""
     cfg = dict(loss_type="grpo", beta=0.1, num_iterations=2, epsilon=0.05, gradient_accumulation_steps=2,
                per_device_train_batch_size=2)
     ref = _train(tiny_lm, tmp_path, False, **cfg)
-    _assert_informative(ref[0], "loss", "kl", "reward_std", "clip_ratio/region_mean", "grad_norm")
-    _assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+    assert_informative(ref[0], "loss", "kl", "reward_std", "clip_ratio/region_mean", "grad_norm")
+    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
 
 
 @pytest.mark.slow
@@ -149,8 +109,8 @@ def test_grpo_beta_ref_model_iterations_accumulation(tiny_lm, tmp_path):
 ], ids=["dapo-entropy-mask-bonus", "gspo-beta", "dr_grpo-delta-opsm-tau", "cispo-beta", "sapo"])
 def test_more_trl_options(tiny_lm, tmp_path, cfg):
     ref = _train(tiny_lm, tmp_path, False, **cfg)
-    _assert_informative(ref[0], "loss", "grad_norm")
-    _assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+    assert_informative(ref[0], "loss", "grad_norm")
+    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
 
 
 @pytest.mark.interpreter
@@ -160,7 +120,7 @@ def test_triton_kernels_in_trl(tiny_lm, tmp_path, monkeypatch):
     cfg = dict(loss_type="grpo", beta=0.1, num_iterations=2, epsilon=0.05, max_steps=2)
     ref = _train(tiny_lm, tmp_path, False, **cfg)
     monkeypatch.setenv("GRPO_KERNELS_IMPL", "triton")
-    _assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
 
 
 @pytest.mark.slow
@@ -169,8 +129,8 @@ def test_tied_embeddings_fp32_head(tiny_lm_tied, tmp_path):
     cfg = dict(loss_type="bnpo", beta=0.05, num_iterations=2, cast_lm_head_to_fp32=True)
     ref = _train(tiny_lm_tied, tmp_path, False, **cfg)
     assert "lm_head.weight" not in ref[1]  # tied: one shared parameter
-    _assert_informative(ref[0], "loss", "kl", "grad_norm")
-    _assert_same_run(ref, _train(tiny_lm_tied, tmp_path, True, **cfg))
+    assert_informative(ref[0], "loss", "kl", "grad_norm")
+    assert_same_run(ref, _train(tiny_lm_tied, tmp_path, True, **cfg))
 
 
 def test_unsupported_version_changes_nothing(monkeypatch):
@@ -197,33 +157,13 @@ def test_patch_is_idempotent_and_unpatch_restores():
     unpatch_trl()  # no-op when not patched
 
 
-def _head_inputs(dtype=torch.float32, n=23, hidden=16, vocab=45, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, hidden, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype).requires_grad_()
-    b = torch.randn(vocab, generator=g).to(dtype).requires_grad_()
-    return h, w, b, torch.randint(0, vocab, (n,), generator=g)
-
-
-def _run_head(fn, h, w, b, ids, **kw):
-    args = dict(temperature=0.8, chunk_size=32768, final_logit_softcapping=None, logit_scale=1.0,
-                outputs=("log_probs", "entropy"))
-    args.update(kw)
-    for t in (h, w, b):
-        t.grad = None
-    logp, entropy, *rest = fn.apply(h, w, b, ids, *args.values())
-    loss = logp.float().sum() + (0.3 * entropy.float().sum() if entropy is not None else 0)
-    loss.backward()
-    return [logp, entropy, *rest], [t.grad.clone() for t in (h, w, b)]
-
-
 @pytest.mark.parametrize("logit_scale", [1.0, 0.0625, 4.0])
 def test_head_matches_trl_function(logit_scale):
     """Our drop-in against TRL's ChunkedLogProbFunction: values and gradients, incl. the folded logit scale."""
     patch_trl()
-    inputs = _head_inputs()
-    (lp, ent, *rest), grads = _run_head(TRLLogProbFunction, *inputs, logit_scale=logit_scale)
-    (lp_ref, ent_ref, *_), grads_ref = _run_head(ChunkedLogProbFunction, *inputs, logit_scale=logit_scale)
+    inputs = head_inputs()
+    (lp, ent, *rest), grads = run_head(TRLLogProbFunction, *inputs, logit_scale=logit_scale)
+    (lp_ref, ent_ref, *_), grads_ref = run_head(ChunkedLogProbFunction, *inputs, logit_scale=logit_scale)
     assert rest == [None, None, None] and lp.dtype == torch.float32
     torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
@@ -233,10 +173,10 @@ def test_head_matches_trl_function(logit_scale):
 
 def test_head_falls_back_to_trl():
     """A logit scale or soft cap that is not a finite number > 0 warns once and runs TRL's kernel; extra outputs and
-    empty batches fall back silently. ZeRO-3 and valid soft caps no longer fall back (tests/test_dist_zero3_emulated.py,
-    tests/test_softcap_trl.py)."""
+    empty batches fall back silently. ZeRO-3 and valid soft caps no longer fall back (tests/distributed/test_dist_zero3_emulated.py,
+    tests/hf/test_softcap_trl.py)."""
     patch_trl()
-    inputs = _head_inputs()
+    inputs = head_inputs()
     cases = [
         (dict(final_logit_softcapping=-5.0), "final_logit_softcapping=-5.0"),
         (dict(logit_scale=-1.0), "logit_scale=-1.0"),
@@ -245,8 +185,8 @@ def test_head_falls_back_to_trl():
     for kw, warning in cases:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out, grads = _run_head(TRLLogProbFunction, *inputs, **kw)
-        ref, grads_ref = _run_head(ChunkedLogProbFunction, *inputs, **kw)
+            out, grads = run_head(TRLLogProbFunction, *inputs, **kw)
+        ref, grads_ref = run_head(ChunkedLogProbFunction, *inputs, **kw)
         messages = [str(w.message) for w in caught if "grpo_kernels" in str(w.message)]
         assert (messages == []) if warning is None else (len(messages) == 1 and warning in messages[0])
         for a, b in zip(out + grads, ref + grads_ref):
@@ -282,7 +222,7 @@ def test_strict_refuses_an_invalid_cap_or_scale_at_setup_and_accepts_a_soft_cap(
 def test_bf16_autocast_at_least_as_accurate_as_trl():
     """Under bf16 autocast both cast to bf16; TRL also rounds each logits tile to bf16, grpo_kernels does not."""
     patch_trl()
-    h, w, b, ids = _head_inputs()
+    h, w, b, ids = head_inputs()
     z = (h.double() @ w.double().T + b.double()) / 0.8
     with torch.no_grad():
         h16, w16, b16 = (t.bfloat16().double() for t in (h, w, b))

@@ -8,8 +8,8 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.reference import reference_grpo_loss
 
-from .cases import CASES, make_inputs
-from .oracles import trl_compute_loss
+from ..support.cases import CASES, make_inputs
+from ..support.oracles import trl_compute_loss
 
 METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 RTOL = 1e-5

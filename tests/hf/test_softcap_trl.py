@@ -9,7 +9,7 @@ grpo_kernels with the cap, never on TRL's kernel, and give TRL's numbers.
   on grpo_kernels with the cap, and no fallback warning. The tiny models' raw logits are ~1, so the cases use small
   caps (1.0, 0.5) that bend them; the Gemma 3 case also sets a ``logit_scale`` (which TRL's head applies before the
   cap, in both runs; the model's own forward, used only for sampling, ignores it) to run the fold end to end.
-Helpers (tokenizer words, rewards, run comparison) come from tests/test_hf_trl.py.
+Helpers (tokenizer words, rewards, run comparison) come from tests/support/trl_runs.py.
 """
 import warnings
 
@@ -18,15 +18,17 @@ import torch
 
 pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.kernels import ChunkedLogProbFunction  # noqa: E402
 
 import grpo_kernels  # noqa: E402
 from grpo_kernels.integrations.trl import TRLLogProbFunction, patch_trl, unpatch_trl  # noqa: E402
-from tests.test_hf_trl import (WORDS, _always_unpatched, _assert_informative, _assert_same_run,  # noqa: E402,F401
-                               _head_inputs, _run_head, even_words, short)
+
+from ..support.trl_runs import (  # noqa: E402
+    WORDS, assert_informative, assert_same_run, even_words, head_inputs, run_head, short, word_tokenizer,
+)
+
+pytestmark = pytest.mark.usefixtures("unpatched_trl")
 
 MODELS = {  # name -> (config class, model class, config overrides)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(final_logit_softcapping=1.0)),
@@ -41,7 +43,7 @@ def test_head_matches_trl_function_with_softcap(logit_scale, impl, monkeypatch):
     temperature of 0.8: log-probs, entropies and the gradients of hidden, weight and bias."""
     monkeypatch.setenv("GRPO_KERNELS_IMPL", impl)
     patch_trl(strict=True)
-    inputs = _head_inputs()
+    inputs = head_inputs()
     raw = inputs[0] @ inputs[1].T + inputs[2]
     assert logit_scale * raw.abs().max() > 1.5 * 3.0  # the cap's saturated part is in play
     kw = dict(final_logit_softcapping=3.0, logit_scale=logit_scale)
@@ -51,10 +53,10 @@ def test_head_matches_trl_function_with_softcap(logit_scale, impl, monkeypatch):
                         lambda *a, **k: calls.append(k) or original(*a, **k))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a fallback to TRL's kernel would warn (or raise: strict)
-        (lp, ent, *rest), grads = _run_head(TRLLogProbFunction, *inputs, **kw)
+        (lp, ent, *rest), grads = run_head(TRLLogProbFunction, *inputs, **kw)
     assert [(k["softcap"], k["temperature"]) for k in calls] == [(3.0 / logit_scale, 0.8 / logit_scale)]
-    (lp_ref, ent_ref, *_), grads_ref = _run_head(ChunkedLogProbFunction, *inputs, **kw)
-    (lp_uncapped, *_), _ = _run_head(ChunkedLogProbFunction, *inputs, logit_scale=logit_scale)
+    (lp_ref, ent_ref, *_), grads_ref = run_head(ChunkedLogProbFunction, *inputs, **kw)
+    (lp_uncapped, *_), _ = run_head(ChunkedLogProbFunction, *inputs, logit_scale=logit_scale)
     assert (lp_ref - lp_uncapped).abs().max() > 0.1  # the cap changes the answer
     assert rest == [None, None, None] and lp.dtype == torch.float32
     torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
@@ -64,17 +66,13 @@ def test_head_matches_trl_function_with_softcap(logit_scale, impl, monkeypatch):
 
 
 def _save_tiny_gemma(path, name):
-    """A saved tiny Gemma (tied head, as Gemma's) + the word-level tokenizer of tests/test_hf_trl.py."""
+    """A saved tiny Gemma (tied head, as Gemma's) + the word-level tokenizer of tests/support/trl_runs.py."""
     import transformers
 
     config_cls, model_cls, overrides = MODELS[name]
     if not hasattr(transformers, model_cls):
         pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>")
+    tokenizer = word_tokenizer()
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(
         vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -136,10 +134,10 @@ def test_trl_trainer_on_soft_capped_gemma_matches_unpatched(tiny_gemma, tmp_path
     cfg = dict(loss_type="grpo", beta=0.1, num_iterations=2, epsilon=0.05)
     ref_logs, ref_params, ref_caps = _train(model, tmp_path, False, **cfg)
     logs, params, caps = _train(model, tmp_path, True, **cfg)
-    _assert_informative(ref_logs, "loss", "kl", "reward_std", "grad_norm")
+    assert_informative(ref_logs, "loss", "kl", "reward_std", "grad_norm")
     expected_cap = overrides["final_logit_softcapping"] / overrides.get("logit_scale", 1.0)
     assert ref_caps == [] and len(caps) > 0 and set(caps) == {expected_cap}
     # atol 1e-5 (test_hf_trl.py: 1e-6): Adam divides each gradient element by its running RMS, so the fp32 rounding
     # of a near-zero element (TRL scales then caps in its tiles, we fold the scale into the cap) moves a weight of
     # ~0.5 by ~4e-6 in the Gemma 3 case.
-    _assert_same_run((ref_logs, ref_params, 0), (logs, params, len(caps)), atol=1e-5)
+    assert_same_run((ref_logs, ref_params, 0), (logs, params, len(caps)), atol=1e-5)

@@ -1,7 +1,7 @@
 """A soft-capped head gives TRL's numbers on every path (issue "what no peer ships", done-when).
 
 TRL knows nothing of the cap in its loss: the model applies it (transformers' Gemma 2), so the oracle is TRL's own
-``GRPOTrainer._compute_loss`` (tests/oracles.py) on float64 logits capped by ``reference.soft_cap``, with the loss
+``GRPOTrainer._compute_loss`` (tests/support/oracles.py) on float64 logits capped by ``reference.soft_cap``, with the loss
 options alone. Ours: ``fused_linear_grpo_loss`` / ``grpo_loss`` with ``softcap=`` on each path the planner can take
 (asserted from the plans), the Triton ones under the interpreter. A cap of 1.5 on logits of spread ~1 bends most
 of them; the bias holds one very large logit (far in the flat part of tanh).
@@ -14,21 +14,15 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.reference import soft_cap
 
-from .cases import CASES, make_inputs
-from .oracles import trl_compute_loss
-from .test_head_api import HIDDEN, _rest
-from .test_head_paths import _fast_budget
+from ..support.cases import CASES, make_inputs, optional_inputs
+from ..support.oracles import trl_compute_loss
+from ..support.heads import HIDDEN, fast_path_budget
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_outputs")]
 
 CAP = 1.5
 TOKEN = next(c for c in CASES if c.id == "grpo-beta-kl")
 SEQUENCE = next(c for c in CASES if c.id == "grpo-sequence")
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setenv("GRPO_KERNELS_POISON", "1")
 
 
 def _bias(V):
@@ -41,7 +35,7 @@ def _trl(inputs, case, bias, temperature):
     """TRL's loss and (d hidden, d weight, d bias) on float64 logits capped like the model would cap them."""
     h, w, b = (t.double().requires_grad_(True) for t in (inputs["hidden"], inputs["weight"], bias))
     logits = soft_cap(h @ w.T + b, CAP)
-    rest = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in _rest(inputs).items()}
+    rest = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in optional_inputs(inputs).items()}
     loss, metrics = trl_compute_loss(logits, inputs["ids"], inputs["advantages"].double(), inputs["mask"],
                                      config=case.config.replace(temperature=temperature), **rest)
     return loss.detach(), torch.autograd.grad(loss, [h, w, b]), metrics
@@ -51,7 +45,7 @@ def _fused(inputs, case, bias, impl, temperature, **kw):
     h, w, b = (t.clone().requires_grad_(True) for t in (inputs["hidden"], inputs["weight"], bias))
     loss, metrics = gk.fused_linear_grpo_loss(h, w, inputs["ids"], inputs["advantages"], inputs["mask"], bias=b,
                                               config=case.config, impl=impl, softcap=CAP, temperature=temperature,
-                                              **_rest(inputs), **kw)
+                                              **optional_inputs(inputs), **kw)
     return loss.detach(), torch.autograd.grad(loss, [h, w, b]), metrics
 
 
@@ -88,7 +82,7 @@ def test_fused_head_with_softcap_matches_trl(case, impl, extra, path, knobs, pla
     bias = _bias(37)
     extra = dict(extra)
     if "fast_rows" in extra:
-        extra["memory_budget"] = _fast_budget(inputs, case, extra.pop("fast_rows"), bias)
+        extra["memory_budget"] = fast_path_budget(inputs, case, extra.pop("fast_rows"), bias)
     plans.clear()
     ours = _fused(inputs, case, bias, impl, 0.8, **extra)
     assert plans[-1].path == path

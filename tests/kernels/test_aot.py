@@ -66,7 +66,7 @@ def expected_names(pattern: str = "") -> set:
             "        for c in module_configs(m, a):\n"
             "            print(a, c[0])\n")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, "-c", code, "x", *MODULES], env=env, capture_output=True, text=True,
                          check=True).stdout.split()

@@ -9,7 +9,7 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.reference import logprobs_and_entropy, reference_grpo_loss
 
-from .cases import CASES, make_inputs
+from ..support.cases import CASES, make_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA GPU; runs in benchmarks/gpu_check.sh")]

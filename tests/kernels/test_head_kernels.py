@@ -27,6 +27,8 @@ from grpo_kernels.kernels import linear_forward_kernels as lfk  # noqa: E402
 from grpo_kernels.kernels import linear_tiles as tiles  # noqa: E402
 from grpo_kernels.kernels.common import testing  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,11 +37,6 @@ ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-3, torch.float16: 5e-4}
 # The forward keeps fp32 logits whatever the input dtype: it must be fp32-accurate on the rounded inputs.
 FWD_ATOL = 5e-5
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setenv("GRPO_KERNELS_POISON", "1")
 
 
 def make_inputs(N, V, H, dtype, bias=True, seed=0, scale=3.0):

@@ -3,12 +3,13 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels import _checks
 from grpo_kernels.kernels.common import testing
 from grpo_kernels.reference import logprobs_and_entropy
 
-from .cases import CASES, make_inputs
-from .tolerances import assert_three_way, loss_truth_and_same_dtype, naive_logprobs_entropy
+from ..support.cases import CASES, make_inputs
+from ..support.tolerances import assert_three_way, loss_truth_and_same_dtype, naive_logprobs_entropy
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (B, T, V, block_v): V not a power of two, T = 1, a single token, V below / above / across the block size
@@ -18,12 +19,6 @@ SHAPES = {
     "3x5x1000-block256": (3, 5, 1000, 256),
     "2x3x4099": (2, 3, 4099, None),
 }
-
-
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    """Every kernel output buffer starts as NaN: a row or block the kernel forgets shows up."""
-    monkeypatch.setenv(_checks.POISON_ENV, "1")
 
 
 def _ground_truth(logits, ids, temperature, a, b):

@@ -3,7 +3,7 @@ head.fast_sequence: cuBLAS-shaped row chunks + the row-sweep epilogue) and the m
 
 Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (conftest.py); the interpreter's row block is 16, so V=37
 crosses the epilogue's main-loop / tail boundary. Ground truth: float64 full logits through TRL's _compute_loss
-(tests/oracles.py) and the reference.
+(tests/support/oracles.py) and the reference.
 """
 from __future__ import annotations
 
@@ -13,19 +13,13 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels.explain import plan_call
 from grpo_kernels.loss_types import per_token_gradient_known
 
-from .cases import CASES, make_inputs
-from .test_head_api import HIDDEN, _linear_truth, _ours, _rest
+from ..support.cases import CASES, make_inputs, optional_inputs
+from ..support.heads import HIDDEN, fast_path_budget, head_call, head_plan, linear_truth
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_outputs")]
 
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    """Buffers the launchers allocate start as NaN: a row or chunk the kernels skip shows up in the results."""
-    monkeypatch.setenv("GRPO_KERNELS_POISON", "1")
 
 TOKEN_LOCAL = [c for c in CASES if per_token_gradient_known(c.config)]
 METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -52,14 +46,14 @@ def test_grad_in_forward_matches_trl_and_light_path(case, knobs, plans):
     knobs(fast_path_min_rows=1, dlogits_by_gemm=True)
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=21)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(3)) * 0.2
-    fast_budget, light_budget = _fast_budget(inputs, case, 3, bias), _light_budget(inputs, case, 32, bias)
+    fast_budget, light_budget = fast_path_budget(inputs, case, 3, bias), _light_budget(inputs, case, 32, bias)
     plans.clear()
-    loss, grads, metrics = _ours(inputs, case, "triton", bias=bias, memory_budget=fast_budget)
-    l_loss, l_grads, l_metrics = _ours(inputs, case, "triton", bias=bias, grad_in_forward=False,
+    loss, grads, metrics = head_call(inputs, case, "triton", bias=bias, memory_budget=fast_budget)
+    l_loss, l_grads, l_metrics = head_call(inputs, case, "triton", bias=bias, grad_in_forward=False,
                                        memory_budget=light_budget)
     seen = _paths(plans)
     assert [p for p, _ in seen] == ["fast", "light"] and seen[0][1] == 3
-    t_loss, t_grads, t_metrics = _linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
+    t_loss, t_grads, t_metrics = linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
     _assert_agree(loss, grads, l_loss, l_grads, t_loss, t_grads)
     for name in METRICS:
         assert metrics[name].item() == pytest.approx(l_metrics[name].item(), rel=1e-5, abs=1e-7), name
@@ -69,25 +63,9 @@ def test_grad_in_forward_matches_trl_and_light_path(case, knobs, plans):
         assert metrics["cispo_clip_ratio"].item() == pytest.approx(l_metrics["cispo_clip_ratio"].item(), abs=1e-7)
 
 
-def _plan(inputs, case, bias=None, **overrides):
-    return plan_call(gk.fused_linear_grpo_loss, inputs["hidden"].clone().requires_grad_(True),
-                     inputs["weight"].clone().requires_grad_(True), inputs["ids"], inputs["advantages"],
-                     inputs["mask"], bias=None if bias is None else bias.clone().requires_grad_(True),
-                     config=case.config, impl="triton", **_rest(inputs), **overrides)
-
-
-def _fast_budget(inputs, case, rows, bias=None):
-    """The memory_budget that leaves room for fp32 logits chunks of ``rows`` rows beside the fast path's fixed
-    transients (accumulators, per-token values), from the planner's own figure."""
-    plan = _plan(inputs, case, bias)
-    V = inputs["weight"].shape[0]
-    chunk = dict(plan.transient)["fp32 logits chunk (d logits written in place)"]
-    return plan.transient_bytes - chunk + rows * 4 * V
-
-
 def _light_budget(inputs, case, cols, bias=None):
     """The memory_budget whose light-path backward uses d-logits chunks of ``cols`` columns (one row block)."""
-    plan = _plan(inputs, case, bias, grad_in_forward=False)
+    plan = head_plan(inputs, case, bias, grad_in_forward=False)
     dl = dict(plan.transient)["d logits chunk"]
     n_valid = plan.rows
     return plan.transient_bytes - dl + n_valid * cols * 4
@@ -117,13 +95,13 @@ def test_sequence_level_grad_in_forward_matches_trl_and_light_path(case, knobs, 
     knobs(fast_path_min_rows=1)
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=22)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(4)) * 0.2
-    budget = _fast_budget(inputs, case, 10, bias)
+    budget = fast_path_budget(inputs, case, 10, bias)
     plans.clear()
-    loss, grads, metrics = _ours(inputs, case, "triton", bias=bias, memory_budget=budget)
-    l_loss, l_grads, l_metrics = _ours(inputs, case, "triton", bias=bias, grad_in_forward=False)
+    loss, grads, metrics = head_call(inputs, case, "triton", bias=bias, memory_budget=budget)
+    l_loss, l_grads, l_metrics = head_call(inputs, case, "triton", bias=bias, grad_in_forward=False)
     seen = _paths(plans)
     assert [p for p, _ in seen] == ["sequence", "light"] and len(seen[0][1]) >= 2
-    t_loss, t_grads, t_metrics = _linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
+    t_loss, t_grads, t_metrics = linear_truth(inputs, case, bias=bias, dtype=torch.float64, oracle="trl")
     _assert_agree(loss, grads, l_loss, l_grads, t_loss, t_grads)
     for name in l_metrics:
         assert metrics[name].item() == pytest.approx(l_metrics[name].item(), rel=1e-5, abs=1e-7), name
@@ -137,14 +115,14 @@ def test_sequence_level_paths_fall_back_to_the_light_path(knobs, plans):
     inputs = make_inputs(gspo, hidden_size=HIDDEN, seed=2)
     longest = int(inputs["mask"].sum(-1).max())
     V = inputs["weight"].shape[0]
-    plan = _plan(inputs, gspo)
+    plan = head_plan(inputs, gspo)
     assert plan.path == "head.fast_sequence"
     fits = plan.transient_bytes - dict(plan.transient)["fp32 logits chunk (d logits written in place)"]
     plans.clear()
-    _ours(inputs, gspo, "triton", memory_budget=fits + (longest - 1) * 4 * V)
-    _ours(inputs, gspo, "triton", grad_in_forward=False)
+    head_call(inputs, gspo, "triton", memory_budget=fits + (longest - 1) * 4 * V)
+    head_call(inputs, gspo, "triton", grad_in_forward=False)
     top = next(c for c in CASES if c.id == "top-entropy")
-    _ours(make_inputs(top, hidden_size=HIDDEN, seed=2), top, "triton")
+    head_call(make_inputs(top, hidden_size=HIDDEN, seed=2), top, "triton")
     assert [p for p, _ in _paths(plans)] == ["light"] * 3
 
 
@@ -158,21 +136,21 @@ def test_memory_budget_selects_the_path_and_sizes_the_chunks(knobs, plans, monke
     chunks = []
     real_alloc = epilogue.alloc
     monkeypatch.setattr(epilogue, "alloc", lambda shape, *a: (chunks.append(tuple(shape)), real_alloc(shape, *a))[1])
-    _ours(inputs, case, "triton")
+    head_call(inputs, case, "triton")
     assert _paths(plans)[-1] == ("fast", N)
     knobs(fast_path_min_rows=4)
     chunks.clear()
-    budget = _fast_budget(inputs, case, 5) + 3
+    budget = fast_path_budget(inputs, case, 5) + 3
     plans.clear()
-    _ours(inputs, case, "triton", memory_budget=budget)
+    head_call(inputs, case, "triton", memory_budget=budget)
     assert _paths(plans)[-1][0] == "fast" and _paths(plans)[-1][1] <= 5 and plans[-1].transient_bytes <= budget
     assert max(r * c for r, c in (s for s in chunks if len(s) == 2 and s[1] == V)) <= 5 * V
-    budget = _fast_budget(inputs, case, 3)
+    budget = fast_path_budget(inputs, case, 3)
     plans.clear()
-    _ours(inputs, case, "triton", memory_budget=budget)
+    head_call(inputs, case, "triton", memory_budget=budget)
     assert _paths(plans)[-1][0] == "light" and plans[-1].transient_bytes <= budget
     with pytest.raises(ValueError, match="memory_budget"):
-        _ours(inputs, case, "triton", memory_budget=64)
+        head_call(inputs, case, "triton", memory_budget=64)
 
 
 def test_light_path_chunk_and_no_half_precision_dh_temporary(monkeypatch, plans):
@@ -186,12 +164,12 @@ def test_light_path_chunk_and_no_half_precision_dh_temporary(monkeypatch, plans)
     real_alloc = lbk.alloc
     monkeypatch.setattr(lbk, "alloc", lambda shape, *a: (allocs.append(tuple(shape)), real_alloc(shape, *a))[1])
     budget = _light_budget(inputs, case, 64)
-    loss, grads, _ = _ours(inputs, case, "triton", grad_in_forward=False, memory_budget=budget)
+    loss, grads, _ = head_call(inputs, case, "triton", grad_in_forward=False, memory_budget=budget)
     assert plans[-1].path == "head.light" and plans[-1].transient_bytes <= budget and plans[-1].row_block == N_valid
     dl = [s for s in allocs if s[0] == N_valid and s[1] not in (40,)]
     assert dl and all(r * c * 2 <= N_valid * 64 * 2 for r, c in dl), dl
     assert allocs.count((N_valid, 40)) == 1, "one (N, H) buffer: the returned d hidden, no half temporary"
-    t_loss, t_grads, _ = _linear_truth(inputs, case)
+    t_loss, t_grads, _ = linear_truth(inputs, case)
     assert _rel(grads[0], t_grads[0]) <= 1e-2 and _rel(grads[1], t_grads[1]) <= 1e-2
 
 
@@ -201,16 +179,16 @@ def test_light_path_row_blocks_when_the_dh_accumulator_does_not_fit(plans):
     case = next(c for c in CASES if c.id == "dapo-token")
     inputs = make_inputs(case, B=4, T=6, V=300, hidden_size=40, dtype=torch.bfloat16, seed=11)
     n_valid = int(inputs["mask"].sum())
-    full = _plan(inputs, case, grad_in_forward=False)
+    full = head_plan(inputs, case, grad_in_forward=False)
     backward = ("d logits chunk", "fp32 d hidden of a row block", "fp32 d bias")
     fixed = sum(b for what, b in full.transient if what not in backward)
     rows = n_valid // 3
     budget = fixed + 4 * rows * 40 + rows * 64 * 2  # the fp32 d hidden of a third of the rows, 64-column chunks
     plans.clear()
-    loss, grads, _ = _ours(inputs, case, "triton", grad_in_forward=False, memory_budget=budget)
+    loss, grads, _ = head_call(inputs, case, "triton", grad_in_forward=False, memory_budget=budget)
     plan = plans[-1]
     assert plan.path == "head.light" and plan.row_block < n_valid and plan.transient_bytes <= budget
-    t_loss, t_grads, _ = _linear_truth(inputs, case)
+    t_loss, t_grads, _ = linear_truth(inputs, case)
     assert _rel(grads[0], t_grads[0]) <= 1e-2 and _rel(grads[1], t_grads[1]) <= 2e-2
 
 
@@ -230,12 +208,12 @@ def test_frozen_head_does_no_weight_work(grad_in_forward, monkeypatch):
     w = inputs["weight"].clone()
     loss, _ = gk.fused_linear_grpo_loss(h, w, inputs["ids"], inputs["advantages"], inputs["mask"],
                                         config=case.config, impl="triton", grad_in_forward=grad_in_forward,
-                                        **_rest(inputs))
+                                        **optional_inputs(inputs))
     loss.backward()
     assert w.grad is None and not [s for s in calls if tuple(s) == tuple(w.shape)]
     # the light path's backward is asked for d hidden only (its d weight GEMM is then never run)
     assert light_needs == ([] if grad_in_forward else [(True, False, False)])
-    _, t_grads, _ = _linear_truth(inputs, case, dtype=torch.float64)
+    _, t_grads, _ = linear_truth(inputs, case, dtype=torch.float64)
     assert _rel(h.grad, t_grads[0]) <= 2e-5
 
 
@@ -255,7 +233,7 @@ def test_nan_at_a_valid_row_reaches_the_loss(where, grad_in_forward, case_id):
         weight[5, 2] = float("nan")
     loss, _ = gk.fused_linear_grpo_loss(hidden, weight, inputs["ids"], inputs["advantages"], inputs["mask"],
                                         config=case.config, impl="triton", grad_in_forward=grad_in_forward,
-                                        **_rest(inputs))
+                                        **optional_inputs(inputs))
     assert torch.isnan(loss)
 
 
@@ -263,18 +241,18 @@ def test_grad_in_forward_is_bitwise_reproducible_and_scales_by_grad_output(knobs
     knobs(fast_path_min_rows=1)
     case = next(c for c in CASES if c.id == "is-ratio-token")
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=8, dtype=torch.bfloat16)
-    runs = [_ours(inputs, case, "triton", memory_budget=_fast_budget(inputs, case, 4)) for _ in range(2)]
+    runs = [head_call(inputs, case, "triton", memory_budget=fast_path_budget(inputs, case, 4)) for _ in range(2)]
     assert torch.equal(runs[0][0], runs[1][0])
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
     h = inputs["hidden"].clone().float().requires_grad_(True)
     loss, _ = gk.fused_linear_grpo_loss(h, inputs["weight"].float(), inputs["ids"], inputs["advantages"],
-                                        inputs["mask"], config=case.config, impl="triton", **_rest(inputs))
+                                        inputs["mask"], config=case.config, impl="triton", **optional_inputs(inputs))
     (g1,) = torch.autograd.grad(loss, h, retain_graph=True)
     with pytest.raises(RuntimeError, match="grad_in_forward=False"):
         torch.autograd.grad(loss, h)  # the gradients were handed out (scaled in place) by the first backward
     loss3, _ = gk.fused_linear_grpo_loss(h, inputs["weight"].float(), inputs["ids"], inputs["advantages"],
-                                         inputs["mask"], config=case.config, impl="triton", **_rest(inputs))
+                                         inputs["mask"], config=case.config, impl="triton", **optional_inputs(inputs))
     (g3,) = torch.autograd.grad(3.0 * loss3, h)
     assert torch.allclose(g3, 3.0 * g1, rtol=1e-6, atol=0)
 

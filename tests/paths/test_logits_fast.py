@@ -10,29 +10,18 @@ from torch.utils._pytree import tree_flatten
 
 import grpo_kernels as gk
 import grpo_kernels.loss as loss_module
-from grpo_kernels import GRPOLossConfig, _checks
-from grpo_kernels.kernels import logits_kernels
+from grpo_kernels import GRPOLossConfig
 from grpo_kernels.kernels.logits_loss_kernels import N_TERMS
 from grpo_kernels.loss_types import LOSS_TYPES, per_token_gradient_known
 
-from .cases import CASES, make_inputs
-from .oracles import trl_compute_loss
-from .tolerances import assert_three_way, loss_truth_and_same_dtype
+from ..support.cases import CASES, make_inputs, optional_inputs
+from ..support.oracles import trl_compute_loss
+from ..support.tolerances import assert_three_way, loss_truth_and_same_dtype
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_outputs")]
 MODES = ("grad_in_forward", "separate")
 TOKEN_CASES = [c for c in CASES if per_token_gradient_known(c.config)]
 RTOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    """Every kernel output buffer (d logits, per-row terms) starts as NaN: a row the kernel forgets shows up."""
-    monkeypatch.setenv(_checks.POISON_ENV, "1")
-
-
-def _rest(inputs):
-    return {k: v for k, v in inputs.items() if k not in ("logits", "ids", "advantages", "mask")}
 
 
 def _force(mode, monkeypatch):
@@ -52,7 +41,7 @@ def _ours(inputs, config, mode, monkeypatch, inplace=False, scale=1.0):
         x = inputs["logits"].clone().requires_grad_(True)
         loss, metrics = gk.grpo_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"],
                                      config=config.replace(grad_in_forward=gif), impl="triton",
-                                     inplace_backward=inplace, **_rest(inputs))
+                                     inplace_backward=inplace, **optional_inputs(inputs))
         (grad,) = torch.autograd.grad(loss * scale, x)
     return loss.detach(), grad, metrics
 
@@ -68,7 +57,7 @@ def test_both_modes_match_trl(case, mode, monkeypatch):
     inputs = make_inputs(case)
     x = inputs["logits"].clone().requires_grad_(True)
     trl_loss, trl_metrics = trl_compute_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"],
-                                             config=case.config, **_rest(inputs))
+                                             config=case.config, **optional_inputs(inputs))
     (trl_grad,) = torch.autograd.grad(trl_loss, x)
     loss, grad, metrics = _ours(inputs, case.config, mode, monkeypatch)
     assert _rel(loss, trl_loss.detach()) <= RTOL and _rel(grad, trl_grad) <= RTOL
@@ -143,7 +132,7 @@ def test_awkward_shapes_and_fully_masked_rows(shape, mode, monkeypatch, kernel_o
     loss, grad, metrics = _ours(inputs, config, mode, monkeypatch)
     y = clean.requires_grad_(True)
     expected, expected_metrics = gk.grpo_loss(y, inputs["ids"], inputs["advantages"], inputs["mask"],
-                                              config=config, impl="torch", **_rest(inputs))
+                                              config=config, impl="torch", **optional_inputs(inputs))
     (expected_grad,) = torch.autograd.grad(expected, y)
     assert torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-7)
     assert (grad[~inputs["mask"]] == 0).all()
@@ -161,7 +150,7 @@ def test_in_place_writes_d_logits_in_the_forward(monkeypatch, kernel_overrides):
     expected = _ours(inputs, case.config, "grad_in_forward", monkeypatch, scale=2.0)[1]
     x = inputs["logits"].clone().requires_grad_(True)
     loss, _ = gk.grpo_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"], config=case.config,
-                           impl="triton", inplace_backward=True, **_rest(inputs))
+                           impl="triton", inplace_backward=True, **optional_inputs(inputs))
     assert torch.equal(x.detach() * 2, expected), "the buffer must hold d logits (for a loss scaled by 1)"
     (loss * 2.0).backward()
     assert x.grad.data_ptr() == x.data_ptr()
@@ -169,7 +158,7 @@ def test_in_place_writes_d_logits_in_the_forward(monkeypatch, kernel_overrides):
     with pytest.raises(RuntimeError, match="retain_graph"):
         x2 = inputs["logits"].clone().requires_grad_(True)
         loss2, _ = gk.grpo_loss(x2, inputs["ids"], inputs["advantages"], inputs["mask"], config=case.config,
-                                impl="triton", **_rest(inputs))
+                                impl="triton", **optional_inputs(inputs))
         loss2.backward(retain_graph=True)
         loss2.backward()
 
@@ -181,10 +170,10 @@ def test_no_grad_forward_leaves_the_logits_alone():
     x = inputs["logits"].clone().requires_grad_(True)
     with torch.no_grad():
         loss, _ = gk.grpo_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"], config=case.config,
-                               impl="triton", inplace_backward=True, **_rest(inputs))
+                               impl="triton", inplace_backward=True, **optional_inputs(inputs))
     assert torch.equal(x.detach(), inputs["logits"])
     expected, _ = gk.grpo_loss(inputs["logits"], inputs["ids"], inputs["advantages"], inputs["mask"],
-                               config=case.config, impl="torch", **_rest(inputs))
+                               config=case.config, impl="torch", **optional_inputs(inputs))
     assert torch.allclose(loss, expected, rtol=1e-5)
 
 
@@ -232,7 +221,7 @@ def test_in_place_path_allocates_nothing_of_the_logits_size(monkeypatch):
     recorder = _Allocations()
     with recorder:
         loss, _ = gk.grpo_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"], config=config,
-                               impl="triton", inplace_backward=True, **_rest(inputs))
+                               impl="triton", inplace_backward=True, **optional_inputs(inputs))
         loss.backward()
     assert x.grad.data_ptr() == x.data_ptr()
     assert recorder.largest[0] <= N_TERMS * B * T, f"largest new tensor: {recorder.largest}"

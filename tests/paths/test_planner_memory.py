@@ -1,5 +1,5 @@
 """The planner's transient-memory figure (``Plan.transient``) against the allocations traced on CPU with the torch
-profiler's memory events (tests/memory_trace.py), on every path, at two shapes: within 10%.
+profiler's memory events (tests/support/memory_trace.py), on every path, at two shapes: within 10%.
 
 The Triton paths run on the interpreter with fp32 inputs: for bf16 inputs the CPU stand-ins of the fp32-output
 GEMMs upcast their operands (copies a CUDA run does not make), so a bf16 trace on CPU measures another program. The
@@ -11,7 +11,7 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.explain import plan_call
 
-from .memory_trace import transient_peak
+from ..support.memory_trace import transient_peak
 
 SHAPES = {"small": (4, 16, 1024, 32), "wide": (2, 24, 1536, 48)}
 PATHS = {  # path: (function, impl, options)

@@ -3,7 +3,7 @@ head.fast_sequence, head.light (deterministic through the tile kernel or through
 and atomic), head.no_grad, and ``linear_token_logprobs`` with and without gradients.
 
 Ground truth: the float64 reference on full logits ``h @ W.T + b`` with ``config.softcap`` (``reference.soft_cap``:
-``z = c tanh(x / c) / temperature``), gradients by autograd; the pass rule is the three-way one (tests/tolerances.py)
+``z = c tanh(x / c) / temperature``), gradients by autograd; the pass rule is the three-way one (tests/support/tolerances.py)
 with a same-dtype PyTorch term that applies the cap too. The kernels run under TRITON_INTERPRET=1 (conftest.py) with
 poisoned outputs; V = 37 crosses the interpreter's row block (16) and tile (32) boundaries.
 
@@ -21,20 +21,14 @@ from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.explain import plan_call
 from grpo_kernels.reference import logprobs_and_entropy, loss_from_logps, reference_grpo_loss, soft_cap
 
-from .tolerances import assert_three_way
+from ..support.tolerances import assert_three_way
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_outputs")]
 
 B, T, H, V = 3, 5, 16, 37
 CAP = 2.5  # raw logits have a standard deviation of ~2: the cap bends most of them (tanh(1) = 0.76)
 TEMPERATURE = 0.8
 BANNED = 5  # the bias entry set to -inf
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    """Buffers the launchers allocate start as NaN: a row or chunk the kernels skip shows up in the results."""
-    monkeypatch.setenv("GRPO_KERNELS_POISON", "1")
 
 
 @pytest.fixture
@@ -339,7 +333,7 @@ def test_torch_head_keeps_two_tiles_with_the_cap():
     derivative (torch_chunks.dlogits_)."""
     from grpo_kernels import planner
 
-    from .memory_trace import transient_peak
+    from ..support.memory_trace import transient_peak
 
     g = torch.Generator().manual_seed(13)
     hidden = torch.randn(8, 8, 32, generator=g).requires_grad_(True)

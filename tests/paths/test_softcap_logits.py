@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels import GRPOLossConfig, _checks, planner
+from grpo_kernels import GRPOLossConfig, planner
 from grpo_kernels.reference import logprobs_and_entropy, loss_from_logps, reference_grpo_loss, soft_cap
 
-from .cases import CASES, make_inputs
-from .oracles import trl_compute_loss
-from .tolerances import assert_three_way
+from ..support.cases import CASES, make_inputs, optional_inputs
+from ..support.oracles import trl_compute_loss
+from ..support.tolerances import assert_three_way
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 CAP = 5.0
 TEMPERATURE = 0.7
@@ -25,12 +27,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (B, T, V, max_block_v): V = 37 (not a multiple of 16, one block); V = 160 (a multiple of 16) in blocks of 64, two
 # full blocks and a tail; V = 128 in blocks of 32, full blocks only.
 SHAPES = {"2x3x37": (2, 3, 37, None), "2x3x160-blocks64": (2, 3, 160, 64), "1x2x128-blocks32": (1, 2, 128, 32)}
-
-
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    """Every kernel output buffer starts as NaN: a row or block a kernel forgets shows up."""
-    monkeypatch.setenv(_checks.POISON_ENV, "1")
 
 
 def _logits(B, T, V, dtype, seed, scale=2.0 * CAP):
@@ -165,13 +161,9 @@ LOSS_PATHS = {
 _CASE = next(c for c in CASES if c.id == "grpo-beta-kl")  # old and reference log-probs
 
 
-def _rest(inputs):
-    return {k: v for k, v in inputs.items() if k not in ("logits", "ids", "advantages", "mask")}
-
-
 def _loss_truth_and_naive(inputs, config):
     """(loss, d logits) in float64 and from plain PyTorch in the logits' dtype, both with the cap."""
-    rest = _rest(inputs)
+    rest = optional_inputs(inputs)
     x64 = inputs["logits"].double().requires_grad_(True)
     loss64, _ = reference_grpo_loss(x64, inputs["ids"], inputs["advantages"], inputs["mask"], config=config, **rest)
     (grad64,) = torch.autograd.grad(loss64, x64)
@@ -185,7 +177,7 @@ def _loss_truth_and_naive(inputs, config):
 def _loss_ours(inputs, impl, config, logits=None, **kwargs):
     x = (inputs["logits"] if logits is None else logits).clone().requires_grad_(True)
     loss, metrics = gk.grpo_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"], config=config, impl=impl,
-                                 **_rest(inputs), **kwargs)
+                                 **optional_inputs(inputs), **kwargs)
     (grad,) = torch.autograd.grad(loss, x)
     return loss.detach(), grad, metrics
 
@@ -209,7 +201,7 @@ def test_grpo_loss_three_way(path, shape, dtype, kernel_overrides, plans):
     assert_three_way(loss, loss_d, loss64, dtype, f"{path} loss")
     assert_three_way(grad, grad_d, grad64, dtype, f"{path} d logits", scale=grad64.abs().max().item())
     _, truth_metrics = reference_grpo_loss(inputs["logits"].double(), inputs["ids"], inputs["advantages"],
-                                           inputs["mask"], config=config, **_rest(inputs))
+                                           inputs["mask"], config=config, **optional_inputs(inputs))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert metrics["entropy"].item() == pytest.approx(truth_metrics["entropy"].item(), rel=tol, abs=tol)
 
@@ -255,7 +247,7 @@ def test_grpo_loss_matches_trl_on_capped_logits(loss_type, impl):
     inputs["logits"] = inputs["logits"] * CAP
     x = inputs["logits"].clone().requires_grad_(True)
     trl_loss, trl_metrics = trl_compute_loss(soft_cap(x, CAP), inputs["ids"], inputs["advantages"], inputs["mask"],
-                                             config=config, **_rest(inputs))
+                                             config=config, **optional_inputs(inputs))
     (trl_grad,) = torch.autograd.grad(trl_loss, x)
     loss, grad, metrics = _loss_ours(inputs, impl, config, softcap=CAP)
 
@@ -272,12 +264,12 @@ def test_torch_path_keeps_two_temporaries_per_chunk(dtype):
     transient memory is the plan's (two chunk temporaries, planner.plan_logits), not a third chunk for the cap."""
     from grpo_kernels.explain import plan_call
 
-    from .memory_trace import transient_peak
+    from ..support.memory_trace import transient_peak
 
     inputs = make_inputs(_CASE, B=4, T=8, V=1024, dtype=dtype, seed=1)
     x = inputs["logits"].requires_grad_(True)
     args = (x, inputs["ids"], inputs["advantages"], inputs["mask"])
-    options = dict(config=_ENTROPY_KL, impl="torch", memory_budget=100_000, **_rest(inputs))
+    options = dict(config=_ENTROPY_KL, impl="torch", memory_budget=100_000, **optional_inputs(inputs))
     plan = plan_call(gk.grpo_loss, *args, **options)
     assert plan.path == planner.LOGITS_TORCH and plan.chunk_rows < 32
 

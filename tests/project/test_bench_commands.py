@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The commands as documented (docs/benchmarks.md, README); ".venv/bin/python" is this interpreter here.
 BENCH = ".venv/bin/python -m pytest benchmarks/ --benchmark-only --benchmark-json bench-out/run.json"
 REPORT = ".venv/bin/python -m benchmarks.report bench-out/run.json"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAX_README_LINES = 300
 # The user-guide documents README links to, some of which are written in parallel work: while one is missing, its
@@ -13,8 +13,8 @@ MAX_README_LINES = 300
 REQUIRED_DOCS = ["install", "training", "training-cli", "training-runs", "api", "kernels", "memory", "distributed",
                  "numerics", "benchmarks", "contributing", "DESIGN"]
 # The documents this guide moved README's reference sections into; their own links are checked too.
-MOVED_DOCS = sorted(p.relative_to(Path(__file__).resolve().parents[1]).as_posix()
-                    for p in (Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
+MOVED_DOCS = sorted(p.relative_to(Path(__file__).resolve().parents[2]).as_posix()
+                    for p in (Path(__file__).resolve().parents[2] / "docs").glob("*.md"))
 
 
 def _section(text: str, heading: str) -> str:
@@ -138,7 +138,7 @@ def test_explain_output_is_what_explain_prints():
 
 
 def test_benchmark_commands_are_the_documented_ones():
-    """README's benchmark commands are docs/benchmarks.md's, which tests/test_bench_commands.py runs verbatim."""
+    """README's benchmark commands are docs/benchmarks.md's, which tests/project/test_bench_commands.py runs verbatim."""
     block = _blocks(_section(README.read_text(), "## Benchmarks"), "bash")[0]
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     documented = _blocks((ROOT / "docs" / "benchmarks.md").read_text(), "bash")[0].splitlines()

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BASH = shutil.which("bash")
 pytestmark = pytest.mark.skipif(BASH is None or os.name != "posix", reason="the setup scripts are bash (Linux, macOS)")
 

@@ -87,3 +87,9 @@ def make_inputs(case: Case, B=4, T=7, V=37, dtype=torch.float32, seed=0, hidden_
     if case.num_items is not None:
         out["num_items_in_batch"] = case.num_items
     return out
+
+
+def optional_inputs(inputs: dict) -> dict:
+    """The per-token tensors and options of ``make_inputs`` output: everything but the logits (or hidden and
+    weight), ids, advantages and mask, i.e. the keyword arguments the loss entry points take as they are."""
+    return {k: v for k, v in inputs.items() if k not in ("logits", "hidden", "weight", "ids", "advantages", "mask")}

@@ -1,4 +1,4 @@
-"""Synced decoding under FSDP2, launched by tests/test_train_fsdp.py under torchrun (2 gloo ranks, short timeout).
+"""Synced decoding under FSDP2, launched by tests/train/test_train_fsdp.py under torchrun (2 gloo ranks, short timeout).
 
 Each rank samples its own prompts with the sharded policy (inside ``sharding.gathered``) while one rank's rows all
 hit EOS at the first step and the other rank's never do: without lockstep decoding the finished rank leaves the

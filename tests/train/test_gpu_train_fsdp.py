@@ -1,5 +1,5 @@
 """``grpo.train --fsdp`` on a CUDA GPU: NCCL, bf16 mixed precision, the Triton fused head (skipped elsewhere; the
-CPU tests with gloo are tests/test_train_fsdp.py). One rank per GPU, at most two ranks.
+CPU tests with gloo are tests/train/test_train_fsdp.py). One rank per GPU, at most two ranks.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from .test_train_fsdp import FLAGS, _model_checksum, _worker
-from .test_train_runs import _metrics, _run
+from ..support.train_runs import fsdp_worker, model_checksum, read_metrics, run_cmd
+from .test_train_fsdp import FLAGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -23,7 +23,7 @@ def test_fsdp_bf16_steps_on_cuda_agree_with_unsharded_autocast(tmp_path):
     per-op autocast on fp32 weights agree to bf16 rounding (SGD: within 10% of the update; first gradient norm
     within 1%); the AdamW run moves the parameters and stays finite."""
     nproc = min(2, torch.cuda.device_count())
-    results, params = _worker(tmp_path, nproc, "--device", "cuda", "--autocast", "bfloat16",
+    results, params = fsdp_worker(tmp_path, nproc, "--device", "cuda", "--autocast", "bfloat16",
                               "--configs", "grpo-adamw,bnpo-sgd-clipped")
     # on torch < 2.12 (the GPU image) gathered() ends on the manual reshard path: every parameter 1/N again
     assert all(r["resharded_after_gathered"] for r in results.values()), results
@@ -40,19 +40,19 @@ def test_grpo_train_fsdp_on_cuda_saves_and_resumes(tmp_path):
     run, part = tmp_path / "run", tmp_path / "part"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "grpo.train", "--fsdp", "--device", "cuda"] + FLAGS
-    proc = _run(cmd + ["--output-dir", str(run)], timeout=300)
+    proc = run_cmd(cmd + ["--output-dir", str(run)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     summary = json.loads((run / "run_summary.json").read_text())
     assert summary["world_size"] == nproc and len(summary["shard_checksums"]) == nproc
     assert sum(summary["shard_checksums"]) == pytest.approx(summary["param_checksums"][0], rel=1e-9)
-    assert _model_checksum(run / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)
+    assert model_checksum(run / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)
     assert (run / "checkpoint-2" / "sharded" / ".metadata").exists()
     assert (run / "checkpoint-4" / "model" / "model.safetensors").exists()
-    assert all(r["loss"] == r["loss"] for r in _metrics(run)[1:])  # finite (not NaN)
+    assert all(r["loss"] == r["loss"] for r in read_metrics(run)[1:])  # finite (not NaN)
     shutil.copytree(run / "checkpoint-2", part / "checkpoint-2")
-    proc = _run(cmd + ["--output-dir", str(part), "--resume"], timeout=300)
+    proc = run_cmd(cmd + ["--output-dir", str(part), "--resume"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    assert [r["step"] for r in _metrics(part)] == [3, 4]
+    assert [r["step"] for r in read_metrics(part)] == [3, 4]
 
 
 def test_fsdp_setup_never_holds_a_full_copy_on_the_gpu(tmp_path):

@@ -5,7 +5,6 @@ head check, local checkpoints. Whole runs (learning, resume, torchrun, run folde
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -23,12 +22,7 @@ from grpo.update import trim
 
 import grpo_kernels as gk
 
-SMALL = ["--prompts-per-step", "4", "-G", "4", "--no-progress"]
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from ..support.train_runs import SMALL, read_metrics, save_tiny_chat_checkpoint
 
 
 # ------------------------------------------------------------------------------------------------- pieces
@@ -112,38 +106,13 @@ def test_builtin_task_and_dataset_validation(tmp_path):
     assert len(load_jsonl(str(good))) == 2
 
 
-def _save_tiny_chat_checkpoint(path):
-    """A Qwen2-architecture checkpoint with a byte-level BPE tokenizer, a chat template, tied embeddings and a
-    generation_config that would change sampling (top_k=1, repetition penalty) if it leaked into generation."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(["What is 2 + 3? The answer is \\boxed{5}. #### 5"] * 10, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    torch.manual_seed(0)
-    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-    lm.generation_config.do_sample, lm.generation_config.top_k = True, 1
-    lm.generation_config.repetition_penalty = 1.5
-    lm.save_pretrained(path)
-    tok.save_pretrained(path)
-
-
 def test_local_checkpoint_with_chat_template_and_math_dataset(tmp_path):
     """--model (AutoModelForCausalLM/AutoTokenizer, local files), chat template, message-list prompts, math
     rewards by name and by dotted path; the checkpoint's generation_config does not leak into sampling."""
     from grpo.rollout import GenerationSettings, Sampler
 
     model_dir, data = tmp_path / "qwen", tmp_path / "math.jsonl"
-    _save_tiny_chat_checkpoint(str(model_dir))
+    save_tiny_chat_checkpoint(str(model_dir))
     rows = [{"prompt": f"What is {a} + 3?", "answer": f"so #### {a + 3}"} for a in range(3)]
     rows.append({"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2", "level": 1})
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -151,7 +120,7 @@ def test_local_checkpoint_with_chat_template_and_math_dataset(tmp_path):
     assert train.main(["--model", str(model_dir), "--dataset", str(data), "--reward", "math",
                        "--reward", "grpo.rewards:format_reward=0.1", "--max-steps", "2", "--max-new-tokens", "8",
                        "--beta", "0.04", "--output-dir", str(out)] + SMALL) == 0
-    assert [r["step"] for r in _metrics(out)] == [1, 2] and "reward/grpo.rewards:format_reward" in _metrics(out)[0]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and "reward/grpo.rewards:format_reward" in read_metrics(out)[0]
 
     from grpo.modeling import load_pretrained
     lm, tok = load_pretrained(str(model_dir), torch.float32, "sdpa")
@@ -164,8 +133,6 @@ def test_local_checkpoint_with_chat_template_and_math_dataset(tmp_path):
                       torch.device("cpu"), add_special_tokens=False)
     ro = sampler.rollout(["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], [rows[0]])
     assert len({tuple(r.tolist()) for r in ro.completion_ids}) > 1  # top_k=1 from generation_config would collapse
-
-
 
 
 def test_sampler_and_loss_use_the_same_restricted_distribution():
@@ -224,7 +191,7 @@ def test_builtin_tokenizer_covers_printable_ascii():
 def test_fused_head_check_folds_logit_scale_and_refuses_an_invalid_softcap():
     """The trainer goes through grpo_kernels' get_lm_head: Cohere's logit_scale folds into the temperature (log-probs
     equal the model's own logits' log-softmax); an invalid soft cap is refused with a UsageError (valid ones train:
-    tests/test_train_gemma.py)."""
+    tests/train/test_train_gemma.py)."""
     from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)

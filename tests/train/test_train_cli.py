@@ -19,8 +19,7 @@ from grpo.cli import build_parser, config_from_argv
 from grpo.config import quiet_unused_deepspeed
 from grpo.evaluation import describe_evals
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--prompts-per-step", "4", "-G", "4", "--no-progress"]
+from ..support.train_runs import REPO, SMALL
 
 
 def _option_actions(parser):

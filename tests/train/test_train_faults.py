@@ -1,7 +1,7 @@
 """Runs of ``python -m grpo.train`` under faults (docs/training-runs.md): a second run into a locked folder (a real
 second process), kill -9 while a checkpoint is written, damaged checkpoint files falling back to the newest intact
 one, pruning next to a damaged checkpoint. Tiny model, 2-3 steps per run: seconds each. Write failures, torn metrics
-lines and changed settings: tests/test_train_faults_io.py.
+lines and changed settings: tests/train/test_train_faults_io.py.
 """
 from __future__ import annotations
 
@@ -14,55 +14,14 @@ import sys
 
 import pytest
 
-from grpo import train
 from grpo.checkpoint import MANIFEST, verify_checkpoint
 from grpo.distributed import DistEnv
 from grpo.run_folder import LOCK_FILE, RunLock
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--prompts-per-step", "2", "-G", "2", "--no-progress", "--hidden-size", "16", "--num-layers", "1",
-        "--num-heads", "2", "--eval-size", "0", "--save-steps", "1", "--save-total-limit", "0", "--seed", "3"]
+from ..support.train_runs import (REPO, SAME, TINY, one_error_line, read_metrics, read_summary, run_env,
+                                 snapshot, train_tiny)
+
 SAFETENSORS = os.path.join("model", "model.safetensors")
-SAME = ("step", "rollout", "loss", "reward_mean", "kl", "grad_norm", "lr")  # equal in a resumed run
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    return env
-
-
-def _main(out, steps, *extra):
-    return train.main(TINY + ["--output-dir", str(out), "--max-steps", str(steps)] + list(extra))
-
-
-def _metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _summary(out):
-    with open(os.path.join(out, "run_summary.json")) as f:
-        return json.load(f)
-
-
-def _snapshot(out) -> dict:
-    """Every file of a run folder (but the lock file) with its bytes."""
-    files = {}
-    for root, _, names in os.walk(out):
-        for name in names:
-            path = os.path.join(root, name)
-            if name != LOCK_FILE:
-                with open(path, "rb") as f:
-                    files[os.path.relpath(path, out)] = f.read()
-    return files
-
-
-def _one_error_line(err: str, start: str = "grpo.train: error: ") -> str:
-    lines = [line for line in err.splitlines() if line.startswith("grpo.train: error")]
-    assert len(lines) == 1 and lines[0].startswith(start) and "Traceback" not in err, err
-    return lines[0]
 
 
 def _wait_for(proc, word: str) -> None:
@@ -74,22 +33,9 @@ def _wait_for(proc, word: str) -> None:
                          f"{proc.stderr.read() if proc.stderr else ''}")
 
 
-@pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """``two``: a finished 2-step run (checkpoint-1, checkpoint-2); ``three``: the same run to 3 steps (the
-    reference that every resume from checkpoint-1 or -2 must reproduce). Tests copy them before changing them.
-    Made once per session: tests/test_train_faults_io.py imports this fixture, and pytest would otherwise run it
-    again for that module."""
-    base = tmp_path_factory.getbasetemp() / "fault-runs"
-    if not (base / "three" / "run_summary.json").is_file():
-        assert _main(base / "two", 2) == 0
-        assert _main(base / "three", 3) == 0
-    return base
-
-
-def _copy(runs, name, tmp_path):
+def _copy(fault_runs, name, tmp_path):
     dst = tmp_path / name
-    shutil.copytree(runs / name, dst)
+    shutil.copytree(fault_runs / name, dst)
     return dst
 
 
@@ -115,22 +61,22 @@ def test_second_run_refused_while_the_first_holds_the_folder(tmp_path, capsys):
     unharmed."""
     out = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-c", PAUSE_AFTER_FIRST_SAVE] + TINY +
-                             ["--output-dir", str(out), "--max-steps", "2"], cwd=REPO, env=_env(),
+                             ["--output-dir", str(out), "--max-steps", "2"], cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(first, "PAUSED")
         assert (out / "checkpoint-1").is_dir()
-        before = _snapshot(out)
+        before = snapshot(out)
         second = subprocess.run([sys.executable, "-m", "grpo.train"] + TINY + ["--output-dir", str(out),
                                                                                 "--max-steps", "2"],
-                                cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+                                cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=120)
         assert second.returncode == 2, second.stderr
-        line = _one_error_line(second.stderr)
+        line = one_error_line(second.stderr)
         assert f"is in use by another run (pid {first.pid} on host " in line and ", started 20" in line, line
         for flag in ("--overwrite", "--resume"):
-            assert _main(out, 2, flag) == 2
-            assert f"in use by another run (pid {first.pid}" in _one_error_line(capsys.readouterr().err)
-        assert _snapshot(out) == before  # nothing deleted, nothing appended
+            assert train_tiny(out, 2, flag) == 2
+            assert f"in use by another run (pid {first.pid}" in one_error_line(capsys.readouterr().err)
+        assert snapshot(out) == before  # nothing deleted, nothing appended
         first.stdin.write("\n")
         first.stdin.flush()
         assert first.wait(timeout=120) == 0, first.stderr.read()
@@ -138,7 +84,7 @@ def test_second_run_refused_while_the_first_holds_the_folder(tmp_path, capsys):
         if first.poll() is None:
             first.kill()
             first.wait()
-    assert [r["step"] for r in _metrics(out)] == [1, 2] and verify_checkpoint(str(out / "checkpoint-2")) is None
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and verify_checkpoint(str(out / "checkpoint-2")) is None
 
 
 def test_two_runs_started_together_into_one_folder(tmp_path):
@@ -146,13 +92,13 @@ def test_two_runs_started_together_into_one_folder(tmp_path):
     after the first ended, not empty); the folder holds one run's metrics."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo.train"] + TINY + ["--output-dir", str(out), "--max-steps", "2"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     results = sorted((p.wait(timeout=120), p.stderr.read()) for p in procs)
     assert [code for code, _ in results] == [0, 2], results
-    line = _one_error_line(results[1][1])
+    line = one_error_line(results[1][1])
     assert "is in use by another run" in line or "is not empty" in line, line
-    assert [r["step"] for r in _metrics(out)] == [1, 2]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 @pytest.mark.slow
@@ -161,13 +107,13 @@ def test_torchrun_job_refused_while_the_folder_is_locked(tmp_path):
     once), the folder is untouched."""
     out = tmp_path / "run"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=_env(),
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         _wait_for(holder, "LOCKED")
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                "2", "-m", "grpo.train"] + TINY + ["--output-dir", str(out), "--max-steps", "2"],
-                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+                              cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=300)
     finally:
         holder.kill()
         holder.wait()
@@ -186,22 +132,22 @@ sys.stdin.readline()
 """
 
 
-def test_lock_of_a_killed_run_never_blocks(runs, tmp_path, capsys):
+def test_lock_of_a_killed_run_never_blocks(fault_runs, tmp_path, capsys):
     """The lock dies with its process (kill -9 included): the stale lock file, naming the dead pid, is no
     obstacle; other ranks of a job never take the lock themselves."""
-    out = _copy(runs, "two", tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=_env(),
+    out = _copy(fault_runs, "two", tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         _wait_for(holder, "LOCKED")
-        assert _main(out, 3, "--resume") == 2
+        assert train_tiny(out, 3, "--resume") == 2
         assert f"pid {holder.pid} on host" in capsys.readouterr().err
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     assert json.loads((out / LOCK_FILE).read_text())["pid"] == holder.pid  # stale content, no lock
-    assert _main(out, 3, "--resume") == 0
-    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+    assert train_tiny(out, 3, "--resume") == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
     with RunLock(str(tmp_path / "other"), DistEnv(rank=1)):  # not the main rank: takes nothing
         assert not (tmp_path / "other").exists()
@@ -232,23 +178,23 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("where", ["trainer_state", "manifest"])
-def test_kill_9_while_writing_a_checkpoint_then_resume(where, runs, tmp_path, capsys):
+def test_kill_9_while_writing_a_checkpoint_then_resume(where, fault_runs, tmp_path, capsys):
     """SIGKILL in the middle of writing checkpoint-2 (a half-written trainer_state.pt; everything written but the
     manifest): no checkpoint-2 appears, --resume continues from checkpoint-1, removes the partial folder and ends
     exactly where the uninterrupted run ends."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", KILL_WHILE_SAVING, where] + TINY +
-                          ["--output-dir", str(out), "--max-steps", "3"], cwd=REPO, env=_env(),
+                          ["--output-dir", str(out), "--max-steps", "3"], cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert (out / ".checkpoint-2.partial").is_dir() and not (out / "checkpoint-2").exists()
-    assert _main(out, 3, "--resume") == 0
+    assert train_tiny(out, 3, "--resume") == 0
     assert f"resumed from {out / 'checkpoint-1'} at step 1" in capsys.readouterr().out
     assert not (out / ".checkpoint-2.partial").exists()
-    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
-    for a, b in zip(_metrics(runs / "three"), _metrics(out)):
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    for a, b in zip(read_metrics(fault_runs / "three"), read_metrics(out)):
         assert [a[k] for k in SAME] == [b[k] for k in SAME], (a, b)
-    assert _summary(out)["param_checksums"] == _summary(runs / "three")["param_checksums"]
+    assert read_summary(out)["param_checksums"] == read_summary(fault_runs / "three")["param_checksums"]
 
 
 # ------------------------------------------------------------------------------------------------- damaged checkpoints
@@ -275,73 +221,73 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(damage, runs, tmp_path, capsys):
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(damage, fault_runs, tmp_path, capsys):
     """checkpoint-2 damaged: one warning line says what is wrong, the run resumes from checkpoint-1 and ends with
     the parameters of the uninterrupted run (it never trained on the damaged weights); checkpoint-2 is written
     again, intact."""
-    out = _copy(runs, "two", tmp_path)
+    out = _copy(fault_runs, "two", tmp_path)
     hurt, expected = DAMAGE[damage]
     hurt(out / "checkpoint-2")
     capsys.readouterr()
-    assert _main(out, 3, "--resume") == 0
+    assert train_tiny(out, 3, "--resume") == 0
     captured = capsys.readouterr()
     warnings = [line for line in captured.err.splitlines() if line.startswith("grpo.train: warning")]
     assert len(warnings) == 1 and "Traceback" not in captured.err, captured.err
     assert warnings[0].startswith(f"grpo.train: warning: checkpoint-2 is damaged ({expected}") and \
         warnings[0].endswith("resuming from checkpoint-1, the newest intact checkpoint"), warnings[0]
     assert f"resumed from {out / 'checkpoint-1'} at step 1" in captured.out
-    assert _summary(out)["param_checksums"] == _summary(runs / "three")["param_checksums"]
+    assert read_summary(out)["param_checksums"] == read_summary(fault_runs / "three")["param_checksums"]
     assert all(verify_checkpoint(str(out / f"checkpoint-{s}")) is None for s in (1, 2, 3))
 
 
-def test_no_intact_checkpoint_stops_with_one_line(runs, tmp_path, capsys):
-    out = _copy(runs, "two", tmp_path)
+def test_no_intact_checkpoint_stops_with_one_line(fault_runs, tmp_path, capsys):
+    out = _copy(fault_runs, "two", tmp_path)
     _zero_4k(out / "checkpoint-2" / SAFETENSORS)
     os.remove(out / "checkpoint-1" / "rng_state_0.pt")
-    before = _snapshot(out)
-    assert _main(out, 3, "--resume") == 2
-    line = _one_error_line(capsys.readouterr().err)
+    before = snapshot(out)
+    assert train_tiny(out, 3, "--resume") == 2
+    line = one_error_line(capsys.readouterr().err)
     assert "no intact checkpoint" in line and "checkpoint-2: model/model.safetensors has other content" in line \
         and "checkpoint-1: rng_state_0.pt is missing" in line, line
     # a damaged checkpoint named explicitly is refused too (no silent switch to another one)
-    assert _main(out, 3, "--resume", str(out / "checkpoint-2")) == 2
-    assert "is damaged: model/model.safetensors has other content" in _one_error_line(capsys.readouterr().err)
-    assert _snapshot(out) == before
+    assert train_tiny(out, 3, "--resume", str(out / "checkpoint-2")) == 2
+    assert "is damaged: model/model.safetensors has other content" in one_error_line(capsys.readouterr().err)
+    assert snapshot(out) == before
 
 
-def test_checkpoint_of_an_older_version_without_manifest(runs, tmp_path, capsys):
+def test_checkpoint_of_an_older_version_without_manifest(fault_runs, tmp_path, capsys):
     """No manifest.json (written before checkpoints were verified): not picked by --resume alone (one line says
     how), resumed unverified when named, and a damaged file in it is still one line, not a traceback."""
-    out = _copy(runs, "two", tmp_path)
+    out = _copy(fault_runs, "two", tmp_path)
     for step in (1, 2):
         for name in (MANIFEST, "run_settings.json"):
             os.remove(out / f"checkpoint-{step}" / name)
-    assert _main(out, 3, "--resume") == 2
-    line = _one_error_line(capsys.readouterr().err)
+    assert train_tiny(out, 3, "--resume") == 2
+    line = one_error_line(capsys.readouterr().err)
     assert "no manifest.json (saved by an older version" in line and "--resume PATH" in line, line
-    assert _main(out, 3, "--resume", str(out / "checkpoint-2")) == 0
+    assert train_tiny(out, 3, "--resume", str(out / "checkpoint-2")) == 0
     err = capsys.readouterr().err
     assert "checkpoint-2: no manifest.json" in err and "resuming from it unverified" in err
-    assert _summary(out)["param_checksums"] == _summary(runs / "three")["param_checksums"]
+    assert read_summary(out)["param_checksums"] == read_summary(fault_runs / "three")["param_checksums"]
     _truncate(out / "checkpoint-1" / "trainer_state.pt")
-    assert _main(out, 3, "--resume", str(out / "checkpoint-1")) == 2
-    assert "cannot load" in _one_error_line(capsys.readouterr().err)
+    assert train_tiny(out, 3, "--resume", str(out / "checkpoint-1")) == 2
+    assert "cannot load" in one_error_line(capsys.readouterr().err)
 
 
-def test_pruning_never_deletes_the_newest_intact_checkpoint(runs, tmp_path, capsys):
+def test_pruning_never_deletes_the_newest_intact_checkpoint(fault_runs, tmp_path, capsys):
     """--save-total-limit 1 after a fallback past damaged checkpoints 3 and 2 to checkpoint-1: the run saves
     checkpoint-2 again (replacing the damaged one) and pruning keeps it; the damaged checkpoint-3, newer than the
     run's step, is not counted (counting it, "keep the newest one" would keep only a damaged checkpoint)."""
-    out = _copy(runs, "three", tmp_path)
+    out = _copy(fault_runs, "three", tmp_path)
     _truncate(out / "checkpoint-3" / SAFETENSORS)
     _zero_4k(out / "checkpoint-2" / "trainer_state.pt")
-    assert _main(out, 2, "--resume", "--save-total-limit", "1") == 0
+    assert train_tiny(out, 2, "--resume", "--save-total-limit", "1") == 0
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2",
                                                                                         "checkpoint-3"]
     assert verify_checkpoint(str(out / "checkpoint-2")) is None
     capsys.readouterr()
-    assert _main(out, 3, "--resume", "--save-total-limit", "1") == 0
+    assert train_tiny(out, 3, "--resume", "--save-total-limit", "1") == 0
     assert "checkpoint-3 is damaged (model/model.safetensors is" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-3"]
     assert verify_checkpoint(str(out / "checkpoint-3")) is None
-    assert _summary(out)["param_checksums"] == _summary(runs / "three")["param_checksums"]
+    assert read_summary(out)["param_checksums"] == read_summary(fault_runs / "three")["param_checksums"]

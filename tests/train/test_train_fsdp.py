@@ -1,6 +1,6 @@
 """``grpo.train --fsdp`` (FSDP2 ``fully_shard``) on CPU with gloo, launched from pytest with time limits.
 
-- Equivalence (tests/fsdp_worker.py under torchrun): a fixed synthetic rollout, three optimizer steps on 2 ranks
+- Equivalence (tests/train/fsdp_worker.py under torchrun): a fixed synthetic rollout, three optimizer steps on 2 ranks
   (each rank half of the rows) give the parameters of one process on all rows, for three loss normalizations
   (grpo: per sequence, dapo: global token count, bnpo: per micro-batch token count) with beta != 0, AdamW and
   clipped SGD, gradients reduce-scattered every micro-batch or once per step (--fsdp-grad-sync); two
@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from grpo import TrainConfig, train
 from grpo.cli import config_from_argv
 from grpo.errors import UsageError
 
-from .test_train_runs import SMALL, _metrics, _run
+from ..support.train_runs import SMALL, fsdp_worker, model_checksum, read_metrics, run_cmd, save_tiny_chat_checkpoint
 
 OPTS = dict(prompts_per_step=4, num_generations=4, max_steps=4, save_steps=2, loss=TrainConfig().loss,
             mini_batch_size=8, micro_batch_size=4, eval_every=2, eval_size=8, progress=False, seed=3)
@@ -37,28 +36,9 @@ NORM_RTOL = 1e-5     # fp32 gradient norms: measured <= 1.7e-6 relative
 BROKEN_MIN_DIFF = 1e-2  # a broken reduction moves parameters off by the size of an update (measured >= 3e-2)
 
 
-def _worker(tmp_path, nproc: int, *args: str, name: str = "eq") -> tuple[dict, dict]:
-    out = tmp_path / f"{name}.json"
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                 os.path.join("tests", "fsdp_worker.py"), "--out", str(out), *args], timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text()), torch.load(str(out) + ".params.pt")
-
-
-def _model_checksum(model_dir) -> float:
-    """Trainer.param_checksums' formula over a save_pretrained directory's tensors."""
-    from safetensors.torch import load_file
-
-    total = 0.0
-    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        for t in load_file(f).values():
-            total += float(t.double().sum()) + 1e-3 * float(t.double().abs().sum())
-    return total
-
-
 # ------------------------------------------------------------------------------------------------- equivalence
 def test_two_ranks_match_one_process_and_broken_reductions_do_not(tmp_path):
-    results, _ = _worker(tmp_path, 2)
+    results, _ = fsdp_worker(tmp_path, 2)
     assert set(results) == {"grpo-adamw", "grpo-adamw-reshard-reset", "dapo-adamw", "dapo-adamw-step-sync", "bnpo-sgd-clipped",
                             "grpo-sgd-summed", "dapo-adamw-unreduced"}
     for name, r in results.items():
@@ -80,8 +60,8 @@ def test_decoding_runs_in_lockstep_when_one_rank_finishes_first(tmp_path):
     finished rank keeps joining the layers' all-gathers (pad tokens) until the other is done, instead of leaving it
     blocked (a 20 s gloo timeout); each rank's completions and random stream equal the unsharded model's."""
     out = tmp_path / "decode"
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                 os.path.join("tests", "fsdp_decode_worker.py"), "--out", str(out), "--timeout-s", "20"], timeout=150)
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 os.path.join("tests", "train", "fsdp_decode_worker.py"), "--out", str(out), "--timeout-s", "20"], timeout=150)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"decode.rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["sampled"]["steps"] for r in ranks] == [1, 8] and [r["greedy"]["steps"] for r in ranks] == [8, 1]
@@ -210,7 +190,7 @@ def test_single_process_fsdp_matches_plain_run_saves_sharded_and_resumes(tmp_pat
     state = torch.load(ck / "trainer_state.pt", weights_only=False)
     assert state["sharded"] is True and "optimizer" not in state and state["step"] == 2
     final = tmp_path / "fsdp" / "checkpoint-4" / "model"
-    assert _model_checksum(final) == pytest.approx(fsdp["param_checksums"][0], rel=1e-12)
+    assert model_checksum(final) == pytest.approx(fsdp["param_checksums"][0], rel=1e-12)
 
     part = tmp_path / "part"
     shutil.copytree(ck, part / "checkpoint-2")
@@ -237,12 +217,12 @@ def test_torchrun_fsdp_resume_reproduces_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "grpo.train", "--fsdp"] + FLAGS
-    proc = _run(cmd + ["--output-dir", str(full)], timeout=300)
+    proc = run_cmd(cmd + ["--output-dir", str(full)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     shutil.copytree(full / "checkpoint-2", part / "checkpoint-2")
-    proc = _run(cmd + ["--output-dir", str(part), "--resume"], timeout=300)
+    proc = run_cmd(cmd + ["--output-dir", str(part), "--resume"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    a, b = _metrics(full), _metrics(part)
+    a, b = read_metrics(full), read_metrics(part)
     assert [r["step"] for r in a] == [0, 1, 2, 3, 4] and [r["step"] for r in b] == [3, 4]
     for ra, rb in zip(a[3:], b):
         for key in ("loss", "kl", "grad_norm", "reward_mean", "rollout", "eval/accuracy"):
@@ -255,16 +235,16 @@ def test_torchrun_fsdp_resume_reproduces_uninterrupted_run(tmp_path):
     assert sum(shards) == pytest.approx(summary["param_checksums"][0], rel=1e-12)
     # the same run under DDP (same per-rank sampling streams, replicated parameters) ends with the same parameters
     ddp = tmp_path / "ddp"
-    proc_ddp = _run(cmd[:cmd.index("--fsdp")] + cmd[cmd.index("--fsdp") + 1:] + ["--output-dir", str(ddp)],
+    proc_ddp = run_cmd(cmd[:cmd.index("--fsdp")] + cmd[cmd.index("--fsdp") + 1:] + ["--output-dir", str(ddp)],
                     timeout=300)
     assert proc_ddp.returncode == 0, proc_ddp.stdout[-2000:] + proc_ddp.stderr[-6000:]
     ddp_summary = json.loads((ddp / "run_summary.json").read_text())
     assert ddp_summary["param_checksums"][0] == ddp_summary["param_checksums"][1]
     assert summary["param_checksums"][0] == pytest.approx(ddp_summary["param_checksums"][0], rel=1e-6)  # 7e-10
-    for ra, rd in zip(a[1:], _metrics(ddp)[1:]):
+    for ra, rd in zip(a[1:], read_metrics(ddp)[1:]):
         assert rd["loss"] == pytest.approx(ra["loss"], rel=1e-4, abs=1e-6), (ra, rd)
     assert sorted(os.listdir(full / "checkpoint-2" / "sharded")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    assert _model_checksum(full / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0],
+    assert model_checksum(full / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0],
                                                                             rel=1e-12)
     # onto one process: the restored parameters are checkpoint-2's, and training continues from there
     one = tmp_path / "one"
@@ -272,7 +252,7 @@ def test_torchrun_fsdp_resume_reproduces_uninterrupted_run(tmp_path):
     opts = dict(OPTS, loss=OPTS["loss"].replace(beta=0.04))
     restored = train.train(TrainConfig(output_dir=str(one), fsdp=True, resume="latest", **dict(opts, max_steps=2)))
     assert restored["history"] == [] and restored["param_checksums"][0] == pytest.approx(
-        _model_checksum(full / "checkpoint-2" / "model"), rel=1e-12)
+        model_checksum(full / "checkpoint-2" / "model"), rel=1e-12)
     more = train.train(TrainConfig(output_dir=str(one), fsdp=True, resume="latest", **dict(opts, max_steps=3)))
     assert [r["step"] for r in more["history"]] == [3]
 
@@ -283,8 +263,8 @@ def test_bf16_mixed_precision_two_ranks_match_one_rank(tmp_path):
     1-rank FSDP run (same numerics, different reduction); against per-op autocast on fp32 weights (the plain run)
     they agree to bf16 rounding only (SGD: within 10% of the update)."""
     configs = ["--configs", "grpo-adamw,dapo-adamw,bnpo-sgd-clipped", "--autocast", "bfloat16"]
-    two, params2 = _worker(tmp_path, 2, *configs, name="two")
-    one, params1 = _worker(tmp_path, 1, *configs, name="one")
+    two, params2 = fsdp_worker(tmp_path, 2, *configs, name="two")
+    one, params1 = fsdp_worker(tmp_path, 1, *configs, name="one")
     for name in two:
         diff = max(float((params2[name][k] - params1[name][k]).abs().max()) for k in params1[name])
         assert diff <= 1e-6, (name, diff)  # measured <= 3e-8
@@ -300,15 +280,14 @@ def test_torchrun_fsdp_tied_embeddings_train_and_save_tied(tmp_path):
     does) and reloads tied, trained, and with the run's full checksum."""
     from grpo.modeling import load_pretrained
 
-    from .test_train import _save_tiny_chat_checkpoint
 
     model_dir, data, out = tmp_path / "qwen", tmp_path / "math.jsonl", tmp_path / "run"
-    _save_tiny_chat_checkpoint(str(model_dir))
+    save_tiny_chat_checkpoint(str(model_dir))
     data.write_text("".join(json.dumps({"prompt": f"What is {a} + 3?", "answer": str(a + 3)}) + "\n"
                             for a in range(8)))
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                  "-m", "grpo.train", "--fsdp", "--model", str(model_dir), "--dataset", str(data),
-                 "--reward", "tests.fsdp_worker:completion_length_reward", "--lr", "1e-2", "--warmup-steps", "0",
+                 "--reward", "tests.train.fsdp_worker:completion_length_reward", "--lr", "1e-2", "--warmup-steps", "0",
                  "--max-steps", "2", "--max-new-tokens", "8", "--beta", "0.04", "--output-dir", str(out)] + SMALL,
                 timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
@@ -320,4 +299,4 @@ def test_torchrun_fsdp_tied_embeddings_train_and_save_tied(tmp_path):
         assert float((after.lm_head.weight - before.lm_head.weight).abs().max()) > 1e-4  # the shared weight trained
         assert sum(float(p.double().sum()) + 1e-3 * float(p.double().abs().sum()) for p in after.parameters()) == \
             pytest.approx(summary["param_checksums"][0], rel=1e-9)
-    assert _model_checksum(out / "checkpoint-2" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)
+    assert model_checksum(out / "checkpoint-2" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)

@@ -6,9 +6,7 @@ copy run shortened (held-out greedy accuracy), and torchrun with two gloo proces
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -17,25 +15,10 @@ from grpo import TrainConfig, train
 from grpo.checkpoint import latest_checkpoint
 from grpo.errors import UsageError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--prompts-per-step", "4", "-G", "4", "--no-progress"]
+from ..support.train_runs import SMALL, read_metrics, run_cmd
+
 ACCURACY_AT_300 = 0.5  # measured 0.931 (2026-11-30, seed 0, 2-core CPU); other CPUs round differently and RL is
 #                        chaotic, so the bound leaves room (other seeds, 500-step schedule, at step 300: 0.26-1.0)
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)  # CPU runs use the chunked torch path; no interpreter needed
-    return env
-
-
-def _run(cmd, timeout=600):
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 # ------------------------------------------------------------------------------------------------- bad arguments
@@ -78,10 +61,10 @@ def test_dataset_errors(tmp_path, capsys):
 
 def test_cli_errors_from_a_real_process(tmp_path):
     """The command itself (not only main()): argparse's error and ours look the same."""
-    proc = _run([sys.executable, "-m", "grpo.train", "--loss-type", "nope", "--output-dir", str(tmp_path)])
+    proc = run_cmd([sys.executable, "-m", "grpo.train", "--loss-type", "nope", "--output-dir", str(tmp_path)])
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("grpo.train: error: argument --loss-type: invalid choice: 'nope'")
-    proc = _run([sys.executable, "-m", "grpo.train", "-G", "1", "--output-dir", str(tmp_path)])
+    proc = run_cmd([sys.executable, "-m", "grpo.train", "-G", "1", "--output-dir", str(tmp_path)])
     assert proc.returncode == 2 and proc.stderr.strip() == \
         "grpo.train: error: --num-generations must be >= 2 (GRPO compares completions within a group), got 1"
 
@@ -119,7 +102,7 @@ def test_run_folder_refused_overwritten_and_resumed(tmp_path, capsys):
     assert train.main(SMALL + ["--max-steps", "1", "--save-steps", "0", "--output-dir", str(out),
                                "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1"]
-    assert [r["step"] for r in _metrics(out)] == [0, 1] and (out / "notes.txt").read_text() == "mine"
+    assert [r["step"] for r in read_metrics(out)] == [0, 1] and (out / "notes.txt").read_text() == "mine"
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
@@ -136,7 +119,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
     assert latest_checkpoint(str(part)) == str(part / "checkpoint-4")
     assert train.main(opts + ["--output-dir", str(part), "--resume"]) == 0
     assert f"resumed from {part / 'checkpoint-4'} at step 4 (rollout 1)" in capsys.readouterr().out
-    a, b = _metrics(full), _metrics(part)
+    a, b = read_metrics(full), read_metrics(part)
     assert [r["step"] for r in a] == [0] + list(range(1, 9)) and "eval/accuracy" in a[0]
     assert [r["step"] for r in b] == [5, 6, 7, 8]
     for ra, rb in zip(a[5:], b):
@@ -150,7 +133,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
                                "--reward", "copy", "--reward", "grpo.rewards:format_reward=0.1",
                                "--max-steps", "2", "--max-new-tokens", "8",  # the built-in model's context: 128
                                "--output-dir", str(tmp_path / "m")]) == 0
-    assert [r["step"] for r in _metrics(tmp_path / "m")] == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path / "m")] == [1, 2]
 
 
 def test_arithmetic_jsonl_with_the_builtin_tokenizer(tmp_path):
@@ -173,9 +156,9 @@ def test_default_run_learns_to_copy_held_out_strings(tmp_path):
     exact-copy accuracy (string + EOS) must rise from 0 to a real level; the full default run reaches >= 0.9
     (docs/training.md). Also checks the outputs of a run: metrics keys, eval records, curves, final checkpoint, summary."""
     out = tmp_path / "run"
-    proc = _run([sys.executable, "-m", "grpo.train", "--max-steps", "300", "--output-dir", str(out)])
+    proc = run_cmd([sys.executable, "-m", "grpo.train", "--max-steps", "300", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = _metrics(out)
+    records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(0, 301))
     for key in ("reward_mean", "kl", "loss", "clip_ratio", "tokens_per_s", "lr", "grad_norm", "rollout"):
         assert key in records[1]
@@ -194,14 +177,14 @@ def test_default_run_learns_to_copy_held_out_strings(tmp_path):
 def test_torchrun_two_processes_stay_in_sync(tmp_path):
     """torchrun + gloo: each rank samples its own groups, DDP averages gradients, parameters stay identical."""
     out = tmp_path / "ddp"
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                  "-m", "grpo.train", "--max-steps", "4", "--output-dir", str(out), "--beta", "0.04",
                  "--micro-batch-size", "8", "--eval-every", "2"] + SMALL)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[:6000]
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and len(summary["param_checksums"]) == 2
     assert summary["param_checksums"][0] == summary["param_checksums"][1]
-    assert [r["step"] for r in _metrics(out)] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3, 4]
     assert "WARNING" not in proc.stdout
 def test_liger_layers_flag_patches_rmsnorm_swiglu_rope():
     """--liger-layers swaps in Liger's RMSNorm / SwiGLU / RoPE (checked by name: the kernels need a GPU). Runs in a
@@ -213,6 +196,6 @@ def test_liger_layers_flag_patches_rmsnorm_swiglu_rope():
             "import transformers.models.llama.modeling_llama as ml\n"
             "print(m.model.norm._get_name(), m.model.layers[0].mlp.forward.__qualname__,"
             " ml.apply_rotary_pos_emb.__module__)\n")
-    proc = _run([sys.executable, "-c", code])
+    proc = run_cmd([sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["LigerRMSNorm", "LigerSwiGLUMLP.forward", "liger_kernel.transformers.rope"]

@@ -1,0 +1,77 @@
+"""What the TRL trainer tests share (tests/hf/test_hf_trl.py, tests/hf/test_softcap_trl.py): the word-level
+tokenizer of the tiny models, the rewards, the comparison of an unpatched and a patched run, and direct calls of
+TRL's fused head function (ours or TRL's ``ChunkedLogProbFunction``)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(40)]
+# Logged values that measure wall time, not maths.
+TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def word_tokenizer():
+    """A word-level tokenizer over WORDS (pad 0, eos 1, unk 2) that decodes back to space-separated words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words back with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def even_words(completions, **kwargs):
+    """Rule-based reward: fraction of words with an even index."""
+    return [sum(w[-1] in "02468" for w in c.split()) / max(len(c.split()), 1) for c in completions]
+
+
+def short(completions, **kwargs):
+    return [-0.1 * len(c.split()) for c in completions]
+
+
+def assert_same_run(ref, out, rtol=1e-4, atol=1e-6):
+    """Two runs ``(log_history, parameters, number of grpo_kernels head calls)``, the unpatched one first: the same
+    logged numbers (timings aside) and final parameters within (rtol, atol)."""
+    (ref_logs, ref_params, ref_calls), (logs, params, calls) = ref, out
+    assert ref_calls == 0 and calls > 0, "the patched run must go through grpo_kernels, the reference must not"
+    assert len(ref_logs) == len(logs)
+    for step, (a, b) in enumerate(zip(ref_logs, logs)):
+        assert a.keys() == b.keys(), step
+        for key in a:
+            if key in TIMING_KEYS or not isinstance(a[key], (int, float)):
+                continue
+            assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=atol), f"step {step} {key}: {a[key]} != {b[key]}"
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=rtol, atol=atol, msg=name)
+
+
+def assert_informative(logs, *keys):
+    """The compared metrics must not be trivially zero, or agreement proves nothing."""
+    for key in keys:
+        assert any(abs(entry.get(key, 0.0)) > 0 for entry in logs), f"{key} stayed 0: the case does not test it"
+
+
+def head_inputs(dtype=torch.float32, n=23, hidden=16, vocab=45, seed=0):
+    """(hidden, weight, bias, ids) for a direct call of TRL's fused head function; the first three need grads."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(dtype).requires_grad_()
+    return h, w, b, torch.randint(0, vocab, (n,), generator=g)
+
+
+def run_head(fn, h, w, b, ids, **kw):
+    """``fn.apply`` (TRL's ``ChunkedLogProbFunction`` or our ``TRLLogProbFunction``) with TRL's positional
+    arguments, then backward of sum(logp) + 0.3 sum(entropy): (outputs, [d hidden, d weight, d bias])."""
+    args = dict(temperature=0.8, chunk_size=32768, final_logit_softcapping=None, logit_scale=1.0,
+                outputs=("log_probs", "entropy"))
+    args.update(kw)
+    for t in (h, w, b):
+        t.grad = None
+    logp, entropy, *rest = fn.apply(h, w, b, ids, *args.values())
+    loss = logp.float().sum() + (0.3 * entropy.float().sum() if entropy is not None else 0)
+    loss.backward()
+    return [logp, entropy, *rest], [t.grad.clone() for t in (h, w, b)]
