@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels.reference import logprobs_and_entropy
 
 from ..support.cases import CASES, make_inputs, optional_inputs
-from ..support.heads import HIDDEN, head_call, linear_truth
-from ..support.tolerances import assert_three_way, naive_logprobs_entropy
+from ..support.heads import HIDDEN, assert_head_three_way, head_call, head_same_dtype, linear_truth
+from ..support.tolerances import assert_three_way, grad_scale, naive_logprobs_entropy
 
 IMPLS = ["torch", "triton"]
+METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -21,15 +23,10 @@ IMPLS = ["torch", "triton"]
 def test_matches_trl_fp32(case, impl):
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=2)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(9)) * 0.1
-    loss, grads, metrics = head_call(inputs, case, impl, bias=bias)
-    t_loss, t_grads, t_metrics = linear_truth(inputs, case, bias=bias, dtype=torch.float32, oracle="trl")
-    assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(abs(t_loss.item()), 1e-6)
-    for name, g, t in zip(("d hidden", "d weight", "d bias"), grads, t_grads):
-        err = ((g.double() - t.double()).abs().max() / t.abs().max().clamp(min=1e-6)).item()
-        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
-    for name in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-        if name in t_metrics:
-            assert metrics[name].item() == pytest.approx(t_metrics[name], rel=1e-5, abs=1e-7), name
+    ours = head_call(inputs, case, impl, bias=bias)
+    trl64, trl32 = (linear_truth(inputs, case.config, bias=bias, dtype=d, oracle="trl")
+                    for d in (torch.float64, torch.float32))
+    assert_head_three_way(ours, trl32, trl64, torch.float32, impl, metrics=METRICS)
 
 
 @pytest.mark.interpreter
@@ -37,11 +34,9 @@ def test_matches_trl_fp32(case, impl):
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("grpo-beta-kl", "everything")], ids=lambda c: c.id)
 def test_triton_backward_modes_match_trl(case, deterministic):
     inputs = make_inputs(case, hidden_size=HIDDEN, V=37, seed=2)
-    loss, grads, _ = head_call(inputs, case, "triton", deterministic=deterministic, grad_in_forward=False)
-    t_loss, t_grads, _ = linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
-    assert abs(loss.item() - t_loss.item()) <= 1e-5 * max(abs(t_loss.item()), 1e-6)
-    for g, t in zip(grads, t_grads):
-        assert ((g - t).abs().max() / t.abs().max()).item() <= 1e-5
+    ours = head_call(inputs, case, "triton", deterministic=deterministic, grad_in_forward=False)
+    trl64, trl32 = (linear_truth(inputs, case.config, dtype=d, oracle="trl") for d in (torch.float64, torch.float32))
+    assert_head_three_way(ours, trl32, trl64, torch.float32, "triton")
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -54,20 +49,10 @@ LOW_PRECISION_CASES = [c for c in CASES if c.id in ("grpo-token", "dapo-token", 
 def test_three_way_low_precision(case, dtype, impl):
     inputs = make_inputs(case, B=3, T=5, V=300, hidden_size=40, dtype=dtype, seed=4)
     loss, grads, _ = head_call(inputs, case, impl)
-    t_loss, t_grads, _ = linear_truth(inputs, case)
-
+    assert all(g.dtype == dtype for g in grads)
     # plain PyTorch in the same dtype: logits and log-softmax in D, autograd back to hidden/weight
-    h = inputs["hidden"].clone().requires_grad_(True)
-    w = inputs["weight"].clone().requires_grad_(True)
-    logp, ent = naive_logprobs_entropy(h @ w.T, inputs["ids"], case.config.temperature)
-    from grpo_kernels.reference import loss_from_logps
-    d_loss, _ = loss_from_logps(logp, inputs["advantages"], inputs["mask"], entropy=ent, config=case.config,
-                                **optional_inputs(inputs))
-    d_grads = torch.autograd.grad(d_loss, (h, w))
-    assert_three_way(loss, d_loss.detach(), t_loss, dtype, "loss")
-    for name, g, d, t in zip(("d hidden", "d weight"), grads, d_grads, t_grads):
-        assert g.dtype == dtype
-        assert_three_way(g, d, t, dtype, name, scale=t.abs().max().item())
+    assert_head_three_way((loss, grads), head_same_dtype(inputs, case.config), linear_truth(inputs, case.config),
+                          dtype, impl)
 
 
 def test_frozen_head_gets_no_weight_gradient_torch_path():
@@ -90,10 +75,10 @@ def test_linear_token_logprobs_matches_full_logits(impl):
     ids = torch.randint(0, 53, (5,), generator=g)
     with torch.no_grad():
         logp, ent = gk.linear_token_logprobs(h, w, ids, bias=b, temperature=0.6, return_entropy=True, impl=impl)
-    z = ((h @ w.T + b) / 0.6).double()
-    t_logp = torch.log_softmax(z, -1).gather(-1, ids[:, None]).squeeze(-1)
-    t_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
-    assert torch.allclose(logp.double(), t_logp, atol=2e-5) and torch.allclose(ent.double(), t_ent, atol=2e-5)
+    t_logp, t_ent = logprobs_and_entropy(h.double() @ w.double().T + b.double(), ids, 0.6)
+    n_logp, n_ent = naive_logprobs_entropy(h @ w.T + b, ids, 0.6)
+    assert_three_way(logp, n_logp, t_logp, torch.float32, f"{impl} logp")
+    assert_three_way(ent, n_ent, t_ent, torch.float32, f"{impl} entropy")
 
 
 def test_module_accepts_liger_argument_names():
@@ -116,6 +101,7 @@ def test_module_accepts_liger_argument_names():
 _MEMORY_SCRIPT = textwrap.dedent("""
     import json, re, sys, torch
     import grpo_kernels as gk
+from grpo_kernels.reference import logprobs_and_entropy
     torch.manual_seed(0)
     N, V, H = 4096, 32768, 256
     materialize = sys.argv[1] == "materialize"
@@ -223,6 +209,8 @@ def test_padded_rows_are_not_computed(impl, path, monkeypatch):
     loss.backward()
     assert seen == [int(mask.sum())]
     assert torch.isfinite(loss) and (h.grad[~mask] == 0).all() and torch.isfinite(h.grad).all()
-    t_loss, t_grads, _ = linear_truth(inputs, case, dtype=torch.float32, oracle="trl")
-    assert abs(loss.item() - t_loss.item()) <= 1e-5 * abs(t_loss.item())
-    assert torch.allclose(h.grad[mask], t_grads[0][mask], rtol=1e-4, atol=1e-6)
+    # the valid rows against float64 by the three-way rule, TRL in float64 and fp32 on the clean inputs
+    trl64, trl32 = (linear_truth(inputs, case.config, dtype=d, oracle="trl") for d in (torch.float64, torch.float32))
+    assert_three_way(loss.detach(), trl32[0], trl64[0], torch.float32, "loss")
+    assert_three_way(h.grad[mask], trl32[1][0][mask], trl64[1][0][mask], torch.float32, "d hidden",
+                     scale=grad_scale(trl64[1][0]))

@@ -9,6 +9,7 @@ from grpo_kernels.reference import reference_grpo_loss
 
 from .cases import optional_inputs
 from .oracles import trl_compute_loss
+from .tolerances import assert_three_way, grad_scale, naive_logprobs_entropy
 
 HIDDEN = 24  # hidden size of the head cases (make_inputs(..., hidden_size=HIDDEN))
 
@@ -24,8 +25,10 @@ def head_call(inputs, case, impl, bias=None, dtype=None, **kw):
     return loss.detach(), grads, metrics
 
 
-def linear_truth(inputs, case, bias=None, dtype=torch.float64, oracle="reference"):
-    """Loss and (d hidden, d weight[, d bias]) through full logits, by TRL or the reference, in ``dtype``."""
+def linear_truth(inputs, config, bias=None, dtype=torch.float64, oracle="reference"):
+    """Loss, (d hidden, d weight[, d bias]) and metrics through full logits, by TRL or the reference, in ``dtype``
+    (every floating input taken in ``dtype``): in float64 the ground truth, in fp32 (fp32 inputs) the middle term of
+    the three-way rule."""
     h = inputs["hidden"].to(dtype).requires_grad_(True)
     w = inputs["weight"].to(dtype).requires_grad_(True)
     b = None if bias is None else bias.to(dtype).requires_grad_(True)
@@ -33,8 +36,7 @@ def linear_truth(inputs, case, bias=None, dtype=torch.float64, oracle="reference
     rest = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
             for k, v in optional_inputs(inputs).items()}
     fn = trl_compute_loss if oracle == "trl" else reference_grpo_loss
-    loss, metrics = fn(logits, inputs["ids"], inputs["advantages"].to(dtype), inputs["mask"], config=case.config,
-                       **rest)
+    loss, metrics = fn(logits, inputs["ids"], inputs["advantages"].to(dtype), inputs["mask"], config=config, **rest)
     grads = torch.autograd.grad(loss, [t for t in (h, w, b) if t is not None])
     return loss.detach(), grads, metrics
 
@@ -54,3 +56,28 @@ def fast_path_budget(inputs, case, rows, bias=None):
     V = inputs["weight"].shape[0]
     chunk = dict(plan.transient)["fp32 logits chunk (d logits written in place)"]
     return plan.transient_bytes - chunk + rows * 4 * V
+
+
+def head_same_dtype(inputs, config, bias=None):
+    """The middle term for a head whose hidden and weight are in a low precision D: plain PyTorch logits in D
+    (``h @ W.T + b``), naive log-softmax in D, the reference loss stage on those log-probs with the per-token inputs as
+    given; (loss, (d hidden, d weight[, d bias]))."""
+    from grpo_kernels.reference import loss_from_logps
+
+    leaves = [t.clone().requires_grad_(True) for t in (inputs["hidden"], inputs["weight"], bias) if t is not None]
+    logits = leaves[0] @ leaves[1].T + (leaves[2] if bias is not None else 0)
+    logp, ent = naive_logprobs_entropy(logits, inputs["ids"], config.temperature, config.softcap)
+    loss, _ = loss_from_logps(logp, inputs["advantages"], inputs["mask"], entropy=ent, config=config,
+                              **optional_inputs(inputs))
+    return loss.detach(), torch.autograd.grad(loss, leaves)
+
+
+def assert_head_three_way(ours, same_dtype, truth, dtype, what="", metrics=()):
+    """(loss, grads[, metrics]) of ours against truth by the three-way rule, the middle term ``same_dtype``; each
+    gradient relative to its own largest value; ``metrics``: the names to check (those the truth has)."""
+    assert_three_way(ours[0], same_dtype[0], truth[0], dtype, f"{what} loss")
+    for name, g, n, t in zip(("d hidden", "d weight", "d bias"), ours[1], same_dtype[1], truth[1]):
+        assert_three_way(g, n, t, dtype, f"{what} {name}", scale=grad_scale(t))
+    for name in metrics:
+        if name in truth[2]:
+            assert_three_way(ours[2][name], same_dtype[2][name], truth[2][name], dtype, f"{what} metric {name}")

@@ -90,6 +90,21 @@ def trl_compute_loss(logits, ids, advantages, mask=None, old_logps=None, ref_log
     return loss, metrics
 
 
+def trl_loss_grad_metrics(logits, inputs, config, transform=None, dtype=None):
+    """TRL's loss, d logits and metrics (tensors) on ``inputs["logits"]`` (``make_inputs`` output) taken in
+    ``dtype`` (the logits' own by default) with the per-token inputs in that precision too; ``transform`` (e.g. a soft
+    cap) runs on the logits before TRL sees them, inside the autograd graph. Called once in float64 (the truth) and
+    once in fp32 (the middle term), it gives the three-way rule's first two terms with TRL as the oracle."""
+    dtype = dtype or logits.dtype
+    x = logits.to(dtype).detach().requires_grad_(True)
+    rest = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()
+            if k not in ("logits", "hidden", "weight", "ids", "advantages", "mask")}
+    loss, metrics = trl_compute_loss(x if transform is None else transform(x), inputs["ids"],
+                                     inputs["advantages"].to(dtype), inputs["mask"], config=config, **rest)
+    (grad,) = torch.autograd.grad(loss, x)
+    return loss.detach(), grad, {k: torch.tensor(float(v), dtype=torch.float64) for k, v in metrics.items()}
+
+
 def liger_fused_linear_loss(hidden, weight, ids, advantages, mask, bias=None, old_logps=None, ref_logps=None,
                             is_ratio=None, num_items_in_batch=None, config: GRPOLossConfig | None = None):
     """Liger's chunked fused-linear GRPO loss (chunk_size 1, eager) with our config's options; returns loss."""
