@@ -15,8 +15,9 @@ import grpo_kernels as gk
 from grpo_kernels.reference import soft_cap
 
 from ..support.cases import CASES, make_inputs, optional_inputs
-from ..support.oracles import trl_compute_loss
-from ..support.heads import HIDDEN, fast_path_budget
+from ..support.oracles import trl_compute_loss, trl_loss_grad_metrics
+from ..support.heads import HIDDEN, assert_head_three_way, fast_path_budget
+from ..support.tolerances import assert_three_way, grad_scale
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_outputs")]
 
@@ -31,12 +32,14 @@ def _bias(V):
     return b
 
 
-def _trl(inputs, case, bias, temperature):
-    """TRL's loss and (d hidden, d weight, d bias) on float64 logits capped like the model would cap them."""
-    h, w, b = (t.double().requires_grad_(True) for t in (inputs["hidden"], inputs["weight"], bias))
+def _trl(inputs, case, bias, temperature, dtype=torch.float64):
+    """TRL's loss and (d hidden, d weight, d bias) on logits capped like the model would cap them, everything in
+    ``dtype``: float64 the truth, fp32 the middle term of the three-way rule."""
+    h, w, b = (t.to(dtype).requires_grad_(True) for t in (inputs["hidden"], inputs["weight"], bias))
     logits = soft_cap(h @ w.T + b, CAP)
-    rest = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in optional_inputs(inputs).items()}
-    loss, metrics = trl_compute_loss(logits, inputs["ids"], inputs["advantages"].double(), inputs["mask"],
+    rest = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
+            for k, v in optional_inputs(inputs).items()}
+    loss, metrics = trl_compute_loss(logits, inputs["ids"], inputs["advantages"].to(dtype), inputs["mask"],
                                      config=case.config.replace(temperature=temperature), **rest)
     return loss.detach(), torch.autograd.grad(loss, [h, w, b]), metrics
 
@@ -49,20 +52,11 @@ def _fused(inputs, case, bias, impl, temperature, **kw):
     return loss.detach(), torch.autograd.grad(loss, [h, w, b]), metrics
 
 
-def _close(ours, truth, what, tol):
-    err = ((ours.double() - truth.double()).abs().max() / truth.double().abs().max().clamp(min=1e-9)).item()
-    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
-
-
-def _assert_trl(result, truth, tol=2e-5):
-    (loss, grads, metrics), (t_loss, t_grads, t_metrics) = result, truth
-    assert abs(loss.item() - t_loss.item()) <= tol * max(abs(t_loss.item()), 1e-3)
-    for name, g, t in zip(("d hidden", "d weight", "d bias"), grads, t_grads):
-        _close(g, t, name, tol)
-    checked = [n for n in ("kl", "entropy", "clip_ratio/region_mean") if n in t_metrics]  # kl: logged with beta
+def _assert_trl(result, trl64, trl32):
+    """The three-way rule with TRL as the oracle: against TRL in float64, within K times TRL's own fp32 error."""
+    checked = [n for n in ("kl", "entropy", "clip_ratio/region_mean") if n in trl64[2]]  # kl: logged with beta
     assert "entropy" in checked
-    for name in checked:
-        assert metrics[name].item() == pytest.approx(float(t_metrics[name]), rel=tol, abs=1e-6), name
+    assert_head_three_way(result, trl32, trl64, torch.float32, "softcap", metrics=checked)
 
 
 HEAD_PATHS = [  # (case, impl, extra options, expected path)
@@ -86,7 +80,7 @@ def test_fused_head_with_softcap_matches_trl(case, impl, extra, path, knobs, pla
     plans.clear()
     ours = _fused(inputs, case, bias, impl, 0.8, **extra)
     assert plans[-1].path == path
-    _assert_trl(ours, _trl(inputs, case, bias, 0.8))
+    _assert_trl(ours, _trl(inputs, case, bias, 0.8), _trl(inputs, case, bias, 0.8, torch.float32))
 
 
 @pytest.mark.parametrize("impl,extra,path", [("torch", {}, "logits.torch"), ("triton", {}, "logits.fast"),
@@ -102,12 +96,10 @@ def test_logits_loss_with_softcap_matches_trl(impl, extra, path, plans):
                                  impl=impl, softcap=CAP, temperature=0.8, **rest, **extra)
     (grad,) = torch.autograd.grad(loss, x)
     assert plans[-1].path == path
-    x64 = logits.double().requires_grad_(True)
-    rest64 = {k: v.double() if v.is_floating_point() else v for k, v in rest.items()}
-    t_loss, t_metrics = trl_compute_loss(soft_cap(x64, CAP), inputs["ids"], inputs["advantages"].double(),
-                                         inputs["mask"], config=TOKEN.config.replace(temperature=0.8), **rest64)
-    (t_grad,) = torch.autograd.grad(t_loss, x64)
-    assert abs(loss.item() - t_loss.item()) <= 2e-5 * max(abs(t_loss.item()), 1e-3)
-    _close(grad, t_grad, "d logits", 2e-5)
+    capped = lambda z: soft_cap(z, CAP)  # noqa: E731
+    trl64, trl32 = (trl_loss_grad_metrics(logits, dict(inputs, logits=logits), TOKEN.config.replace(temperature=0.8),
+                                          capped, d) for d in (torch.float64, torch.float32))
+    assert_three_way(loss.detach(), trl32[0], trl64[0], torch.float32, "loss")
+    assert_three_way(grad, trl32[1], trl64[1], torch.float32, "d logits", scale=grad_scale(trl64[1]))
     for name in ("kl", "entropy", "clip_ratio/region_mean"):
-        assert metrics[name].item() == pytest.approx(float(t_metrics[name]), rel=2e-5, abs=1e-6), name
+        assert_three_way(metrics[name], trl32[2][name], trl64[2][name], torch.float32, name)

@@ -15,13 +15,12 @@ from grpo_kernels.kernels.logits_loss_kernels import N_TERMS
 from grpo_kernels.loss_types import LOSS_TYPES, per_token_gradient_known
 
 from ..support.cases import CASES, make_inputs, optional_inputs
-from ..support.oracles import trl_compute_loss
-from ..support.tolerances import assert_three_way, loss_truth_and_same_dtype
+from ..support.oracles import trl_loss_grad_metrics
+from ..support.tolerances import assert_three_way, grad_scale, loss_truth_and_same_dtype
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_outputs")]
 MODES = ("grad_in_forward", "separate")
 TOKEN_CASES = [c for c in CASES if per_token_gradient_known(c.config)]
-RTOL = 1e-5
 
 
 def _force(mode, monkeypatch):
@@ -46,25 +45,21 @@ def _ours(inputs, config, mode, monkeypatch, inplace=False, scale=1.0):
     return loss.detach(), grad, metrics
 
 
-def _rel(ours, theirs):
-    return ((ours.double() - theirs.double()).abs().max() / theirs.double().abs().max().clamp(min=1e-6)).item()
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=lambda c: c.id)
 def test_both_modes_match_trl(case, mode, monkeypatch):
-    """fp32: loss, d logits and metrics against TRL 1.16's GRPOTrainer._compute_loss (1e-5 relative)."""
+    """fp32: loss, d logits and metrics against TRL 1.16's GRPOTrainer._compute_loss by the three-way rule (TRL in
+    float64 the truth, TRL in fp32 the middle term)."""
     inputs = make_inputs(case)
-    x = inputs["logits"].clone().requires_grad_(True)
-    trl_loss, trl_metrics = trl_compute_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"],
-                                             config=case.config, **optional_inputs(inputs))
-    (trl_grad,) = torch.autograd.grad(trl_loss, x)
+    trl64, trl32 = (trl_loss_grad_metrics(inputs["logits"], inputs, case.config, dtype=d)
+                    for d in (torch.float64, torch.float32))
     loss, grad, metrics = _ours(inputs, case.config, mode, monkeypatch)
-    assert _rel(loss, trl_loss.detach()) <= RTOL and _rel(grad, trl_grad) <= RTOL
+    assert_three_way(loss, trl32[0], trl64[0], torch.float32, "loss")
+    assert_three_way(grad, trl32[1], trl64[1], torch.float32, "d logits", scale=grad_scale(trl64[1]))
     for name in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                  "cispo_clip_ratio"):
-        if name in trl_metrics:
-            assert metrics[name].item() == pytest.approx(trl_metrics[name], rel=RTOL, abs=1e-7), name
+        if name in trl64[2]:
+            assert_three_way(metrics[name], trl32[2][name], trl64[2][name], torch.float32, name)
 
 
 BF16_CASES = [c for c in TOKEN_CASES if c.id.endswith("-token") or c.id in ("entropy-bonus", "is-ratio-token",
@@ -82,7 +77,7 @@ def test_both_modes_three_way_bf16(case, mode, monkeypatch, kernel_overrides):
     loss, grad, _ = _ours(inputs, case.config, mode, monkeypatch)
     assert grad.dtype == torch.bfloat16
     assert_three_way(loss, loss_d, loss64, torch.bfloat16, "loss")
-    assert_three_way(grad, grad_d, grad64, torch.bfloat16, "d logits", scale=grad64.abs().max().item())
+    assert_three_way(grad, grad_d, grad64, torch.bfloat16, "d logits", scale=grad_scale(grad64))
 
 
 # vespo's gradient needs its row's ratio sum: it has no grad-in-forward mode.
@@ -134,11 +129,16 @@ def test_awkward_shapes_and_fully_masked_rows(shape, mode, monkeypatch, kernel_o
     expected, expected_metrics = gk.grpo_loss(y, inputs["ids"], inputs["advantages"], inputs["mask"],
                                               config=config, impl="torch", **optional_inputs(inputs))
     (expected_grad,) = torch.autograd.grad(expected, y)
-    assert torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-7)
     assert (grad[~inputs["mask"]] == 0).all()
-    assert torch.allclose(grad, expected_grad, rtol=1e-4, atol=1e-7)
-    for k in expected_metrics:
-        assert torch.allclose(metrics[k], expected_metrics[k], rtol=1e-5, atol=1e-7), k
+    # both paths against float64 on the clean logits by the three-way rule (each within it: within twice of each other)
+    loss64, grad64, metrics64, loss_d, grad_d, metrics_d = loss_truth_and_same_dtype(
+        dict(inputs, logits=clean.detach()), config, with_metrics=True)
+    results = {"triton": (loss, grad, metrics), "torch": (expected, expected_grad, expected_metrics)}
+    for path, (l, g, m) in results.items():
+        assert_three_way(l.detach(), loss_d, loss64, torch.float32, f"{path} loss")
+        assert_three_way(g, grad_d, grad64, torch.float32, f"{path} d logits", scale=grad_scale(grad64))
+        for k in m:
+            assert_three_way(m[k], metrics_d[k], metrics64[k], torch.float32, f"{path} metric {k}")
 
 
 def test_in_place_writes_d_logits_in_the_forward(monkeypatch, kernel_overrides):
@@ -172,9 +172,8 @@ def test_no_grad_forward_leaves_the_logits_alone():
         loss, _ = gk.grpo_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"], config=case.config,
                                impl="triton", inplace_backward=True, **optional_inputs(inputs))
     assert torch.equal(x.detach(), inputs["logits"])
-    expected, _ = gk.grpo_loss(inputs["logits"], inputs["ids"], inputs["advantages"], inputs["mask"],
-                               config=case.config, impl="torch", **optional_inputs(inputs))
-    assert torch.allclose(loss, expected, rtol=1e-5)
+    loss64, _, loss_d, _ = loss_truth_and_same_dtype(inputs, case.config)
+    assert_three_way(loss, loss_d, loss64, torch.float32, "loss")
 
 
 class _Allocations(TorchDispatchMode):

@@ -57,7 +57,8 @@ def naive_logprobs_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature:
     logp = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     p = logp_all.exp()
     entropy = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
-    return logp.float(), entropy.float()
+    out = torch.float64 if logits.dtype == torch.float64 else torch.float32  # as the reference and ours
+    return logp.to(out), entropy.to(out)
 
 
 def token_truth_and_same_dtype(logits, ids, temperature, a, b, softcap=None):
