@@ -2,7 +2,12 @@
 log-probs and entropies from ``causal_lm_token_logprobs`` (the path ``patch_trl`` and ``grpo.train`` take) equal the
 model's own logits' log-softmax in float64, and so do their gradients. Soft-capped heads (Gemma 2, whose
 ``final_logit_softcapping`` defaults to 30, or a Gemma 3 config that sets it) are supported: the kernels apply the
-cap. An invalid cap (not a finite number > 0) is refused with a line naming it."""
+cap. An invalid cap (not a finite number > 0) is refused with a line naming it.
+
+Tolerances: every comparison is a float64 model against float64 autograd of the same maths, so the two sides differ
+by float64 rounding over a few hundred operations (~1e-14); rtol / atol of 1e-10 (1e-9 for gradients, sums over the
+vocabulary and the batch) are far above that and far below any real difference (a missing cap, a wrong fold or the
+wrong order is off by more than 1e-3, asserted where it matters)."""
 import math
 
 import pytest

@@ -3,6 +3,8 @@
 Ground truth: ``log_softmax(model(...).logits / tau)`` gathered at the next tokens, in float64 where the model
 allows it, so the comparison tolerances are those of the fused path alone.
 """
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,9 @@ from transformers import (  # noqa: E402
 )
 
 from grpo_kernels.integrations.transformers import causal_lm_token_logprobs, get_lm_head  # noqa: E402
+from grpo_kernels.reference import logprobs_and_entropy  # noqa: E402
+
+from ..support.tolerances import assert_three_way, grad_scale  # noqa: E402
 
 VOCAB = 61  # not a power of two
 SMALL = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -72,8 +77,9 @@ def test_matches_model_logits(tied, bias, keep, temperature):
                                                  return_entropy=True)
     handle.remove()
     assert logp.shape == expected[0].shape and logp.dtype == torch.float64  # fp64 model: fp64 out
-    torch.testing.assert_close(logp.double(), expected[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(entropy.double(), expected[1], rtol=1e-5, atol=1e-5)
+    # float64 on both sides, the same maths in another order: ~1e-15 apart (a real difference would be >> 1e-10)
+    torch.testing.assert_close(logp, expected[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(entropy, expected[1], rtol=1e-10, atol=1e-10)
     only_logp = causal_lm_token_logprobs(model, ids, mask, keep, temperature=temperature)
     torch.testing.assert_close(only_logp, logp)
 
@@ -97,8 +103,11 @@ def test_gradients_match(tied):
     ref = grads(lambda: _expected(model, ids, mask, keep))
     out = grads(lambda: causal_lm_token_logprobs(model, ids, mask, keep, return_entropy=True))
     assert ref.keys() == out.keys() and "lm_head.weight" in out or tied
+    # three-way: the truth from a float64 copy of the model, the middle term the fp32 model's own logits (ref)
+    model, w_logp, w_ent = copy.deepcopy(model).double(), w_logp.double(), w_ent.double()
+    truth = grads(lambda: _expected(model, ids, mask, keep))
     for name in ref:
-        torch.testing.assert_close(out[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert_three_way(out[name], ref[name], truth[name], torch.float32, name, scale=grad_scale(truth[name]))
 
 
 @pytest.mark.interpreter
@@ -113,9 +122,16 @@ def test_triton_impl_matches_model():
     model.zero_grad()
     exp_logp, exp_ent = _expected(model, ids, mask, 3, temperature=0.8)
     (exp_logp.sum() + exp_ent.sum()).backward()
-    torch.testing.assert_close(logp.double(), exp_logp, rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(entropy.double(), exp_ent, rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-5)
+    # three-way: the truth is the head in float64 on the same fp32 hidden states, the middle term the model's own
+    # fp32 logits (exp_*: log-softmax of those logits)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -4:-1].double()
+    w64 = model.lm_head.weight.detach().double().requires_grad_(True)
+    t_logp, t_ent = logprobs_and_entropy(hidden @ w64.T + model.lm_head.bias.detach().double(), ids[:, -3:], 0.8)
+    (t_grad,) = torch.autograd.grad(t_logp.sum() + t_ent.sum(), w64)
+    assert_three_way(logp, exp_logp, t_logp, torch.float32, "logp")
+    assert_three_way(entropy, exp_ent, t_ent, torch.float32, "entropy")
+    assert_three_way(grad, model.lm_head.weight.grad, t_grad, torch.float32, "d weight", scale=grad_scale(t_grad))
 
 
 def test_logit_scale_folds_into_temperature():
@@ -132,8 +148,9 @@ def test_logit_scale_folds_into_temperature():
         with torch.no_grad():
             logp, entropy = causal_lm_token_logprobs(model, ids, mask, 4, temperature=0.9, return_entropy=True)
             exp_logp, exp_ent = _expected(model, ids, mask, 4, temperature=0.9)
-        torch.testing.assert_close(logp.double(), exp_logp, rtol=1e-5, atol=1e-5, msg=type(model).__name__)
-        torch.testing.assert_close(entropy.double(), exp_ent, rtol=1e-5, atol=1e-5, msg=type(model).__name__)
+        # float64 models: the same maths in float64 on both sides (a wrong fold would be off by O(1))
+        torch.testing.assert_close(logp, exp_logp, rtol=1e-10, atol=1e-10, msg=type(model).__name__)
+        torch.testing.assert_close(entropy, exp_ent, rtol=1e-10, atol=1e-10, msg=type(model).__name__)
 
 
 def test_autocast_bf16_close_to_model():
@@ -143,8 +160,13 @@ def test_autocast_bf16_close_to_model():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         logp = causal_lm_token_logprobs(model, ids, mask, 4)
         expected, _ = _expected(model, ids, mask, 4)
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -5:-1]
     assert logp.dtype == torch.float32
-    torch.testing.assert_close(logp.double(), expected, rtol=0, atol=0.1)
+    # three-way, bf16: the truth is the head in float64 on the bf16 operands autocast gives it (hidden states and
+    # weight rounded to bf16), the middle term the model's own bf16 logits (expected)
+    bf16 = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    t_logp, _ = logprobs_and_entropy(bf16(hidden) @ bf16(model.lm_head.weight).T, ids[:, -4:])
+    assert_three_way(logp, expected, t_logp, torch.bfloat16, "logp")
 
 
 def test_refuses_an_invalid_softcap():

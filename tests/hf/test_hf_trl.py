@@ -26,8 +26,10 @@ from grpo_kernels.integrations.trl import (  # noqa: E402
     SUPPORTED_TRL_VERSIONS, TRLLogProbFunction, is_trl_patched, patch_trl, unpatch_trl,
 )
 
+from ..support.tolerances import ATOL, assert_three_way, max_err  # noqa: E402
 from ..support.trl_runs import (  # noqa: E402
-    WORDS, assert_informative, assert_same_run, even_words, head_inputs, run_head, short, word_tokenizer,
+    WORDS, assert_head_function_three_way, assert_informative, assert_same_run, even_words, head_inputs, head_truth,
+    run_head, short, word_tokenizer,
 )
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
@@ -165,10 +167,9 @@ def test_head_matches_trl_function(logit_scale):
     (lp, ent, *rest), grads = run_head(TRLLogProbFunction, *inputs, logit_scale=logit_scale)
     (lp_ref, ent_ref, *_), grads_ref = run_head(ChunkedLogProbFunction, *inputs, logit_scale=logit_scale)
     assert rest == [None, None, None] and lp.dtype == torch.float32
-    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
-    for g, g_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+    # three-way: against the float64 truth, TRL's function in fp32 the middle term
+    assert_head_function_three_way(([lp, ent], grads), ([lp_ref, ent_ref], grads_ref),
+                                   head_truth(*inputs, logit_scale=logit_scale), f"scale {logit_scale}")
 
 
 def test_head_falls_back_to_trl():
@@ -231,9 +232,14 @@ def test_bf16_autocast_at_least_as_accurate_as_trl():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ours = TRLLogProbFunction.apply(h, w, b, ids, 0.8, 32768, None, 1.0, ("log_probs",))[0]
             theirs = ChunkedLogProbFunction.apply(h, w, b, ids, 0.8, 32768, None, 1.0, ("log_probs",))[0]
+        plain = torch.log_softmax((h16.float() @ w16.float().T + b16.float()) / 0.8, -1)  # fp32 on the bf16 operands
+        plain = plain.gather(-1, ids[:, None]).squeeze(-1)
     assert ours.dtype == torch.float32 and z.shape[0] == ours.shape[0]
-    err_ours, err_theirs = (ours.double() - truth).abs().max(), (theirs.double() - truth).abs().max()
-    assert err_ours <= err_theirs + 1e-6 and err_ours < 1e-4
+    # ours accumulates the bf16 operands in fp32: the three-way rule against the exact logits of those operands, the
+    # middle term plain fp32 on them; and at least as accurate as TRL (which rounds each logits tile to bf16) up to
+    # that fp32 floor
+    assert_three_way(ours, plain, truth, torch.float32, "logp")
+    assert max_err(ours, truth) <= max_err(theirs, truth) + ATOL[torch.float32]
 
 
 def test_patch_returns_a_report_and_logs_one_line(caplog):

@@ -75,3 +75,28 @@ def run_head(fn, h, w, b, ids, **kw):
     loss = logp.float().sum() + (0.3 * entropy.float().sum() if entropy is not None else 0)
     loss.backward()
     return [logp, entropy, *rest], [t.grad.clone() for t in (h, w, b)]
+
+
+def head_truth(h, w, b, ids, temperature=0.8, final_logit_softcapping=None, logit_scale=1.0, dtype=torch.float64):
+    """What ``run_head`` computes, by the reference on full logits in ``dtype`` (float64: the truth of the three-way
+    rule) with TRL's order of the options: scale the logits, cap them, divide by the temperature. Returns
+    ([logp, entropy], [d hidden, d weight, d bias]) of sum(logp) + 0.3 sum(entropy)."""
+    from grpo_kernels.reference import logprobs_and_entropy
+
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (h, w, b)]
+    x = (leaves[0] @ leaves[1].T + leaves[2]) * logit_scale
+    logp, entropy = logprobs_and_entropy(x, ids, temperature, final_logit_softcapping)
+    grads = torch.autograd.grad(logp.sum() + 0.3 * entropy.sum(), leaves)
+    return [logp.detach(), entropy.detach()], list(grads)
+
+
+def assert_head_function_three_way(ours, theirs, truth, what=""):
+    """``run_head`` results of ours against the float64 truth (``head_truth``), TRL's own function in fp32 the middle
+    term: logp, entropy, then each gradient relative to its own largest value."""
+    from .tolerances import assert_three_way, grad_scale
+
+    (values, grads), (t_values, t_grads), (n_values, n_grads) = ours, truth, theirs
+    for name, o, n, t in zip(("logp", "entropy"), values, n_values, t_values):
+        assert_three_way(o, n, t, torch.float32, f"{what} {name}")
+    for name, o, n, t in zip(("d hidden", "d weight", "d bias"), grads, n_grads, t_grads):
+        assert_three_way(o, n, t, torch.float32, f"{what} {name}", scale=grad_scale(t))
