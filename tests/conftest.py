@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return
     skip = pytest.mark.skip(reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1, set automatically "
-                                   "on machines without CUDA; on CUDA machines tests/kernels/test_gpu_kernels.py covers the kernels")
+                                   "on machines without CUDA; on CUDA machines tests/kernels/test_gpu_kernels.py "
+                                   "covers the kernels")
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if item.get_closest_marker("interpreter") or params.get("impl") == "triton":

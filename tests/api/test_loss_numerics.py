@@ -230,8 +230,8 @@ def test_every_row_masked(impl, loss_type):
 
 def test_long_sequence_torch_path():
     """T = 131073 > 2^17 at a tiny vocabulary: both losses on the PyTorch path against float64. (On the Triton
-    path the 1-D token grid has no T limit; the interpreter is too slow at this T, tests/kernels/test_gpu_kernels.py runs the
-    compiled kernels at T = 131072.)"""
+    path the 1-D token grid has no T limit; the interpreter is too slow at this T, tests/kernels/test_gpu_kernels.py
+    runs the compiled kernels at T = 131072.)"""
     g = _gen(8)
     B, T, V, H = 1, 131073, 5, 3
     hidden = torch.randn(B, T, H, generator=g)
@@ -285,7 +285,8 @@ def test_offsets_beyond_2_to_the_31(impl):
     truth, (n_logp, n_ent, n_grad) = token_truth_and_same_dtype(logits.float().contiguous(), ids, 1.0, ones, ones)
     assert_three_way(logp, n_logp, truth[0], torch.float32, f"{impl} logp")
     assert_three_way(ent, n_ent, truth[1], torch.float32, f"{impl} entropy")
-    assert_three_way(x.grad, n_grad.bfloat16(), truth[2], torch.bfloat16, f"{impl} d logits", scale=grad_scale(truth[2]))
+    assert_three_way(x.grad, n_grad.bfloat16(), truth[2], torch.bfloat16, f"{impl} d logits",
+                     scale=grad_scale(truth[2]))
     del base, logits, x
 
 
@@ -329,9 +330,9 @@ def test_fused_linear_offsets_beyond_2_to_the_31(impl, deterministic):
 
 def test_vocab_262144_fused_linear_torch_path():
     """V = 262144 at tiny N on the fused-linear PyTorch path (the logits-path Triton kernels are tested at this V in
-    tests/kernels/test_logits_kernels.py; the fused-linear Triton kernels take minutes at this V under the interpreter and
-    run at V = 151936 in tests/kernels/test_gpu_kernels.py). Three-way rule: against float64, within K times the error of
-    naive fp32 autograd (``h @ W.T``, log-softmax) on the same inputs, measured in this run on this CPU."""
+    tests/kernels/test_logits_kernels.py; the fused-linear Triton kernels take minutes at this V under the interpreter
+    and run at V = 151936 in tests/kernels/test_gpu_kernels.py). Three-way rule: against float64, within K times the
+    error of naive fp32 autograd (``h @ W.T``, log-softmax) on the same inputs, measured in this run on this CPU."""
     g = _gen(10)
     V, H = 262144, 4
     hidden = torch.randn(3, H, generator=g, requires_grad=True)

@@ -2,10 +2,11 @@
 
 Each launch starts ``world`` plain processes running this file
 (``python tests/distributed/test_dist_vocab_parallel.py MODE RANK WORLD STORE OUT``, tests/support/ranks.py), joined
-through a file store, bounded by LAUNCH_TIMEOUT (a hang fails the test instead of blocking CI). A launch runs all its cases and saves each rank's results; the tests compare them with the
-unsharded call made here: loss, metrics, d hidden, the ranks' dW / dbias shards concatenated, logp and entropy.
-V = 23 is divisible by neither 2 nor 3. The error launch gives one rank a bad shard / N / ids / argument and
-checks that every rank raises the same ValueError (and that the group still works afterwards).
+through a file store, bounded by LAUNCH_TIMEOUT (a hang fails the test instead of blocking CI). A launch runs all its
+cases and saves each rank's results; the tests compare them with the unsharded call made here: loss, metrics,
+d hidden, the ranks' dW / dbias shards concatenated, logp and entropy. V = 23 is divisible by neither 2 nor 3. The
+error launch gives one rank a bad shard / N / ids / argument and checks that every rank raises the same ValueError
+(and that the group still works afterwards).
 """
 from __future__ import annotations
 
@@ -269,6 +270,7 @@ def _close(got, unsharded, truth, dtype, what):
     docs/DESIGN.md section 6 against the float64 unsharded call, the middle term being the unsharded call in the
     same dtype and impl (the sharded head may not be much less accurate than the unsharded one)."""
     if dtype == torch.float64:
+        # the same float64 sums split over the ranks (partial logsumexps and gradients all-reduced): ~1e-15 apart
         torch.testing.assert_close(got, unsharded, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
     else:
         assert_three_way(got, unsharded, truth, dtype, what)
@@ -340,7 +342,7 @@ def test_bad_shard_raises_on_every_rank(sharded_results, name):
     assert ERROR_CASES[name] in messages[0], messages[0]
     x = case_inputs(torch.float64, bias=False)
     expected = gk.linear_token_logprobs(x["hidden"], x["weight"], x["ids"], impl="torch")
-    for r in range(3):  # after the errors the group still works
+    for r in range(3):  # after the errors the group still works (float64: rounding ~1e-15, as above)
         torch.testing.assert_close(ranks[r]["after_errors"], expected, rtol=1e-10, atol=1e-12)
 
 

@@ -232,7 +232,8 @@ def _head_model_truth():
 
 def test_zero3_real_deepspeed(tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[test]' (it pins "
-                        "deepspeed) runs this test; tests/distributed/test_dist_zero3_emulated.py emulates ZeRO-3 meanwhile")
+                        "deepspeed) runs this test; tests/distributed/test_dist_zero3_emulated.py emulates ZeRO-3 "
+                        "meanwhile")
     pytest.importorskip("trl")
     from tests.support.ranks import start_ranks
     from tests.support.tolerances import ATOL

@@ -136,8 +136,10 @@ def test_vocab_parallel_softcap_matches_unsharded(ranks, name, monkeypatch):
     truth = run_case(name, x, x["weight"], x["bias"], torch.float64, impl="torch")
 
     def check(got, key, what):
+        # the three-way rule twice: the unsharded Triton call as the middle term (sharding may not make the head much
+        # less accurate), and the unsharded PyTorch call in fp32 (a kernel bug both Triton calls share still fails)
         scale = max(truth[key].abs().max().item(), 1.0 if key not in ("dh", "dw", "db") else 1e-6)
-        torch.testing.assert_close(got, expected[key], rtol=0, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}")
+        assert_three_way(got, expected[key], truth[key], torch.float32, f"{what} (vs unsharded)", scale=scale)
         assert_three_way(got, same_dtype[key], truth[key], torch.float32, what, scale=scale)
 
     for r in range(WORLD):

@@ -174,8 +174,8 @@ def test_head_matches_trl_function(logit_scale):
 
 def test_head_falls_back_to_trl():
     """A logit scale or soft cap that is not a finite number > 0 warns once and runs TRL's kernel; extra outputs and
-    empty batches fall back silently. ZeRO-3 and valid soft caps no longer fall back (tests/distributed/test_dist_zero3_emulated.py,
-    tests/hf/test_softcap_trl.py)."""
+    empty batches fall back silently. ZeRO-3 and valid soft caps no longer fall back
+    (tests/distributed/test_dist_zero3_emulated.py, tests/hf/test_softcap_trl.py)."""
     patch_trl()
     inputs = head_inputs()
     cases = [

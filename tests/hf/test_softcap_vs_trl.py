@@ -1,8 +1,8 @@
 """A soft-capped head gives TRL's numbers on every path (issue "what no peer ships", done-when).
 
 TRL knows nothing of the cap in its loss: the model applies it (transformers' Gemma 2), so the oracle is TRL's own
-``GRPOTrainer._compute_loss`` (tests/support/oracles.py) on float64 logits capped by ``reference.soft_cap``, with the loss
-options alone. Ours: ``fused_linear_grpo_loss`` / ``grpo_loss`` with ``softcap=`` on each path the planner can take
+``GRPOTrainer._compute_loss`` (tests/support/oracles.py) on float64 logits capped by ``reference.soft_cap``, with the
+loss options alone. Ours: ``fused_linear_grpo_loss`` / ``grpo_loss`` with ``softcap=`` on each path the planner can take
 (asserted from the plans), the Triton ones under the interpreter. A cap of 1.5 on logits of spread ~1 bends most
 of them; the bias holds one very large logit (far in the flat part of tanh).
 """

@@ -3,9 +3,10 @@ head.fast_sequence, head.light (deterministic through the tile kernel or through
 and atomic), head.no_grad, and ``linear_token_logprobs`` with and without gradients.
 
 Ground truth: the float64 reference on full logits ``h @ W.T + b`` with ``config.softcap`` (``reference.soft_cap``:
-``z = c tanh(x / c) / temperature``), gradients by autograd; the pass rule is the three-way one (tests/support/tolerances.py)
-with a same-dtype PyTorch term that applies the cap too. The kernels run under TRITON_INTERPRET=1 (conftest.py) with
-poisoned outputs; V = 37 crosses the interpreter's row block (16) and tile (32) boundaries.
+``z = c tanh(x / c) / temperature``), gradients by autograd; the pass rule is the three-way one
+(tests/support/tolerances.py) with a same-dtype PyTorch term that applies the cap too. The kernels run under
+TRITON_INTERPRET=1 (conftest.py) with poisoned outputs; V = 37 crosses the interpreter's row block (16) and tile (32)
+boundaries.
 
 Semantics pinned here (docs/numerics.md, "Soft-capped logits"): a raw logit of -inf (a -inf bias entry, a "banned"
 token) is capped to -c like ``torch.tanh`` does, i.e. a finite logit with a small probability and a zero gradient

@@ -138,7 +138,8 @@ def test_explain_output_is_what_explain_prints():
 
 
 def test_benchmark_commands_are_the_documented_ones():
-    """README's benchmark commands are docs/benchmarks.md's, which tests/project/test_bench_commands.py runs verbatim."""
+    """README's benchmark commands are docs/benchmarks.md's, which tests/project/test_bench_commands.py runs
+    verbatim."""
     block = _blocks(_section(README.read_text(), "## Benchmarks"), "bash")[0]
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     documented = _blocks((ROOT / "docs" / "benchmarks.md").read_text(), "bash")[0].splitlines()

@@ -26,6 +26,12 @@ def run_env(**extra) -> dict:
     return env
 
 
+def fault_env() -> dict:
+    """The fault tests' subprocess environment: DeepSpeed told there is no accelerator (it prints a warning on stdout
+    when it probes for one, and those tests read the processes' output)."""
+    return run_env(DS_ACCELERATOR="cpu")
+
+
 def run_cmd(cmd, timeout=600):
     return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout)
 

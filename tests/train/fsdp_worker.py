@@ -1,4 +1,5 @@
-"""FSDP2 equivalence worker, launched by tests/train/test_train_fsdp.py (and tests/train/test_gpu_train_fsdp.py) under torchrun.
+"""FSDP2 equivalence worker, launched by tests/train/test_train_fsdp.py (and tests/train/test_gpu_train_fsdp.py)
+under torchrun.
 
 Every rank builds the same tiny Llama and the same fixed synthetic rollout (no sampling). Each rank takes its
 contiguous share of the rows and runs ``grpo.update.optimizer_step`` a few times on the FSDP2-sharded policy
@@ -44,7 +45,8 @@ ROWS, PROMPT, COMPLETION, MICRO, STEPS, BETA = 8, 4, 6, 2, 3, 0.04
 
 
 def completion_length_reward(prompts, completions, **_) -> list[float]:
-    """A reward that varies within every group (for grpo.train runs in tests/train/test_train_fsdp.py: nonzero advantages)."""
+    """A reward that varies within every group (for grpo.train runs in tests/train/test_train_fsdp.py: nonzero
+    advantages)."""
     return [float(len(c)) for c in completions]
 
 

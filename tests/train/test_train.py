@@ -120,7 +120,8 @@ def test_local_checkpoint_with_chat_template_and_math_dataset(tmp_path):
     assert train.main(["--model", str(model_dir), "--dataset", str(data), "--reward", "math",
                        "--reward", "grpo.rewards:format_reward=0.1", "--max-steps", "2", "--max-new-tokens", "8",
                        "--beta", "0.04", "--output-dir", str(out)] + SMALL) == 0
-    assert [r["step"] for r in read_metrics(out)] == [1, 2] and "reward/grpo.rewards:format_reward" in read_metrics(out)[0]
+    metrics = read_metrics(out)
+    assert [r["step"] for r in metrics] == [1, 2] and "reward/grpo.rewards:format_reward" in metrics[0]
 
     from grpo.modeling import load_pretrained
     lm, tok = load_pretrained(str(model_dir), torch.float32, "sdpa")

@@ -18,7 +18,7 @@ from grpo.checkpoint import MANIFEST, verify_checkpoint
 from grpo.distributed import DistEnv
 from grpo.run_folder import LOCK_FILE, RunLock
 
-from ..support.train_runs import (REPO, SAME, TINY, one_error_line, read_metrics, read_summary, run_env,
+from ..support.train_runs import (REPO, SAME, TINY, one_error_line, read_metrics, read_summary, fault_env,
                                  snapshot, train_tiny)
 
 SAFETENSORS = os.path.join("model", "model.safetensors")
@@ -61,7 +61,7 @@ def test_second_run_refused_while_the_first_holds_the_folder(tmp_path, capsys):
     unharmed."""
     out = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-c", PAUSE_AFTER_FIRST_SAVE] + TINY +
-                             ["--output-dir", str(out), "--max-steps", "2"], cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"),
+                             ["--output-dir", str(out), "--max-steps", "2"], cwd=REPO, env=fault_env(),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(first, "PAUSED")
@@ -69,7 +69,7 @@ def test_second_run_refused_while_the_first_holds_the_folder(tmp_path, capsys):
         before = snapshot(out)
         second = subprocess.run([sys.executable, "-m", "grpo.train"] + TINY + ["--output-dir", str(out),
                                                                                 "--max-steps", "2"],
-                                cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=120)
+                                cwd=REPO, env=fault_env(), capture_output=True, text=True, timeout=120)
         assert second.returncode == 2, second.stderr
         line = one_error_line(second.stderr)
         assert f"is in use by another run (pid {first.pid} on host " in line and ", started 20" in line, line
@@ -92,7 +92,8 @@ def test_two_runs_started_together_into_one_folder(tmp_path):
     after the first ended, not empty); the folder holds one run's metrics."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo.train"] + TINY + ["--output-dir", str(out), "--max-steps", "2"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=fault_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
              for _ in range(2)]
     results = sorted((p.wait(timeout=120), p.stderr.read()) for p in procs)
     assert [code for code, _ in results] == [0, 2], results
@@ -107,13 +108,13 @@ def test_torchrun_job_refused_while_the_folder_is_locked(tmp_path):
     once), the folder is untouched."""
     out = tmp_path / "run"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"),
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=fault_env(),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         _wait_for(holder, "LOCKED")
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                "2", "-m", "grpo.train"] + TINY + ["--output-dir", str(out), "--max-steps", "2"],
-                              cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=300)
+                              cwd=REPO, env=fault_env(), capture_output=True, text=True, timeout=300)
     finally:
         holder.kill()
         holder.wait()
@@ -136,7 +137,7 @@ def test_lock_of_a_killed_run_never_blocks(fault_runs, tmp_path, capsys):
     """The lock dies with its process (kill -9 included): the stale lock file, naming the dead pid, is no
     obstacle; other ranks of a job never take the lock themselves."""
     out = _copy(fault_runs, "two", tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"),
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], cwd=REPO, env=fault_env(),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         _wait_for(holder, "LOCKED")
@@ -184,7 +185,7 @@ def test_kill_9_while_writing_a_checkpoint_then_resume(where, fault_runs, tmp_pa
     exactly where the uninterrupted run ends."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", KILL_WHILE_SAVING, where] + TINY +
-                          ["--output-dir", str(out), "--max-steps", "3"], cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"),
+                          ["--output-dir", str(out), "--max-steps", "3"], cwd=REPO, env=fault_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert (out / ".checkpoint-2.partial").is_dir() and not (out / "checkpoint-2").exists()

@@ -19,7 +19,7 @@ import grpo.metrics
 import grpo.run_folder
 from grpo.checkpoint import verify_checkpoint
 
-from ..support.train_runs import (REPO, SAME, TINY, one_error_line, read_metrics, read_summary, run_env,
+from ..support.train_runs import (REPO, SAME, TINY, one_error_line, read_metrics, read_summary, fault_env,
                                  snapshot, train_tiny)
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -156,7 +156,7 @@ def test_a_real_write_failure_from_the_operating_system(tmp_path):
             "from grpo.train import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.run([sys.executable, "-c", code] + TINY + ["--output-dir", str(out), "--max-steps", "2"],
-                          cwd=REPO, env=run_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=120)
+                          cwd=REPO, env=fault_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = one_error_line(proc.stderr)
     assert line.startswith(f"grpo.train: error: cannot write {out}/.checkpoint-1.partial/trainer_state.pt: File too "
@@ -217,7 +217,8 @@ def test_dataset_content_is_part_of_the_run(tmp_path, capsys):
 def test_safe_changes_are_allowed_and_recorded(fault_runs, tmp_path, capsys):
     out = tmp_path / "two"
     shutil.copytree(fault_runs / "two", out)
-    assert train_tiny(out, 3, "--resume", "--save-total-limit", "2", "--eval-every", "7", "--micro-batch-size", "2") == 0
+    assert train_tiny(out, 3, "--resume", "--save-total-limit", "2", "--eval-every", "7",
+                      "--micro-batch-size", "2") == 0
     printed = capsys.readouterr().out
     assert "[grpo.train] resume: max_steps changed from 2 to 3" in printed
     changed = json.loads((out / "args.json").read_text())["resumed"]["changed"]

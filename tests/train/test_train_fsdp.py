@@ -61,7 +61,8 @@ def test_decoding_runs_in_lockstep_when_one_rank_finishes_first(tmp_path):
     blocked (a 20 s gloo timeout); each rank's completions and random stream equal the unsharded model's."""
     out = tmp_path / "decode"
     proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                 os.path.join("tests", "train", "fsdp_decode_worker.py"), "--out", str(out), "--timeout-s", "20"], timeout=150)
+                    os.path.join("tests", "train", "fsdp_decode_worker.py"), "--out", str(out), "--timeout-s", "20"],
+                   timeout=150)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"decode.rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["sampled"]["steps"] for r in ranks] == [1, 8] and [r["greedy"]["steps"] for r in ranks] == [8, 1]
