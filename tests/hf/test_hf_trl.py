@@ -59,14 +59,16 @@ def _save_tiny_lm(path, tied: bool):
     return str(path), tokenizer
 
 
-def _train(tiny_lm, tmp_path, patched: bool, **overrides):
-    """Train a few steps; returns (log_history, parameters, number of grpo_kernels head calls)."""
+def _train(tiny_lm, tmp_path, patched: bool, dtype=torch.float32, **overrides):
+    """Train a few steps with the model in ``dtype``; returns (log_history, parameters, number of grpo_kernels head
+    calls)."""
     path, tokenizer = tiny_lm
     dataset = Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9", "w10", "w11 w12", "w13"] * 4})
-    options = dict(output_dir=str(tmp_path / ("patched" if patched else "trl")), per_device_train_batch_size=4,
+    run = ("patched" if patched else "trl") + ("-float64" if dtype == torch.float64 else "")
+    options = dict(output_dir=str(tmp_path / run), per_device_train_batch_size=4,
                    num_generations=4, max_completion_length=6, max_steps=4, learning_rate=3e-2, logging_steps=1,
                    report_to="none", use_cpu=True, bf16=False, seed=0, save_strategy="no", disable_tqdm=True,
-                   model_init_kwargs={"dtype": torch.float32})
+                   model_init_kwargs={"dtype": dtype})
     options.update(overrides)
     calls = []
     original = grpo_kernels.linear_token_logprobs
@@ -91,13 +93,21 @@ def _train(tiny_lm, tmp_path, patched: bool, **overrides):
     return trainer.state.log_history, params, len(calls)
 
 
+def _truth(tiny_lm, tmp_path, **cfg):
+    """The ground truth of the three-way rule for a run: the patched run with the model in float64 (grpo_kernels
+    computes in the inputs' precision). cast_lm_head_to_fp32 is a no-op on the fp32 runs and would round this one's
+    head to fp32: left out here."""
+    cfg = {k: v for k, v in cfg.items() if k != "cast_lm_head_to_fp32"}
+    return _train(tiny_lm, tmp_path, True, torch.float64, **cfg)
+
+
 def test_grpo_beta_ref_model_iterations_accumulation(tiny_lm, tmp_path):
     """grpo loss, KL to a reference model, 2 iterations per generation (ratio != 1: clipping), grad accumulation."""
     cfg = dict(loss_type="grpo", beta=0.1, num_iterations=2, epsilon=0.05, gradient_accumulation_steps=2,
                per_device_train_batch_size=2)
     ref = _train(tiny_lm, tmp_path, False, **cfg)
     assert_informative(ref[0], "loss", "kl", "reward_std", "clip_ratio/region_mean", "grad_norm")
-    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg), _truth(tiny_lm, tmp_path, **cfg))
 
 
 @pytest.mark.slow
@@ -112,7 +122,7 @@ def test_grpo_beta_ref_model_iterations_accumulation(tiny_lm, tmp_path):
 def test_more_trl_options(tiny_lm, tmp_path, cfg):
     ref = _train(tiny_lm, tmp_path, False, **cfg)
     assert_informative(ref[0], "loss", "grad_norm")
-    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg), _truth(tiny_lm, tmp_path, **cfg))
 
 
 @pytest.mark.interpreter
@@ -121,8 +131,9 @@ def test_triton_kernels_in_trl(tiny_lm, tmp_path, monkeypatch):
     """The Triton fused-linear kernels (the CUDA default; TRITON_INTERPRET=1 on CPU, see conftest.py) inside TRL."""
     cfg = dict(loss_type="grpo", beta=0.1, num_iterations=2, epsilon=0.05, max_steps=2)
     ref = _train(tiny_lm, tmp_path, False, **cfg)
+    truth = _truth(tiny_lm, tmp_path, **cfg)  # the torch impl in float64
     monkeypatch.setenv("GRPO_KERNELS_IMPL", "triton")
-    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg))
+    assert_same_run(ref, _train(tiny_lm, tmp_path, True, **cfg), truth)
 
 
 @pytest.mark.slow
@@ -132,7 +143,7 @@ def test_tied_embeddings_fp32_head(tiny_lm_tied, tmp_path):
     ref = _train(tiny_lm_tied, tmp_path, False, **cfg)
     assert "lm_head.weight" not in ref[1]  # tied: one shared parameter
     assert_informative(ref[0], "loss", "kl", "grad_norm")
-    assert_same_run(ref, _train(tiny_lm_tied, tmp_path, True, **cfg))
+    assert_same_run(ref, _train(tiny_lm_tied, tmp_path, True, **cfg), _truth(tiny_lm_tied, tmp_path, **cfg))
 
 
 def test_unsupported_version_changes_nothing(monkeypatch):

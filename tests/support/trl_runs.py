@@ -3,8 +3,6 @@ tokenizer of the tiny models, the rewards, the comparison of an unpatched and a 
 TRL's fused head function (ours or TRL's ``ChunkedLogProbFunction``)."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(40)]
@@ -32,20 +30,29 @@ def short(completions, **kwargs):
     return [-0.1 * len(c.split()) for c in completions]
 
 
-def assert_same_run(ref, out, rtol=1e-4, atol=1e-6):
-    """Two runs ``(log_history, parameters, number of grpo_kernels head calls)``, the unpatched one first: the same
-    logged numbers (timings aside) and final parameters within (rtol, atol)."""
-    (ref_logs, ref_params, ref_calls), (logs, params, calls) = ref, out
-    assert ref_calls == 0 and calls > 0, "the patched run must go through grpo_kernels, the reference must not"
-    assert len(ref_logs) == len(logs)
-    for step, (a, b) in enumerate(zip(ref_logs, logs)):
-        assert a.keys() == b.keys(), step
+def assert_same_run(ref, out, truth):
+    """Runs ``(log_history, parameters, number of grpo_kernels head calls)``: TRL unpatched in fp32 (``ref``), patched in
+    fp32 (``out``) and patched in float64 (``truth``). The three-way rule on every logged number (timings aside) and
+    every final parameter: the patched fp32 run within K times the unpatched fp32 run's distance to the float64 run,
+    plus the fp32 ATOL. A few Adam steps amplify fp32 rounding differently on every CPU (Adam divides each gradient
+    element by its running RMS, so a near-zero element's rounding moves its weight by a visible step); the middle term
+    measures that amplification on this machine instead of a fixed tolerance (one fitted to another CPU failed
+    here).
+    """
+    from .tolerances import assert_three_way
+
+    (ref_logs, ref_params, ref_calls), (logs, params, calls), (t_logs, t_params, t_calls) = ref, out, truth
+    assert ref_calls == 0 and calls > 0 and t_calls > 0, \
+        "the patched runs must go through grpo_kernels, the reference must not"
+    assert len(ref_logs) == len(logs) == len(t_logs)
+    for step, (a, b, t) in enumerate(zip(ref_logs, logs, t_logs)):
+        assert a.keys() == b.keys() == t.keys(), step
         for key in a:
             if key in TIMING_KEYS or not isinstance(a[key], (int, float)):
                 continue
-            assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=atol), f"step {step} {key}: {a[key]} != {b[key]}"
+            assert_three_way(float(b[key]), float(a[key]), float(t[key]), torch.float32, f"step {step} {key}")
     for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=rtol, atol=atol, msg=name)
+        assert_three_way(params[name], p, t_params[name], torch.float32, name)
 
 
 def assert_informative(logs, *keys):

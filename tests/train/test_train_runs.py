@@ -17,8 +17,11 @@ from grpo.errors import UsageError
 
 from ..support.train_runs import SMALL, read_metrics, run_cmd
 
-ACCURACY_AT_300 = 0.5  # measured 0.931 (2026-11-30, seed 0, 2-core CPU); other CPUs round differently and RL is
-#                        chaotic, so the bound leaves room (other seeds, 500-step schedule, at step 300: 0.26-1.0)
+# Another CPU rounds differently and RL is chaotic, so a run on another machine is as good as a run with another
+# seed: the bound must sit below the seed spread, not near one machine's value (0.5 failed on a 2-core AMD EPYC at
+# 0.431; seed 0 on the first machine: 0.931; other seeds at step 300: 0.26-1.0). Chance is 0 (an exact copy of a
+# held-out string), so 0.2 still fails a run that does not learn.
+ACCURACY_AT_300 = 0.2
 
 
 # ------------------------------------------------------------------------------------------------- bad arguments
