@@ -6,7 +6,7 @@
 #   torch==2.13.0, CPU build (PyTorch's CPU wheel index, ~190 MB; if it cannot be reached in 10 s, the default
 #   index, where a configured local wheel folder may serve it), triton==3.6.0, numpy.
 # The package itself is not installed: the child process imports it from the checkout (PYTHONPATH).
-# Use: GRPO_AOT_PYTHON=.venv-triton36/bin/python .venv/bin/python -m pytest tests/test_aot.py (docs/kernels.md).
+# Use: GRPO_AOT_PYTHON=.venv-triton36/bin/python .venv/bin/python -m pytest tests/kernels/test_aot.py (docs/kernels.md).
 # Idempotent: a second run only checks the two versions (~2 s). Knobs: PYTHON, TORCH_CPU_INDEX, AOT36_VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."

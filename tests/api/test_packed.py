@@ -13,7 +13,7 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.reference import logprobs_and_entropy, loss_from_logps
 
-from ..cases import CASES, make_inputs
+from ..support.cases import CASES, make_inputs
 
 PER_TOKEN = ("old_logps", "ref_logps", "sampling_logps")
 

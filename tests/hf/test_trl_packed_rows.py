@@ -38,7 +38,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import grpo_kernels  # noqa: E402
 from grpo_kernels.integrations.trl import patch_trl, unpatch_trl  # noqa: E402
-from tests.tolerances import assert_three_way  # noqa: E402
+from tests.support.tolerances import assert_three_way  # noqa: E402
 
 VOCAB, TEMPERATURE = 45, 0.7
 # (prompt length, completion length) per sample: ragged, a 1-token completion, a 1-token prompt.

@@ -9,7 +9,7 @@ import torch
 
 import grpo_kernels as gk
 
-from ..tolerances import assert_three_way, loss_truth_and_same_dtype
+from ..support.tolerances import assert_three_way, loss_truth_and_same_dtype
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA GPU; runs in benchmarks/gpu_check.sh")]
