@@ -43,27 +43,31 @@ class Generation:
 
     tiles: the key of the tile tables it uses, 90 (Hopper-class tiles: up to ~161 KiB of shared memory per block,
     8192-wide row blocks) or 80 (Ampere-class tiles that fit ~99 KiB); sms: the SM count of a representative part,
-    assumed when recording launches for ahead-of-time compilation (a real device reports its own)."""
+    assumed when recording launches for ahead-of-time compilation (a real device reports its own); l2_bytes: the
+    smallest L2 cache of the generation's parts, the fallback where a device does not report its own (planning on
+    meta tensors, recording for AOT): conservative, so a plan never assumes more L2 than a part has."""
 
     name: str
     tiles: int
     sms: int
+    l2_bytes: int
 
 
 # Compute capability (major * 10 + minor) -> generation. Why sm_120 gets the 80 tiles: consumer Blackwell has
 # ~99 KiB of shared memory per block like sm_86 / sm_89, not Hopper's 227 KiB. sm_100 (datacenter Blackwell) has
 # Hopper's shared memory and gets its tiles. Only sm_90 and sm_80 are compiled ahead of time (tools/aot.py).
+MIB = 1 << 20
 GENERATIONS = {
-    80: Generation("A100 (sm_80)", 80, 108),
-    86: Generation("Ampere consumer (sm_86)", 80, 84),
-    87: Generation("Orin (sm_87)", 80, 16),
-    89: Generation("Ada (sm_89)", 80, 128),
-    90: Generation("H100 / H200 (sm_90)", 90, 132),
-    100: Generation("B200 (sm_100)", 90, 148),
-    103: Generation("B300 (sm_103)", 90, 148),
-    110: Generation("Thor (sm_110)", 80, 20),
-    120: Generation("Blackwell consumer (sm_120)", 80, 170),
-    121: Generation("DGX Spark (sm_121)", 80, 48),
+    80: Generation("A100 (sm_80)", 80, 108, 40 * MIB),
+    86: Generation("Ampere consumer (sm_86)", 80, 84, 6 * MIB),
+    87: Generation("Orin (sm_87)", 80, 16, 4 * MIB),
+    89: Generation("Ada (sm_89)", 80, 128, 24 * MIB),
+    90: Generation("H100 / H200 (sm_90)", 90, 132, 50 * MIB),
+    100: Generation("B200 (sm_100)", 90, 148, 50 * MIB),
+    103: Generation("B300 (sm_103)", 90, 148, 50 * MIB),
+    110: Generation("Thor (sm_110)", 80, 20, 4 * MIB),
+    120: Generation("Blackwell consumer (sm_120)", 80, 170, 32 * MIB),
+    121: Generation("DGX Spark (sm_121)", 80, 48, 16 * MIB),
 }
 
 
@@ -83,6 +87,16 @@ def generation(device: torch.device) -> Generation:
         major, minor = torch.cuda.get_device_capability(device)
         return generation_of(10 * major + minor)
     return GENERATIONS[90]
+
+
+def l2_bytes(device: torch.device) -> int:
+    """L2 cache bytes of ``device``: its own report on CUDA (``L2_cache_size``), else the generation table's
+    conservative figure (planning on meta tensors, recording for AOT, the interpreter)."""
+    if target_arch() is None and device.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        if size:
+            return int(size)
+    return generation(device).l2_bytes
 
 
 def num_sms(device: torch.device) -> int:
