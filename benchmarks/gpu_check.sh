@@ -4,6 +4,8 @@
 #   2. the whole test suite (slow-marked variants excepted), one pytest per test file, several at a time, no -x:
 #      every failure is listed;
 #   3. the benchmark set (pytest benchmarks/ --benchmark-only), headline cases first;
+#   3b. the logits kernel's rows in flight: the L2-sized grid against one row per SM (benchmarks/l2_grid_check.py,
+#      45 s at most);
 #   4. the end-to-end GRPO step (benchmarks/e2e_step.py: TRL's GRPOTrainer stock, with patch_trl(), and
 #      grpo.train on a random Qwen2.5-0.5B-shaped model), in the last E2E_S seconds (90 s; 0 skips it);
 #   5. the report: all tables into the output folder (with the trainer and end-to-end tables); the summary table
@@ -77,7 +79,8 @@ PYEOF
 ROOM=$(($(left) - 150))  # leave 150 s for the benchmarks and the report
 [ "$ROOM" -lt 30 ] && ROOM=30
 TESTS_S=$(min "${TESTS_LIMIT_S:-150}" "$ROOM")
-FILES=${TEST_FILES:-$(ls -S tests/*/test_*.py)}
+# the GPU-only files first (compiled kernels, CUDA-graph capture, the Gemma vocabulary), then the rest by size
+FILES=${TEST_FILES:-$(ls tests/*/test_gpu_*.py; ls -S tests/*/test_*.py | grep -v '/test_gpu_')}
 log "tests: $(echo $FILES | wc -w) files, ${TEST_JOBS:-6} at a time, markers '${TEST_MARKERS-not slow}', limit ${TESTS_S}s"
 export TESTS_DEADLINE=$(($(date +%s) + TESTS_S)) OUT_DIR PY TEST_MARKERS=${TEST_MARKERS-not slow}
 printf '%s\n' $FILES | xargs -P "${TEST_JOBS:-6}" -I{} sh -c '
@@ -132,6 +135,10 @@ else
     tail -n 1 "$OUT_DIR/bench.log"
 fi
 
+# 3b. the persistent logits kernel's L2-sized grid against one row per SM (Gemma bf16, Qwen fp32 and bf16)
+timeout -k 5 45 $PY -m benchmarks.l2_grid_check > "$OUT_DIR/l2_grid.md" 2>&1
+log "L2 grid check exit code $? (l2_grid.md)"
+
 # 4. end-to-end GRPO step: three variants, one child process each, a third of what is left each
 E2E_LEFT=$(($(left) - 20))
 if [ "$E2E_S" -gt 0 ] && [ "$E2E_LEFT" -ge 30 ]; then
@@ -162,4 +169,5 @@ if [ -s "$OUT_DIR/bench.json" ]; then
 else
     echo "no $OUT_DIR/bench.json: see $OUT_DIR/bench.log"; tail -n 40 "$OUT_DIR/bench.log"
     [ -s "$OUT_DIR/e2e_step.md" ] && { echo; cat "$OUT_DIR/e2e_step.md"; }
+    [ -s "$OUT_DIR/l2_grid.md" ] && { echo; cat "$OUT_DIR/l2_grid.md"; }
 fi

@@ -155,7 +155,7 @@ def rows_in_flight(N: int, V: int, dtype: torch.dtype, device: torch.device) -> 
     full = max(1, t.programs_per_sm) * sms
     fit = int(L2_FRACTION * l2) // max(row, 1)
     programs = max(min(full, fit), max(1, int(SMS_FLOOR * sms)))
-    programs = min(full, programs, knobs().logits_programs or programs)
+    programs = min(full, knobs().logits_programs or programs)
     return RowsInFlight(min(N, programs), row, l2, programs * row <= L2_FRACTION * l2)
 
 
