@@ -24,11 +24,11 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .logits_kernels import as_btv, dlogits_result, tiles
 from .._testing import knobs
-from .common import cap_args, l2_bytes, num_sms, soft_cap
-from .logits_rows import row_logsumexp_entropy, row_tiles, vec_for, write_row_dlogits
-from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
+from .common import soft_cap
+from .host import as_btv, cap_args, dlogits_result, l2_bytes, num_sms, row_col_strides
+from .logits_rows import row_logsumexp_entropy, row_tiles, tiles, vec_for, write_row_dlogits
+from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO
 from .token_terms import token_terms_at
 
 # Per-row terms: w*l, m*kl, m*low, m*high, m*region, m*cispo_clipped (token_loss_kernels' sums), then m*entropy.

@@ -8,10 +8,10 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels.explain import plan_call
-from grpo_kernels.kernels import common
+from grpo_kernels.kernels import host
 from grpo_kernels.kernels.logits_loss_kernels import L2_FRACTION, SMS_FLOOR, rows_in_flight
 
-SM90 = common.GENERATIONS[90]
+SM90 = host.GENERATIONS[90]
 
 
 def _plan(V, dtype, N=16384):
@@ -75,8 +75,8 @@ def test_the_device_reports_its_own_l2_where_it_can():
     """On CUDA the L2 is the device's own report; elsewhere the table's conservative figure."""
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        assert common.l2_bytes(torch.device("cuda", 0)) == getattr(props, "L2_cache_size", SM90.l2_bytes)
-    assert common.l2_bytes(torch.device("meta")) == SM90.l2_bytes
+        assert host.l2_bytes(torch.device("cuda", 0)) == getattr(props, "L2_cache_size", SM90.l2_bytes)
+    assert host.l2_bytes(torch.device("meta")) == SM90.l2_bytes
 
 
 def test_explain_on_meta_counts_what_a_cuda_run_allocates():
