@@ -116,14 +116,18 @@ def _rest(x):
     return {k: x[k] for k in PER_TOKEN + ("is_ratio", "num_items_in_batch") if k in x}
 
 
-@pytest.mark.parametrize("case_id,impl,grad_in_forward", PATH_CASES, ids=lambda v: str(v))
-def test_grpo_loss_packed_equals_padded(case_id, impl, grad_in_forward, plans):
-    """grpo_loss on packed (N, V) logits against the padded (S, Tmax, V) call, fp32 on both: same path family,
-    loss, metrics and d logits at the kept tokens, both within the three-way rule of the padded call's own error
-    against float64 (K x its error + atol: the two calls sum in different orders)."""
+def _with_float64(cases):
+    """Each case in fp32, and the PyTorch impl's ones in float64 too (the Triton kernels take fp32 / bf16 / fp16)."""
+    return [(*c, torch.float32) for c in cases] + [(*c, torch.float64) for c in cases if c[1] == "torch"]
+
+
+@pytest.mark.parametrize("case_id,impl,grad_in_forward,dtype", _with_float64(PATH_CASES), ids=lambda v: str(v))
+def test_grpo_loss_packed_equals_padded(case_id, impl, grad_in_forward, dtype, plans):
+    """grpo_loss on packed (N, V) logits against the padded (S, Tmax, V) call in the same dtype: the same path,
+    loss, metrics and d logits at the kept tokens, to the rounding of sums taken in another order (``_close``)."""
     case = _case(case_id)
     inputs, kept, cu, positions = _padded_batch(case, (0, 2, 1, 0, 3), seed=1)
-    inputs = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+    inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
     cfg = _config(case, 7).replace(grad_in_forward=grad_in_forward)
     x = inputs["logits"].clone().requires_grad_(True)
     loss, metrics = gk.grpo_loss(x, inputs["ids"], inputs["advantages"], inputs["mask"], config=cfg, impl=impl,
@@ -136,13 +140,14 @@ def test_grpo_loss_packed_equals_padded(case_id, impl, grad_in_forward, plans):
                                      cu_seqlens=cu, **_rest(packed))
     p_loss.backward()
     assert plans[-1].path == padded_path
-    _close(p_loss, loss, p_metrics, metrics, xp.grad, x.grad.reshape(-1, x.shape[-1])[positions])
+    _close(p_loss, loss, p_metrics, metrics, xp.grad, x.grad.reshape(-1, x.shape[-1])[positions], dtype)
 
 
-def _close(p_loss, loss, p_metrics, metrics, p_grad, grad):
-    """fp32 sums in another order: within 8 ulps of the values summed, relative to the largest (a derived bound:
-    n terms of magnitude <= m summed in two orders differ by at most 2 n eps m; n <= 40 here, eps = 2^-24)."""
-    tol = dict(rtol=2 * 40 * 2 ** -24, atol=2 * 40 * 2 ** -24)
+def _close(p_loss, loss, p_metrics, metrics, p_grad, grad, dtype=torch.float32):
+    """Sums in another order: a derived bound, n terms of magnitude <= m summed in two orders differ by at most
+    2 n eps m (n <= 40 here; eps = 2^-24 in fp32, 2^-53 in float64), relative to the largest value."""
+    eps = 2 ** -24 if dtype == torch.float32 else 2 ** -53
+    tol = dict(rtol=2 * 40 * eps, atol=2 * 40 * eps)
     torch.testing.assert_close(p_loss, loss, **tol)
     assert set(p_metrics) == set(metrics)
     for k in metrics:
@@ -157,17 +162,17 @@ HEAD_CASES = [("dapo-token", "triton", True), ("grpo-beta-kl", "triton", True), 
               ("off-policy-mask", "triton", True)]
 
 
-@pytest.mark.parametrize("case_id,impl,grad_in_forward", HEAD_CASES, ids=lambda v: str(v))
-def test_fused_linear_loss_packed_equals_padded(case_id, impl, grad_in_forward, plans, knobs):
+@pytest.mark.parametrize("case_id,impl,grad_in_forward,dtype", _with_float64(HEAD_CASES), ids=lambda v: str(v))
+def test_fused_linear_loss_packed_equals_padded(case_id, impl, grad_in_forward, dtype, plans, knobs):
     """fused_linear_grpo_loss on packed (N, H) hidden states against the padded (S, Tmax, H) call: same path,
     loss, metrics, d hidden at the kept tokens and d weight."""
     knobs(fast_path_min_rows=1)
     case = _case(case_id)
     g = torch.Generator().manual_seed(2)
     inputs, kept, cu, positions = _padded_batch(case, (0, 2, 1, 0, 3), seed=2)
-    inputs = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
-    inputs["hidden"] = torch.randn(5, 7, 16, generator=g)
-    inputs["weight"] = torch.randn(37, 16, generator=g) / 4
+    inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+    inputs["hidden"] = torch.randn(5, 7, 16, generator=g).to(dtype)
+    inputs["weight"] = (torch.randn(37, 16, generator=g) / 4).to(dtype)
     cfg = _config(case, 7).replace(grad_in_forward=grad_in_forward)
     h, w = inputs["hidden"].clone().requires_grad_(True), inputs["weight"].clone().requires_grad_(True)
     loss, metrics = gk.fused_linear_grpo_loss(h, w, inputs["ids"], inputs["advantages"], inputs["mask"], config=cfg,
@@ -180,9 +185,10 @@ def test_fused_linear_loss_packed_equals_padded(case_id, impl, grad_in_forward, 
                                                   config=cfg, impl=impl, cu_seqlens=cu, **_rest(packed))
     p_loss.backward()
     assert plans[-1].path == padded_path
-    _close(p_loss, loss, p_metrics, metrics, hp.grad, h.grad.reshape(-1, 16)[positions])
-    scale = w.grad.abs().max().clamp(min=1e-30)
-    torch.testing.assert_close(wp.grad / scale, w.grad / scale, rtol=1e-5, atol=1e-5)
+    _close(p_loss, loss, p_metrics, metrics, hp.grad, h.grad.reshape(-1, 16)[positions], dtype)
+    eps = 2 ** -24 if dtype == torch.float32 else 2 ** -53
+    scale = w.grad.abs().max().clamp(min=1e-30)  # d weight: sums over the N <= 40 tokens in another order
+    torch.testing.assert_close(wp.grad / scale, w.grad / scale, rtol=2 * 40 * eps, atol=2 * 40 * eps)
 
 
 def test_no_sequence_by_length_tensor_on_the_packed_path(knobs):
