@@ -48,6 +48,8 @@ _LOSS_HELP = {
     "deterministic": "fused-linear Triton backward in a fixed order (bitwise reproducible) instead of fp32 atomics",
     "grad_in_forward": "Triton path: compute the loss gradient during the forward pass when the loss type allows it "
                        "(saves a second sweep over the vocabulary); --no-grad-in-forward forces separate sweeps",
+    "capturable": "no host sync inside the loss call (CUDA-graph capture): the fused head computes the padded rows "
+                  "too instead of compacting the valid ones (the trainer itself still syncs once per step)",
     "memory_budget": "bytes of transient memory the loss may allocate beyond its inputs and returned gradients "
                      "(default: 1 GiB of working memory plus the fast head path's fp32 d-weight accumulator); the "
                      "fastest path that fits runs (docs/memory.md)",
@@ -220,7 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add(opt, "mini_batch_size", "completions per optimizer step, per process; must divide the rollout (default: "
          "the whole rollout)", type=int)
     _add(opt, "micro_batch_size", "completions per forward/backward pass; gradients accumulate over the "
-         "mini-batch (default: the whole mini-batch)", type=int)
+         "mini-batch (default: the whole mini-batch; with packing, the most completions in one packed "
+         "micro-batch)", type=int)
+    _add(opt, "packing", "padding-free training: each completion with its prompt laid end to end in packed rows, "
+         "position ids restarting per sequence, no pad tokens (flash-attn varlen on CUDA, else transformers' "
+         "packed-sequence masks); on where the model's attention supports it; --no-packing: padded rows",
+         action=argparse.BooleanOptionalAction)
+    _add(opt, "max_tokens_per_micro_batch", "packed micro-batches hold whole sequences up to this many tokens "
+         "(prompt + completion); a longer sequence gets a micro-batch of its own (default: no token limit)",
+         type=int)
 
     loss = p.add_argument_group("loss (grpo_kernels.GRPOLossConfig)")
     _add_loss_arguments(loss)

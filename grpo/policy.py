@@ -92,9 +92,22 @@ class GRPOPolicy(nn.Module):
                                      position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         return out.last_hidden_state[:, prompt_length - 1:-1]
 
+    def packed_hidden(self, packed) -> torch.Tensor:
+        """(N, H) final hidden states predicting a packed micro-batch's completion tokens (``grpo/packing.py``), in
+        sequence order: the backbone runs on the packed rows with ``position_ids`` restarting per sequence and no
+        attention mask, so transformers keeps each sequence to itself (varlen flash-attn gets ``cu_seq_lens``)."""
+        with self._autocast(packed.input_ids.device):
+            out = self.lm.base_model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                     use_cache=False, **packed.attention_kwargs)
+        hidden = out.last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.token_index)
+
     def _hidden_and_head(self, batch, hidden: torch.Tensor | None = None):
         if hidden is None:
-            hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
+            if "packed" in batch:
+                hidden = self.packed_hidden(batch["packed"])
+            else:
+                hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
         head = get_lm_head(self.lm)
         bias = head.bias
         if self.suppress_bias is not None:
@@ -103,8 +116,15 @@ class GRPOPolicy(nn.Module):
 
     def forward(self, batch: dict, num_items_in_batch=None, hidden: torch.Tensor | None = None):
         """(loss, metrics). ``hidden``: the completion hidden states when the caller already has them (the
-        sampling forward kept with its graph: no second forward of the backbone)."""
+        sampling forward kept with its graph: no second forward of the backbone). A packed batch
+        (``{"packed": PackedBatch, "advantages": (S,), "old_logps" / "ref_logps": (N,)}``) takes the packed loss."""
         hidden, weight, bias = self._hidden_and_head(batch, hidden)
+        if "packed" in batch:
+            packed = batch["packed"]
+            return packed_loss(hidden, weight, packed.completion_ids, batch["advantages"], packed.cu_seqlens,
+                               mask=packed.completion_mask, bias=bias, old_logps=batch.get("old_logps"),
+                               ref_logps=batch.get("ref_logps"), num_items_in_batch=num_items_in_batch,
+                               config=self.loss_config, impl=self.impl)
         return gk.fused_linear_grpo_loss(
             hidden, weight, batch["completion_ids"], batch["advantages"], mask=batch["completion_mask"], bias=bias,
             old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),
@@ -113,8 +133,33 @@ class GRPOPolicy(nn.Module):
     @torch.no_grad()
     def token_logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T) fp32 log-probs of the completion tokens at the loss temperature and soft cap (old / reference
-        policy)."""
+        policy); (N,) for a packed batch, in its token order."""
+        packed = batch.get("packed")
+        ids = batch["completion_ids"] if packed is None else packed.completion_ids
+        mask = batch["completion_mask"] if packed is None else packed.completion_mask
         hidden, weight, bias = self._hidden_and_head(batch)
-        return gk.linear_token_logprobs(hidden, weight, batch["completion_ids"], bias=bias,
-                                        temperature=self.loss_config.temperature, softcap=self.loss_config.softcap,
-                                        impl=self.impl, mask=batch["completion_mask"])
+        return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=self.loss_config.temperature,
+                                        softcap=self.loss_config.softcap, impl=self.impl, mask=mask)
+
+
+def packed_loss(hidden, weight, ids, advantages, cu_seqlens, *, mask, bias, old_logps, ref_logps,
+                num_items_in_batch, config: gk.GRPOLossConfig, impl: str):
+    """``fused_linear_grpo_loss`` on packed tokens: hidden (N, H), ids / mask / old / ref (N,), advantages (S,),
+    ``cu_seqlens`` (S + 1,) (sequence s is tokens ``cu_seqlens[s]:cu_seqlens[s+1]``); same numbers as the padded
+    (S, max length) call.
+
+    TEMPORARY body, until grpo_kernels' loss takes ``cu_seqlens`` (issue 29, item 1): the per-token tensors are
+    scattered into a padded (S, max length) batch for today's padded call (one host sync for the length; exact, but
+    the padded copy of the hidden states costs S x max length x H). Replace it by the packed call."""
+    lengths = cu_seqlens.diff().long()
+    S, N = lengths.numel(), ids.shape[0]
+    seq = torch.repeat_interleave(torch.arange(S, device=ids.device), lengths, output_size=N)
+    col = torch.arange(N, device=ids.device) - cu_seqlens[:-1].long()[seq]
+    T = int(lengths.max()) if S else 0
+
+    def padded(x):
+        return None if x is None else x.new_zeros((S, T) + tuple(x.shape[1:])).index_put((seq, col), x)
+
+    return gk.fused_linear_grpo_loss(padded(hidden), weight, padded(ids), advantages, mask=padded(mask), bias=bias,
+                                     old_logps=padded(old_logps), ref_logps=padded(ref_logps),
+                                     num_items_in_batch=num_items_in_batch, config=config, impl=impl)
