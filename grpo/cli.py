@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
          "packed-sequence masks); on where the model's attention supports it; --no-packing: padded rows",
          action=argparse.BooleanOptionalAction)
     _add(opt, "max_tokens_per_micro_batch", "packed micro-batches hold whole sequences up to this many tokens "
-         "(prompt + completion); a longer sequence gets a micro-batch of its own (default: no token limit)",
+         "(a sequence's prompt and completion less its last token, whose prediction is never scored); a longer "
+         "sequence gets a micro-batch of its own (default: no token limit)",
          type=int)
 
     loss = p.add_argument_group("loss (grpo_kernels.GRPOLossConfig)")

@@ -251,7 +251,7 @@ def micro_batch_share(reduction: str, sequences: int, total_sequences: int, scor
     if reduction == "num_items":
         return 1.0
     if reduction == "token_mean":
-        return scored.float() / total_scored.float().clamp(min=1.0)
+        return scored.double() / total_scored.double().clamp(min=1.0)
     return sequences / total_sequences
 
 

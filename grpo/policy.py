@@ -131,13 +131,14 @@ class GRPOPolicy(nn.Module):
             num_items_in_batch=num_items_in_batch, config=self.loss_config, impl=self.impl)
 
     @torch.no_grad()
-    def token_logprobs(self, batch: dict) -> torch.Tensor:
+    def token_logprobs(self, batch: dict, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) fp32 log-probs of the completion tokens at the loss temperature and soft cap (old / reference
-        policy); (N,) for a packed batch, in its token order."""
+        policy); (N,) for a packed batch, in its token order. ``hidden``: the completion hidden states, when the
+        caller has them (as for ``forward``)."""
         packed = batch.get("packed")
         ids = batch["completion_ids"] if packed is None else packed.completion_ids
         mask = batch["completion_mask"] if packed is None else packed.completion_mask
-        hidden, weight, bias = self._hidden_and_head(batch)
+        hidden, weight, bias = self._hidden_and_head(batch, hidden)
         return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=self.loss_config.temperature,
                                         softcap=self.loss_config.softcap, impl=self.impl, mask=mask)
 

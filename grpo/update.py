@@ -61,11 +61,11 @@ def rollout_logprobs(policy: GRPOPolicy, rollout: Rollout, micro_batch_size: int
     out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
     if packing is not None:
         for packed in packed_micro_batches(rollout, list(range(rollout.batch_size)), packing, micro_batch_size):
-            out[packed.token_rows, packed.token_cols] = policy.token_logprobs({"packed": packed})
+            out[packed.token_rows, packed.token_cols] = policy.token_logprobs({"packed": packed}).to(out.dtype)
         return out
     for rows in torch.arange(rollout.batch_size, device=device).split(micro_batch_size):
         batch = trim(rollout.batch(rows))
-        out[rows, :batch["completion_ids"].shape[1]] = policy.token_logprobs(batch)
+        out[rows, :batch["completion_ids"].shape[1]] = policy.token_logprobs(batch).to(out.dtype)
     return out
 
 
@@ -85,7 +85,9 @@ class MicroBatch:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         if self.divisor != 1:
             loss = loss / self.divisor
-        return loss if isinstance(self.share, float) and self.share == 1.0 else loss * self.share
+        if isinstance(self.share, torch.Tensor):
+            return loss * self.share.to(loss.dtype)
+        return loss if self.share == 1.0 else loss * self.share
 
 
 def _padded_micro_batches(rollout: Rollout, rows: torch.Tensor, extra: dict, micro_batch_size: int,
