@@ -145,7 +145,7 @@ class PackedBatch:
     completion tokens in sequence order: ``token_index`` (N,) into the (R * L) hidden states, ``completion_ids``,
     ``completion_mask`` (N,), ``cu_seqlens`` (S + 1,) int32. ``rows`` (S,): the rollout rows; ``token_rows`` /
     ``token_cols`` (N,): each token's place in the rollout's (B, T) tensors. ``positions``: R * L, what the model
-    runs on; ``padded_positions``: S x the padded width the same sequences would take."""
+    runs on."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -158,7 +158,6 @@ class PackedBatch:
     token_cols: torch.Tensor
     attention_kwargs: dict
     positions: int
-    padded_positions: int
 
     @property
     def num_sequences(self) -> int:
@@ -210,8 +209,7 @@ def pack_rows(rollout, rows: list[int], one_row: bool) -> PackedBatch:
         input_ids=input_ids.view(len(used), width), position_ids=position_ids.view(len(used), width),
         token_index=base[seg_c] + p[seg_c] - 1 + j, completion_ids=rollout.completion_ids[b[seg_c], j],
         completion_mask=rollout.completion_mask[b[seg_c], j], cu_seqlens=cu, rows=b, token_rows=b[seg_c],
-        token_cols=j, attention_kwargs=kwargs, positions=len(used) * width,
-        padded_positions=len(rows) * (max(prompt) + max(completion)))
+        token_cols=j, attention_kwargs=kwargs, positions=len(used) * width)
 
 
 def packed_micro_batches(rollout, rows: list[int], packing: Packing, max_rows: int) -> list[PackedBatch]:
@@ -220,6 +218,17 @@ def packed_micro_batches(rollout, rows: list[int], packing: Packing, max_rows: i
     fed = [prompt[r] + completion[r] - 1 for r in rows]
     return [pack_rows(rollout, [rows[i] for i in part], packing.one_row)
             for part in plan_micro_batches(fed, packing, max_rows)]
+
+
+def padded_positions(rollout, rows: list[int], micro_batch_size: int) -> int:
+    """The positions a padded run (``--no-packing``) spends on ``rows``: micro-batches of ``micro_batch_size``
+    rows, each as wide as its longest prompt plus its longest completion (``trim``'s width)."""
+    prompt, completion = rollout.sequence_lengths
+    total = 0
+    for k in range(0, len(rows), micro_batch_size):
+        part = rows[k:k + micro_batch_size]
+        total += len(part) * (max(prompt[r] for r in part) + max(completion[r] for r in part))
+    return total
 
 
 def sequence_lengths(attention_mask: torch.Tensor, completion_mask: torch.Tensor, prompt_length: int):

@@ -13,7 +13,7 @@ import torch
 from grpo_kernels.loss_types import LOSS_TABLE
 
 from .distributed import DistEnv, all_reduce_sum
-from .packing import Packing, micro_batch_share, packed_micro_batches
+from .packing import Packing, micro_batch_share, packed_micro_batches, padded_positions
 from .policy import GRPOPolicy
 from .rollout import Rollout
 from .sharding import clip_grad_norm, gradient_sync, is_fsdp
@@ -73,12 +73,11 @@ def rollout_logprobs(policy: GRPOPolicy, rollout: Rollout, micro_batch_size: int
 class MicroBatch:
     """A micro-batch ready for ``model(batch, ...)``; its loss enters the step's loss as ``loss * share /
     divisor`` (a float or a device tensor; padded micro-batches divide by their number, as before packing existed);
-    ``positions`` / ``padded_positions``: the positions its forward runs on, and as a padded batch."""
+    ``positions``: the positions its forward runs on."""
 
     batch: dict
     share: float | torch.Tensor
     positions: int
-    padded_positions: int
     hidden: torch.Tensor | None = None
     divisor: int = 1
 
@@ -98,19 +97,19 @@ def _padded_micro_batches(rollout: Rollout, rows: torch.Tensor, extra: dict, mic
         batch = trim(rollout.batch(mrows, **extra))
         hidden = None
         if rollout.hidden is not None:
-            if mrows.numel() != rollout.batch_size or not torch.equal(mrows, torch.arange(len(mrows), device=mrows.device)):
+            in_order = torch.equal(mrows, torch.arange(len(mrows), device=mrows.device))
+            if mrows.numel() != rollout.batch_size or not in_order:
                 raise RuntimeError("a rollout sampled with its graph must be used as one micro-batch, in order")
             hidden = rollout.hidden[:, :batch["completion_ids"].shape[1]]
         positions = batch["input_ids"].numel()
-        out.append(MicroBatch(batch, 1.0, positions, positions, hidden, 1 if global_norm else len(micro_rows)))
+        out.append(MicroBatch(batch, 1.0, positions, hidden, 1 if global_norm else len(micro_rows)))
     return out
 
 
-def _packed_micro_batches(rollout: Rollout, rows: torch.Tensor, extra: dict, options: StepOptions,
-                          reduction: str) -> list[MicroBatch]:
+def _packed_micro_batches(rollout: Rollout, rows: torch.Tensor, order: list[int], extra: dict,
+                          options: StepOptions, reduction: str) -> list[MicroBatch]:
     if rollout.hidden is not None:
         raise RuntimeError("a rollout sampled with its graph (single pass) trains on padded rows, not packed ones")
-    order = rows.tolist()
     total_scored = rollout.completion_mask[rows].sum()
     out = []
     for packed in packed_micro_batches(rollout, order, options.packing, options.micro_batch_size):
@@ -120,7 +119,7 @@ def _packed_micro_batches(rollout: Rollout, rows: torch.Tensor, extra: dict, opt
                 batch[key] = packed.gather(extra[key])
         share = micro_batch_share(reduction, packed.num_sequences, len(order), packed.completion_mask.sum(),
                                   total_scored)
-        out.append(MicroBatch(batch, share, packed.positions, packed.padded_positions))
+        out.append(MicroBatch(batch, share, packed.positions))
     return out
 
 
@@ -133,8 +132,9 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
     is one padded micro-batch of one on-policy step), the loss backpropagates through them instead of running the
     backbone again. Micro-batch losses are weighted so that the step's loss is that of the whole mini-batch in one
     call (``packing.micro_batch_share``; padded micro-batches are equal, so each weighs 1 / their number). Returns
-    the token-weighted means of the loss metrics plus ``loss``, ``grad_norm`` and the positions the forwards ran
-    on (``positions``, ``padded_positions``) as floats: one host sync per step.
+    the token-weighted means of the loss metrics plus ``loss``, ``grad_norm``, the positions the forwards ran on
+    (``positions``) and those a padded run would (``padded_positions``, see ``packing.padded_positions``) as
+    floats: one host sync per step (two when packed: the rows' order).
     """
     optimizer.zero_grad(set_to_none=True)
     env = options.env
@@ -152,8 +152,11 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
     extra = dict(advantages=advantages, old_logps=old_logps, ref_logps=ref_logps)
     if options.packing is None:
         micro = _padded_micro_batches(rollout, rows, extra, options.micro_batch_size, global_norm)
+        padded = sum(mb.positions for mb in micro)
     else:
-        micro = _packed_micro_batches(rollout, rows, extra, options, reduction)
+        order = rows.tolist()
+        micro = _packed_micro_batches(rollout, rows, order, extra, options, reduction)
+        padded = padded_positions(rollout, order, options.micro_batch_size)
     totals: dict[str, torch.Tensor] = {}
     loss_total = torch.zeros((), dtype=torch.float32, device=rows.device)
     token_total = torch.zeros((), dtype=torch.float32, device=rows.device)
@@ -184,5 +187,5 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
                          + [loss_total, grad_norm.float()]).tolist()  # one host sync for every metric
     out = dict(zip(names, values[:len(names)]))
     out.update(loss=values[-2], grad_norm=values[-1], positions=float(sum(mb.positions for mb in micro)),
-               padded_positions=float(sum(mb.padded_positions for mb in micro)))
+               padded_positions=float(padded))
     return out

@@ -58,7 +58,8 @@ def ragged_rollout(prompt_lengths, completion_lengths, T: int | None = None, voc
         if c < T:
             completion[b, c - 1] = EOS
     mask, truncated = completion_mask_after_eos(completion, [EOS])
-    rollout = Rollout(input_ids=torch.cat([prompt, completion], 1), attention_mask=torch.cat([prompt_mask, mask.long()], 1),
+    rollout = Rollout(input_ids=torch.cat([prompt, completion], 1),
+                      attention_mask=torch.cat([prompt_mask, mask.long()], 1),
                       prompt_length=P, completion_ids=completion, completion_mask=mask, rewards=torch.zeros(B, 1),
                       reward_total=torch.zeros(B), truncated=truncated, prompts=[""] * B, completions=[""] * B)
     for name in ("input_ids", "attention_mask", "completion_ids", "completion_mask"):

@@ -84,8 +84,8 @@ def test_packed_rows_give_the_padded_log_probs(name, attn):
             got = policy.token_logprobs({"packed": batch})
         assert_equal_within(hidden, truth[batch.token_rows, batch.token_cols], _allowance(name, attn), "hidden")
         assert got.dtype == torch.float64
-        assert_equal_within(got, want[batch.token_rows, batch.token_cols] * batch.completion_mask, _allowance(name, attn),
-                            "logp")
+        want_packed = want[batch.token_rows, batch.token_cols] * batch.completion_mask
+        assert_equal_within(got, want_packed, _allowance(name, attn), "logp")
         # the trainer's pass over micro-batches (here also cut by a token budget) puts each one back in its place
         stored = rollout_logprobs(policy, rollout, micro_batch_size=8, packing=packing)
         assert stored.dtype == torch.float32 and (stored[~mask] == 0).all()

@@ -144,7 +144,8 @@ def test_weighted_micro_batches_give_the_whole_mini_batch(loss_type):
     total = 0.0
     for part in ([0, 1, 2], [3], [4, 5, 6, 7]):
         idx = torch.tensor(part)
-        loss = _padded_loss(hidden[idx], weight, ids[idx], mask[idx], adv[idx], old[idx], ref[idx], loss_type, num_items)
+        loss = _padded_loss(hidden[idx], weight, ids[idx], mask[idx], adv[idx], old[idx], ref[idx], loss_type,
+                            num_items)
         total = total + loss * micro_batch_share(reduction, len(part), B, mask[idx].sum(), mask.sum())
     (grad_parts,) = torch.autograd.grad(total, hidden)
     torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
