@@ -1,0 +1,230 @@
+"""``grpo.train`` training step on a long-tailed batch: padded rows (``--no-packing``) against packed rows, in one run.
+
+    python -m benchmarks.packing_step --out DIR [--device cpu|cuda] [--shape cpu|qwen2.5-0.5b] [--steps 6]
+
+The batch: ``--prompts`` prompts x G = 8 completions, lengths drawn from a fixed, documented distribution (seeded):
+- prompt lengths uniform in [8, 32] tokens;
+- in every group of G, one completion runs to the limit ``--max-len`` (no EOS: truncated) and the other G - 1 stop
+  early, after ``ceil(Exp(mean = max_len / 8))`` tokens (at most max_len, EOS last): the long tail of GRPO
+  completions, where a few answers hit the limit and most do not.
+With max_len 256 about 72-75% of the padded (rows x (longest prompt + max_len)) batch is padding; the run measures
+and prints the fraction. Tokens are random ids the sampler may emit; advantages are random normals.
+
+A step is what ``grpo.train`` runs after sampling: the reference pass (beta = 0.04, no grad), the loss forward and
+backward, clipping and AdamW (the rollout is injected in place of sampling, which does not change with packing:
+it decodes with a KV cache on padded rows). Variants, each in its own process (clean peak-memory counters):
+``padded`` (``--no-packing``), ``packed`` (default), ``packed_budget`` (``--max-tokens-per-micro-batch``, a
+quarter of the packed batch's tokens: several micro-batches). The first step is warm-up; the median of the others
+is reported, with peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on the CPU the process's peak resident
+memory above its resident memory before the first step (VmHWM - VmRSS; includes allocator slack). Runs alternate
+(padded, packed, padded, ...) ``--repeats`` times so that a busy machine slows both alike.
+
+Models: ``cpu``, a random Qwen2 of hidden 128, 2 layers, vocabulary 2048 (one thread unless ``--threads``);
+``qwen2.5-0.5b``, Qwen2.5-0.5B's shape (benchmarks/e2e_step.py), bf16 autocast on CUDA. Writes ``DIR/packing_step.json``
+and ``DIR/packing_step.md``. Not collected by pytest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+from .e2e_step import QWEN25_05B, build_model_dir
+
+VARIANTS = ("padded", "packed", "packed_budget")
+CPU_SHAPE = dict(QWEN25_05B, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=2048)
+SHAPES = {"cpu": CPU_SHAPE, "qwen2.5-0.5b": QWEN25_05B}
+G = 8
+EOS, PAD = 1, 0
+
+
+def lengths(prompts: int, max_len: int, seed: int) -> tuple[list[int], list[int]]:
+    """(prompt lengths, completion lengths) of the documented distribution (module docstring)."""
+    import random
+
+    rng = random.Random(seed)
+    prompt = [rng.randint(8, 32) for _ in range(prompts * G)]
+    completion = []
+    for _ in range(prompts):
+        completion.append(max_len)
+        completion += [min(max_len, max(1, math.ceil(rng.expovariate(8.0 / max_len)))) for _ in range(G - 1)]
+    return prompt, completion
+
+
+def make_rollout(prompt_lengths, completion_lengths, max_len: int, vocab: int, seed: int, device):
+    """A Rollout of these lengths (left-padded prompts, EOS closing each completion shorter than max_len)."""
+    import torch
+
+    from grpo.rollout import Rollout, completion_mask_after_eos
+
+    g = torch.Generator().manual_seed(seed)
+    B, P = len(prompt_lengths), max(prompt_lengths)
+    prompt = torch.full((B, P), PAD, dtype=torch.long)
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)
+    completion = torch.full((B, max_len), PAD, dtype=torch.long)
+    for b, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        prompt[b, P - p:] = torch.randint(2, vocab, (p,), generator=g)
+        prompt_mask[b, P - p:] = 1
+        completion[b, :c] = torch.randint(2, vocab, (c,), generator=g)
+        if c < max_len:
+            completion[b, c - 1] = EOS
+    mask, truncated = completion_mask_after_eos(completion, [EOS])
+    rollout = Rollout(input_ids=torch.cat([prompt, completion], 1).to(device),
+                      attention_mask=torch.cat([prompt_mask, mask.long()], 1).to(device), prompt_length=P,
+                      completion_ids=completion.to(device), completion_mask=mask.to(device),
+                      rewards=torch.zeros(B, 1), reward_total=torch.zeros(B), truncated=truncated,
+                      prompts=[""] * B, completions=[""] * B)
+    advantages = torch.randn(B, generator=g).to(device)
+    return rollout, advantages
+
+
+def _peak_bytes(cuda: bool, before: int) -> float:
+    import torch
+
+    if cuda:
+        return float(torch.cuda.max_memory_allocated())
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    return float(int(status["VmHWM"].split()[0]) * 1024 - before)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(status["VmRSS"].split()[0]) * 1024
+
+
+def run_variant(variant: str, model_dir: str, work: str, a) -> dict:
+    """One variant in this process: step seconds, peak bytes, and the trainer's tokens_per_step / padding_saved."""
+    import torch
+
+    from grpo import TrainConfig
+    from grpo.distributed import DistEnv
+    from grpo.trainer import Trainer
+    from grpo_kernels import GRPOLossConfig
+
+    if a.device == "cpu":
+        torch.set_num_threads(a.threads)
+    data = os.path.join(work, "prompts.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps({"prompt": "abcdefgh" * 2, "answer": "0"}) + "\n" for _ in range(8))
+    prompt, completion = lengths(a.prompts, a.max_len, a.seed)
+    budget = sum(p + c - 1 for p, c in zip(prompt, completion)) // 4 if variant == "packed_budget" else None
+    cfg = TrainConfig(model=model_dir, dataset=data, output_dir=os.path.join(work, variant), overwrite=True,
+                      max_steps=a.steps, progress=False, save_steps=0, eval_size=0, device=a.device,
+                      prompts_per_step=a.prompts, num_generations=G, max_new_tokens=a.max_len, lr=1e-6,
+                      warmup_steps=0, chat_template="off", rewards=("benchmarks.e2e_step:length_reward",),
+                      loss=GRPOLossConfig(beta=0.04), packing=variant != "padded", max_tokens_per_micro_batch=budget)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    trainer = Trainer(cfg, DistEnv(device=torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")))
+    vocab = trainer.lm.get_output_embeddings().weight.shape[0]
+    batches = [make_rollout(prompt, completion, a.max_len, vocab, a.seed + i, trainer.device) for i in range(a.steps)]
+    trainer.make_rollout = lambda: batches[trainer.rollout_index]
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = _rss()
+    history = trainer.train()["history"]
+    elapsed = [0.0] + [r["elapsed_s"] for r in history]
+    return {"step_s": [b - a_ for a_, b in zip(elapsed, elapsed[1:])], "peak_bytes": _peak_bytes(cuda, before),
+            "tokens_per_step": history[-1]["tokens_per_step"], "padding_saved": history[-1]["padding_saved"],
+            "budget": budget}
+
+
+def _child(variant: str, model_dir: str, a) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.packing_step", "--variant", variant, "--model-dir", model_dir,
+           "--out", a.out, "--device", a.device, "--shape", a.shape, "--prompts", str(a.prompts), "--max-len",
+           str(a.max_len), "--steps", str(a.steps), "--seed", str(a.seed), "--threads", str(a.threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads)) if a.device == "cpu" else None
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"timed out after {a.timeout_s} s"}
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PACKING_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        return {"skipped": f"failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}"}
+    return json.loads(line.split(" ", 1)[1])
+
+
+def report(results: dict, setup: dict, out: str) -> str:
+    base = results.get("padded", {})
+    lines = [f"{setup['model']}, {setup['rows']} completions (G = {G}), completion limit {setup['max_len']}, "
+             f"{setup['padding']:.1%} of the padded batch is padding, {setup['precision']}", "",
+             "| variant | step (s) | vs padded | peak memory (MiB) | vs padded | tokens per step | padding saved |",
+             "|---|---|---|---|---|---|---|"]
+    for variant, r in results.items():
+        if "skipped" in r:
+            lines.append(f"| {variant} | skipped: {r['skipped']} | | | | | |")
+            continue
+        ratio = r["step_s"] / base["step_s"] if "step_s" in base else float("nan")
+        mem = r["peak_bytes"] / base["peak_bytes"] if base.get("peak_bytes") else float("nan")
+        lines.append(f"| {variant} | {r['step_s']:.3f} | {ratio:.2f} | {r['peak_bytes'] / 2**20:.0f} | {mem:.2f} | "
+                     f"{r['tokens_per_step']:.0f} | {r['padding_saved']:.1%} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "packing_step.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "packing_step.json"), "w") as f:
+        json.dump({"setup": setup, "results": results}, f, indent=2)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.packing_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for packing_step.json and packing_step.md")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="cpu")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step (x G = 8 completions)")
+    p.add_argument("--max-len", type=int, default=256, help="completion limit in tokens")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per variant run (the first is warm-up)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per variant, alternating")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per run")
+    p.add_argument("--timeout-s", type=int, default=600, help="per variant run")
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one run, JSON on stdout
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    from grpo.trainer import SINGLE_PASS_MAX_NEW_TOKENS
+
+    if a.max_len <= SINGLE_PASS_MAX_NEW_TOKENS:  # the step would backpropagate through sampling: nothing to pack
+        p.error(f"--max-len must be > {SINGLE_PASS_MAX_NEW_TOKENS} (shorter completions train in grpo.train's single "
+                "pass, on the sampling forward's padded rows)")
+    os.makedirs(a.out, exist_ok=True)
+    if a.variant:
+        print("PACKING_RESULT " + json.dumps(run_variant(a.variant, a.model_dir, a.out, a)), flush=True)
+        return 0
+    model_dir = os.path.join(a.out, f"model_{a.shape}")
+    if not os.path.isdir(model_dir):
+        build_model_dir(model_dir, SHAPES[a.shape])
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for _ in range(a.repeats):
+        for variant in VARIANTS:
+            runs[variant].append(_child(variant, model_dir, a))
+    results = {}
+    for variant, rs in runs.items():
+        ok = [r for r in rs if "skipped" not in r]
+        if not ok:
+            results[variant] = rs[0]
+            continue
+        timed = [s for r in ok for s in (r["step_s"][1:] or r["step_s"])]
+        results[variant] = {"step_s": statistics.median(timed), "steps": [r["step_s"] for r in ok],
+                            "peak_bytes": max(r["peak_bytes"] for r in ok), "tokens_per_step": ok[0]["tokens_per_step"],
+                            "padding_saved": ok[0]["padding_saved"], "budget": ok[0]["budget"]}
+    prompt, completion = lengths(a.prompts, a.max_len, a.seed)
+    real = sum(p + c for p, c in zip(prompt, completion))
+    setup = {"model": f"{a.shape}-shaped Qwen2, random init", "rows": len(prompt), "max_len": a.max_len,
+             "padding": 1 - real / (len(prompt) * (max(prompt) + a.max_len)), "steps": a.steps,
+             "repeats": a.repeats, "device": a.device, "threads": a.threads if a.device == "cpu" else None,
+             "precision": "bf16 autocast" if a.device == "cuda" else "fp32",
+             "lengths": {"prompt": prompt, "completion": completion}}
+    print(report(results, setup, a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
