@@ -189,8 +189,10 @@ def main(argv=None) -> int:
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one run, JSON on stdout
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    from grpo.config import quiet_unused_deepspeed
     from grpo.trainer import SINGLE_PASS_MAX_NEW_TOKENS
 
+    quiet_unused_deepspeed()  # saving the model imports DeepSpeed where installed, which warns on a CPU machine
     if a.max_len <= SINGLE_PASS_MAX_NEW_TOKENS:  # the step would backpropagate through sampling: nothing to pack
         p.error(f"--max-len must be > {SINGLE_PASS_MAX_NEW_TOKENS} (shorter completions train in grpo.train's single "
                 "pass, on the sampling forward's padded rows)")

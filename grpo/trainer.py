@@ -107,24 +107,7 @@ class Trainer:
             self.evaluator = Evaluator(self.sampler, eval_rows, eval_texts,
                                        overlap=training_overlap(train_rows, eval_rows))
         self.prompts = PromptSampler(len(train_rows), cfg.seed, env.rank, env.world_size)
-        # Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
-        # backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead
-        # of running the backbone a second time. Short completions only: the KV cache's saved tensors grow with
-        # the square of the length. Off under DDP and FSDP (their hooks need the forward to go through the
-        # wrapper / root).
-        rollout_size = cfg.prompts_per_step * cfg.num_generations
-        self.single_pass = (cfg.num_iterations == 1 and cfg.micro_batch_size == rollout_size
-                            and not env.enabled and not cfg.fsdp and not cfg.gradient_checkpointing
-                            and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
-        # Padding-free micro-batches (grpo/packing.py) where the model's attention supports them; a single-pass
-        # step has no forward of its own to pack (its reference / old-policy passes still are).
-        self.packing, note = choose_packing(cfg.packing, cfg.max_tokens_per_micro_batch, self.lm, env,
-                                            self.single_pass)
-        if note is not None and env.is_main:
-            print(f"[grpo.train] {note}", flush=True)
-        self.step_options = StepOptions(micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                                        env=env, fsdp_grad_sync=cfg.fsdp_grad_sync,
-                                        packing=None if self.single_pass else self.packing)
+        self._plan_steps()
         # Sampling streams differ per rank (each rank generates its own groups); restored on resume.
         torch.manual_seed(cfg.seed * 7919 + 104729 * (env.rank + 1))
         self.step, self.rollout_index, self.resumed_from, self.changed_on_resume = 0, 0, None, {}
@@ -137,6 +120,28 @@ class Trainer:
                                             scheduler=self.scheduler, sampler=self.prompts, env=env,
                                             fsdp_root=self.policy if cfg.fsdp else None)
             self.step, self.rollout_index = counters["step"], counters["rollout"]
+
+    def _plan_steps(self) -> None:
+        """How optimizer steps run: single pass or not, packed or padded (sets single_pass, packing, step_options).
+
+        Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
+        backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead of
+        running the backbone a second time. Short completions only: the KV cache's saved tensors grow with the
+        square of the length. Off under DDP and FSDP (their hooks need the forward to go through the wrapper /
+        root). Otherwise micro-batches are packed (grpo/packing.py) where the model's attention supports it; a
+        single-pass step has no forward of its own to pack (its reference / old-policy passes still are)."""
+        cfg, env = self.cfg, self.env
+        rollout_size = cfg.prompts_per_step * cfg.num_generations
+        self.single_pass = (cfg.num_iterations == 1 and cfg.micro_batch_size == rollout_size
+                            and not env.enabled and not cfg.fsdp and not cfg.gradient_checkpointing
+                            and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
+        self.packing, note = choose_packing(cfg.packing, cfg.max_tokens_per_micro_batch, self.lm, env,
+                                            self.single_pass)
+        if note is not None and env.is_main:
+            print(f"[grpo.train] {note}", flush=True)
+        self.step_options = StepOptions(micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                                        env=env, fsdp_grad_sync=cfg.fsdp_grad_sync,
+                                        packing=None if self.single_pass else self.packing)
 
     # ------------------------------------------------------------------------------------------- setup
     def _load_rows(self) -> tuple[list[dict], list[dict]]:
