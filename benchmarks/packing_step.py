@@ -1,6 +1,6 @@
 """``grpo.train`` training step on a long-tailed batch: padded rows (``--no-packing``) against packed rows, in one run.
 
-    python -m benchmarks.packing_step --out DIR [--device cpu|cuda] [--shape cpu|qwen2.5-0.5b] [--steps 6]
+    python -m benchmarks.packing_step --out DIR [--device cpu|cuda] [--shape cpu|qwen2.5-0.5b] [--steps 8]
 
 The batch: ``--prompts`` prompts x G = 8 completions, lengths drawn from a fixed, documented distribution (seeded):
 - prompt lengths uniform in [8, 32] tokens;
@@ -11,17 +11,19 @@ With max_len 256 about 72-75% of the padded (rows x (longest prompt + max_len)) 
 and prints the fraction. Tokens are random ids the sampler may emit; advantages are random normals.
 
 A step is what ``grpo.train`` runs after sampling: the reference pass (beta = 0.04, no grad), the loss forward and
-backward, clipping and AdamW (the rollout is injected in place of sampling, which does not change with packing:
-it decodes with a KV cache on padded rows). Variants, each in its own process (clean peak-memory counters):
-``padded`` (``--no-packing``), ``packed`` (default), ``packed_budget`` (``--max-tokens-per-micro-batch``, a
-quarter of the packed batch's tokens: several micro-batches). The first step is warm-up; the median of the others
-is reported, with peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on the CPU the process's peak resident
-memory above its resident memory before the first step (VmHWM - VmRSS; includes allocator slack). Runs alternate
-(padded, packed, padded, ...) ``--repeats`` times so that a busy machine slows both alike.
+backward, clipping and AdamW (``Trainer``'s own ``rollout_logprobs`` and ``optimizer_step`` with its step options; the
+rollout is injected in place of sampling, which does not change with packing: it decodes with a KV cache on padded
+rows). Variants: ``padded`` (``--no-packing``), ``packed`` (the default), ``packed_budget``
+(``--max-tokens-per-micro-batch`` a quarter of the packed batch's tokens: several micro-batches). Step time: the
+three trainers in one process, their steps alternating (the order rotating), so that a busy machine slows all
+alike; the first step of each is warm-up, the median of the others is reported. Peak memory: each variant in a
+process of its own, over two steps; on CUDA ``torch.cuda.max_memory_allocated`` (weights, reference and optimizer
+state included), on the CPU the peak resident memory above the resident memory before the steps (VmHWM - VmRSS,
+allocator slack included).
 
 Models: ``cpu``, a random Qwen2 of hidden 128, 2 layers, vocabulary 2048 (one thread unless ``--threads``);
-``qwen2.5-0.5b``, Qwen2.5-0.5B's shape (benchmarks/e2e_step.py), bf16 autocast on CUDA. Writes ``DIR/packing_step.json``
-and ``DIR/packing_step.md``. Not collected by pytest.
+``qwen2.5-0.5b``, Qwen2.5-0.5B's shape (benchmarks/e2e_step.py), bf16 autocast on CUDA. Writes
+``DIR/packing_step.json`` and ``DIR/packing_step.md``. Not collected by pytest.
 """
 from __future__ import annotations
 
@@ -83,24 +85,14 @@ def make_rollout(prompt_lengths, completion_lengths, max_len: int, vocab: int, s
     return rollout, advantages
 
 
-def _peak_bytes(cuda: bool, before: int) -> float:
-    import torch
-
-    if cuda:
-        return float(torch.cuda.max_memory_allocated())
+def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f if ":" in line)
-    return float(int(status["VmHWM"].split()[0]) * 1024 - before)
+    return int(status[key].split()[0]) * 1024
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        status = dict(line.split(":", 1) for line in f if ":" in line)
-    return int(status["VmRSS"].split()[0]) * 1024
-
-
-def run_variant(variant: str, model_dir: str, work: str, a) -> dict:
-    """One variant in this process: step seconds, peak bytes, and the trainer's tokens_per_step / padding_saved."""
+def build_trainer(variant: str, model_dir: str, work: str, a):
+    """grpo.train's Trainer for ``variant`` on the --model folder, and its list of (rollout, advantages)."""
     import torch
 
     from grpo import TrainConfig
@@ -108,8 +100,6 @@ def run_variant(variant: str, model_dir: str, work: str, a) -> dict:
     from grpo.trainer import Trainer
     from grpo_kernels import GRPOLossConfig
 
-    if a.device == "cpu":
-        torch.set_num_threads(a.threads)
     data = os.path.join(work, "prompts.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"prompt": "abcdefgh" * 2, "answer": "0"}) + "\n" for _ in range(8))
@@ -124,23 +114,67 @@ def run_variant(variant: str, model_dir: str, work: str, a) -> dict:
     trainer = Trainer(cfg, DistEnv(device=torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")))
     vocab = trainer.lm.get_output_embeddings().weight.shape[0]
     batches = [make_rollout(prompt, completion, a.max_len, vocab, a.seed + i, trainer.device) for i in range(a.steps)]
-    trainer.make_rollout = lambda: batches[trainer.rollout_index]
+    return trainer, batches, budget
+
+
+def train_step(trainer, rollout, advantages) -> tuple[float, dict]:
+    """(seconds, stats) of one step as ``Trainer._train_loop`` runs it after sampling: the reference pass, then
+    ``optimizer_step`` over the whole rollout (one mini-batch)."""
+    import time
+
+    import torch
+
+    from grpo.update import optimizer_step, rollout_logprobs
+
+    cuda = trainer.device.type == "cuda"
+    t0 = time.perf_counter()
+    ref = rollout_logprobs(trainer.ref, rollout, trainer.cfg.micro_batch_size, trainer.packing)
+    rows = torch.arange(rollout.batch_size, device=trainer.device)
+    stats = optimizer_step(trainer.model, trainer.policy, trainer.optimizer, trainer.scheduler, rollout, rows,
+                           advantages, None, ref, trainer.step_options)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, stats
+
+
+def time_variants(model_dir: str, work: str, a) -> dict:
+    """Every variant's trainer in this one process, their steps alternating (the order rotating each step), so
+    that the machine's load falls on all alike: {variant: step seconds, tokens_per_step, padding_saved, budget}."""
+    built = {v: build_trainer(v, model_dir, work, a) for v in VARIANTS}
+    out = {v: {"step_s": [], "budget": built[v][2]} for v in VARIANTS}
+    for i in range(a.steps):
+        order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]
+        for v in order:
+            trainer, batches, _ = built[v]
+            seconds, stats = train_step(trainer, *batches[i])
+            out[v]["step_s"].append(seconds)
+            out[v]["tokens_per_step"] = stats["positions"]
+            out[v]["padding_saved"] = 1.0 - stats["positions"] / stats["padded_positions"]
+    return out
+
+
+def peak_memory(variant: str, model_dir: str, work: str, a) -> dict:
+    """Peak memory of ``variant``'s steps in a process of its own: CUDA, max_memory_allocated over the steps (model,
+    reference, optimizer state included); CPU, peak resident memory above the resident memory before them."""
+    import torch
+
+    trainer, batches, _ = build_trainer(variant, model_dir, work, a)
     cuda = a.device == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    before = _rss()
-    history = trainer.train()["history"]
-    elapsed = [0.0] + [r["elapsed_s"] for r in history]
-    return {"step_s": [b - a_ for a_, b in zip(elapsed, elapsed[1:])], "peak_bytes": _peak_bytes(cuda, before),
-            "tokens_per_step": history[-1]["tokens_per_step"], "padding_saved": history[-1]["padding_saved"],
-            "budget": budget}
+    before = _status("VmRSS")
+    for rollout, advantages in batches[:2]:
+        train_step(trainer, rollout, advantages)
+    return {"peak_bytes": float(torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") - before)}
 
 
-def _child(variant: str, model_dir: str, a) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.packing_step", "--variant", variant, "--model-dir", model_dir,
+def _child(mode: str, variant: str | None, model_dir: str, a) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.packing_step", "--mode", mode, "--model-dir", model_dir,
            "--out", a.out, "--device", a.device, "--shape", a.shape, "--prompts", str(a.prompts), "--max-len",
            str(a.max_len), "--steps", str(a.steps), "--seed", str(a.seed), "--threads", str(a.threads)]
+    if variant is not None:
+        cmd += ["--variant", variant]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads)) if a.device == "cpu" else None
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, env=env)
@@ -159,12 +193,13 @@ def report(results: dict, setup: dict, out: str) -> str:
              "| variant | step (s) | vs padded | peak memory (MiB) | vs padded | tokens per step | padding saved |",
              "|---|---|---|---|---|---|---|"]
     for variant, r in results.items():
-        if "skipped" in r:
+        if "step_s" not in r:
             lines.append(f"| {variant} | skipped: {r['skipped']} | | | | | |")
             continue
         ratio = r["step_s"] / base["step_s"] if "step_s" in base else float("nan")
-        mem = r["peak_bytes"] / base["peak_bytes"] if base.get("peak_bytes") else float("nan")
-        lines.append(f"| {variant} | {r['step_s']:.3f} | {ratio:.2f} | {r['peak_bytes'] / 2**20:.0f} | {mem:.2f} | "
+        peak = r.get("peak_bytes", float("nan"))  # nan: its memory run failed ("skipped" says why)
+        mem = peak / base["peak_bytes"] if base.get("peak_bytes") else float("nan")
+        lines.append(f"| {variant} | {r['step_s']:.3f} | {ratio:.2f} | {peak / 2**20:.0f} | {mem:.2f} | "
                      f"{r['tokens_per_step']:.0f} | {r['padding_saved']:.1%} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "packing_step.md"), "w") as f:
@@ -181,12 +216,12 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=tuple(SHAPES), default="cpu")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (x G = 8 completions)")
     p.add_argument("--max-len", type=int, default=256, help="completion limit in tokens")
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per variant run (the first is warm-up)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per variant, alternating")
+    p.add_argument("--steps", type=int, default=8, help="steps per variant, alternating (the first is warm-up)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per run")
-    p.add_argument("--timeout-s", type=int, default=600, help="per variant run")
-    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one run, JSON on stdout
+    p.add_argument("--threads", type=int, default=1, help="CPU threads")
+    p.add_argument("--timeout-s", type=int, default=1200, help="per child process")
+    p.add_argument("--mode", choices=("time", "memory"), help=argparse.SUPPRESS)  # internal: JSON on stdout
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     from grpo.config import quiet_unused_deepspeed
@@ -197,31 +232,31 @@ def main(argv=None) -> int:
         p.error(f"--max-len must be > {SINGLE_PASS_MAX_NEW_TOKENS} (shorter completions train in grpo.train's single "
                 "pass, on the sampling forward's padded rows)")
     os.makedirs(a.out, exist_ok=True)
-    if a.variant:
-        print("PACKING_RESULT " + json.dumps(run_variant(a.variant, a.model_dir, a.out, a)), flush=True)
+    if a.mode is not None:
+        import torch
+
+        if a.device == "cpu":
+            torch.set_num_threads(a.threads)
+        result = time_variants(a.model_dir, a.out, a) if a.mode == "time" else \
+            peak_memory(a.variant, a.model_dir, a.out, a)
+        print("PACKING_RESULT " + json.dumps(result), flush=True)
         return 0
     model_dir = os.path.join(a.out, f"model_{a.shape}")
     if not os.path.isdir(model_dir):
         build_model_dir(model_dir, SHAPES[a.shape])
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for _ in range(a.repeats):
-        for variant in VARIANTS:
-            runs[variant].append(_child(variant, model_dir, a))
+    timed = _child("time", None, model_dir, a)
     results = {}
-    for variant, rs in runs.items():
-        ok = [r for r in rs if "skipped" not in r]
-        if not ok:
-            results[variant] = rs[0]
-            continue
-        timed = [s for r in ok for s in (r["step_s"][1:] or r["step_s"])]
-        results[variant] = {"step_s": statistics.median(timed), "steps": [r["step_s"] for r in ok],
-                            "peak_bytes": max(r["peak_bytes"] for r in ok), "tokens_per_step": ok[0]["tokens_per_step"],
-                            "padding_saved": ok[0]["padding_saved"], "budget": ok[0]["budget"]}
+    for variant in VARIANTS:
+        r = timed if "skipped" in timed else dict(timed[variant])
+        if "step_s" in r:
+            r["steps"], r["step_s"] = r["step_s"], statistics.median(r["step_s"][1:] or r["step_s"])
+            r.update(_child("memory", variant, model_dir, a))
+        results[variant] = r
     prompt, completion = lengths(a.prompts, a.max_len, a.seed)
     real = sum(p + c for p, c in zip(prompt, completion))
     setup = {"model": f"{a.shape}-shaped Qwen2, random init", "rows": len(prompt), "max_len": a.max_len,
-             "padding": 1 - real / (len(prompt) * (max(prompt) + a.max_len)), "steps": a.steps,
-             "repeats": a.repeats, "device": a.device, "threads": a.threads if a.device == "cpu" else None,
+             "padding": 1 - real / (len(prompt) * (max(prompt) + a.max_len)), "steps": a.steps, "device": a.device,
+             "threads": a.threads if a.device == "cpu" else None,
              "precision": "bf16 autocast" if a.device == "cuda" else "fp32",
              "lengths": {"prompt": prompt, "completion": completion}}
     print(report(results, setup, a.out))
