@@ -33,7 +33,7 @@
 # same steps run on the CPU (the CPU benchmark set; Triton tests under the interpreter).
 #
 # Knobs (environment): PY (python3), WHL_DIR (.whl), TOTAL_S, TESTS_LIMIT_S, E2E_S, PACK_S (0), TEST_JOBS (6
-# parallel test files), TEST_FILES (default: every tests/test_*.py), TEST_MARKERS ("not slow"; "" runs the slow
+# parallel test files), TEST_FILES (default: every tests/*/test_*.py), TEST_MARKERS ("not slow"; "" runs the slow
 # variants too), WARMUP_LIMIT_S, GRPO_BENCH_GRID=full (far longer than this budget), GRPO_BENCH_ROUNDS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +80,7 @@ PYEOF
 ROOM=$(($(left) - 150))  # leave 150 s for the benchmarks and the report
 [ "$ROOM" -lt 30 ] && ROOM=30
 TESTS_S=$(min "${TESTS_LIMIT_S:-150}" "$ROOM")
-FILES=${TEST_FILES:-$(ls -S tests/test_*.py)}
+FILES=${TEST_FILES:-$(ls -S tests/*/test_*.py)}
 log "tests: $(echo $FILES | wc -w) files, ${TEST_JOBS:-6} at a time, markers '${TEST_MARKERS-not slow}', limit ${TESTS_S}s"
 export TESTS_DEADLINE=$(($(date +%s) + TESTS_S)) OUT_DIR PY TEST_MARKERS=${TEST_MARKERS-not slow}
 printf '%s\n' $FILES | xargs -P "${TEST_JOBS:-6}" -I{} sh -c '

@@ -114,6 +114,26 @@ def overlaps_in_memory(t: torch.Tensor) -> bool:
     return False
 
 
+def cu_seqlens(cu, n_tokens: int, n_seq: int, device) -> None:
+    """``cu_seqlens`` of S = n_seq sequences over n_tokens packed tokens (flash-attn's convention): an int32 / int64
+    (S + 1,) tensor on ``device``, starting at 0, non-decreasing, ending at n_tokens (the values on the device)."""
+    tensor("cu_seqlens", cu)
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor (flash-attn's convention), got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] != n_seq + 1:
+        raise ValueError(f"cu_seqlens must have shape (S + 1,) = ({n_seq + 1},), one more than the {n_seq} "
+                         f"advantages (one per sequence), got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"cu_seqlens must be on the device of the logits / hidden states {device}, got {cu.device}")
+    if cu.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    holds(cu[0] == 0, "cu_seqlens must start at 0", lambda: f", got {int(cu[0])}")
+    holds((cu[1:] >= cu[:-1]).all(), "cu_seqlens must be non-decreasing (sequence s is tokens "
+          "cu_seqlens[s]:cu_seqlens[s + 1])", lambda: f", got {cu.tolist()}")
+    holds(cu[-1] == n_tokens, f"cu_seqlens must end at the number of packed tokens N = {n_tokens}",
+          lambda: f", got {int(cu[-1])}")
+
+
 def same_device(**tensors) -> None:
     devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     if len(set(devices.values())) > 1:

@@ -21,7 +21,8 @@ import torch
 from . import _checks
 from ._triton import resolve_impl
 from .config import GRPOLossConfig, LogitTransform
-from .loss_types import reduction_weights
+from .loss_types import LOSS_TABLE, reduction_weights
+from .sequences import Sequences
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ class HeadInputs:
 
 @dataclass(frozen=True)
 class LossInputs:
-    """The per-token inputs of the loss on the (B, T) grid, validated; ``num_items_in_batch`` as given."""
+    """The per-token inputs of the loss on the (B, T) grid, validated; ``num_items_in_batch`` as given; ``seqs`` how
+    the tokens group into sequences (packed: a (1, N) grid; advantages and a per-sequence is_ratio stay (S,))."""
 
     advantages: torch.Tensor
     mask: torch.Tensor | None = None
@@ -151,65 +153,127 @@ class LossInputs:
     is_ratio: torch.Tensor | None = None
     sampling_logps: torch.Tensor | None = None
     num_items_in_batch: object = None
+    seqs: Sequences | None = None
 
     @classmethod
     def validate(cls, B: int, T: int, device: torch.device, config: GRPOLossConfig, advantages, mask=None,
                  old_logps=None, ref_logps=None, is_ratio=None, sampling_logps=None,
-                 num_items_in_batch=None) -> "LossInputs":
+                 num_items_in_batch=None, cu_seqlens=None) -> "LossInputs":
+        """Padded: the (B, T) grid. Packed (``cu_seqlens``; the caller's grid is (1, N)): per-token tensors (N,),
+        advantages (S,), is_ratio (S,) or (N,), with S + 1 = len(cu_seqlens)."""
+        packed = cu_seqlens is not None
         _checks.tensor("advantages", advantages, floating=True)
-        if tuple(advantages.shape) not in ((B,), (B, T)):
-            raise ValueError(f"advantages must have shape ({B},) or ({B}, {T}), got {tuple(advantages.shape)}")
-        _checks.mask_like(mask, (B, T))
+        shapes = _Shapes.packed_of(T, advantages) if packed else _Shapes.padded(B, T)
+        shapes.check("advantages", advantages, shapes.per_sequence + shapes.per_token_adv)
+        _checks.mask_like(mask, shapes.token, " (one per packed token)" if packed else "")
         for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps), ("sampling_logps", sampling_logps)):
             if t is not None:
                 _checks.tensor(name, t, floating=True)
-                if tuple(t.shape) != (B, T):
-                    raise ValueError(f"{name} must have shape ({B}, {T}), got {tuple(t.shape)}")
+                shapes.check(name, t, (shapes.token,))
         if is_ratio is not None:
             _checks.tensor("is_ratio", is_ratio, floating=True)
-            if tuple(is_ratio.shape) not in ((B,), (B, 1), (B, T)):
-                raise ValueError(f"is_ratio must have shape ({B},), ({B}, 1) or ({B}, {T}), "
-                                 f"got {tuple(is_ratio.shape)}")
-        # Why not under torch.compile: the value checks below are host syncs, which a compiled graph cannot make;
-        # they run in eager (docs/api.md, torch.compile).
-        eager = not torch.compiler.is_compiling()
-        if eager and is_ratio is not None and is_ratio.numel():
-            # finite negative weights at valid positions are refused; non-finite ones propagate (NaN/Inf rule) and
-            # padded positions are neutral whatever they hold. Checked on the device (``_checks.holds``).
-            bad = (is_ratio < 0) & torch.isfinite(is_ratio)
-            if mask is not None:
-                valid = mask.bool() if is_ratio.dim() == 2 and is_ratio.shape[-1] == T else mask.bool().any(-1)
-                bad = bad & valid.reshape(bad.shape)
-            _checks.holds(~bad.any(), "is_ratio must be >= 0 (an importance weight)",
-                          lambda: f", got {is_ratio[bad].min().item()} at a valid position")
-        n = num_items_in_batch
-        if n is not None:
-            if isinstance(n, torch.Tensor):
-                if n.numel() != 1:
-                    raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(n.shape)}")
-                if eager:
-                    _checks.holds((n > 0).all(), "num_items_in_batch must be > 0 (the token count that normalizes "
-                                  "the loss)", lambda: f", got {float(n)!r}")
-            elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
-                raise ValueError(f"num_items_in_batch must be a number > 0 (the token count that normalizes the "
-                                 f"loss) or a scalar tensor, got {n!r}")
+            shapes.check("is_ratio", is_ratio, shapes.per_sequence + shapes.is_ratio_extra + (shapes.token,))
+        _num_items(num_items_in_batch)
         if config.beta != 0.0 and ref_logps is None:
             raise ValueError(f"ref_logps is required when beta != 0 (beta={config.beta}); pass the reference "
-                             "model's per-token log-probs of shape (B, T)")
+                             f"model's per-token log-probs of shape{shapes.token_words()}")
         # num_items_in_batch may live anywhere (a CPU scalar is common): it is moved to the loss's device
         _checks.same_device(advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
                             is_ratio=is_ratio, sampling_logps=sampling_logps)
         if advantages.device != device:
             raise ValueError(f"advantages must be on the device of the logits / hidden states {device}, "
                              f"got {advantages.device}")
-        return cls(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch)
+        seqs = Sequences.rows(B, T)
+        if packed:
+            _checks.cu_seqlens(cu_seqlens, T, advantages.shape[0], device)
+            seqs = Sequences.packed(cu_seqlens, T)
+            if LOSS_TABLE[config.loss_type].reduction == "fixed_length" and config.max_completion_length is None:
+                raise ValueError(f"loss_type={config.loss_type!r} on packed sequences (cu_seqlens) needs "
+                                 "max_completion_length in the config: its normalizer, which a packed batch has no "
+                                 "padded width to take from")
+            to_grid = (lambda t: None if t is None else t.reshape(1, T))  # noqa: E731
+            mask, old_logps, ref_logps, sampling_logps = map(to_grid, (mask, old_logps, ref_logps, sampling_logps))
+            if is_ratio is not None and is_ratio.shape[0] != seqs.n_seq:
+                is_ratio = to_grid(is_ratio)
+        batch = cls(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch, seqs)
+        if not torch.compiler.is_compiling():  # value checks, on the device (docs/api.md, "Host syncs")
+            batch._check_values()
+        return batch
+
+    def _check_values(self) -> None:
+        """is_ratio >= 0 at valid positions (finite negative weights are refused; non-finite ones propagate, the
+        NaN / Inf rule, and padded positions are neutral whatever they hold); num_items_in_batch > 0."""
+        is_ratio, mask, seqs = self.is_ratio, self.mask, self.seqs
+        if is_ratio is not None and is_ratio.numel():
+            bad = (is_ratio < 0) & torch.isfinite(is_ratio)
+            if mask is not None:
+                per_token = is_ratio.dim() == 2 and is_ratio.shape[-1] == seqs.grid[1]
+                valid = mask.bool() if per_token else (seqs.sums(mask.bool()) > 0)
+                bad = bad & valid.reshape(bad.shape)
+            _checks.holds(~bad.any(), "is_ratio must be >= 0 (an importance weight)",
+                          lambda: f", got {is_ratio[bad].min().item()} at a valid position")
+        n = self.num_items_in_batch
+        if isinstance(n, torch.Tensor):
+            _checks.holds((n > 0).all(), "num_items_in_batch must be > 0 (the token count that normalizes the loss)",
+                          lambda: f", got {float(n)!r}")
 
     def token_weights(self, cfg: GRPOLossConfig, B: int, T: int, device) -> "TokenWeights":
         """The mask as bool and float, its count and the loss type's reduction weights on the (B, T) grid."""
         mask_b = torch.ones(B, T, dtype=torch.bool, device=device) if self.mask is None else self.mask.bool()
         mask_f = mask_b.float()
-        weights = reduction_weights(mask_f, cfg.loss_type, self.num_items_in_batch, cfg.max_completion_length)
+        weights = reduction_weights(mask_f, cfg.loss_type, self.num_items_in_batch, cfg.max_completion_length,
+                                    self.seqs)
         return TokenWeights(mask_b, mask_f, mask_f.sum(), weights.contiguous())
+
+    def per_token(self, t):
+        """A per-sequence tensor (advantages, is_ratio) at every token of the grid, or a per-token one as given:
+        packed, the gather of ``Sequences.expand`` (no (S, Tmax) tensor); padded, (B,) / (B, 1) as they broadcast."""
+        if t is None or not self.seqs.is_packed or t.dim() == 2:
+            return t
+        return self.seqs.expand(t)
+
+
+def _num_items(n) -> None:
+    """num_items_in_batch: None, a number > 0 or a one-element tensor (whose value is checked on the device)."""
+    if n is None:
+        return
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(n.shape)}")
+    elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
+        raise ValueError(f"num_items_in_batch must be a number > 0 (the token count that normalizes the loss) or a "
+                         f"scalar tensor, got {n!r}")
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """The shapes a loss call accepts, with the words its errors use."""
+
+    token: tuple
+    per_sequence: tuple
+    per_token_adv: tuple
+    is_ratio_extra: tuple
+    packed: bool = False
+
+    @classmethod
+    def padded(cls, B: int, T: int) -> "_Shapes":
+        return cls((B, T), ((B,),), ((B, T),), ((B, 1),))
+
+    @classmethod
+    def packed_of(cls, N: int, advantages) -> "_Shapes":
+        S = advantages.shape[0] if advantages.dim() == 1 else None
+        return cls((N,), ((S,),) if S is not None else (), (), (), True)
+
+    def token_words(self) -> str:
+        """The per-token shape in words, for an error (formatted only then: under torch.compile printing a
+        symbolic size would specialize the graph on it)."""
+        return f" {self.token}" + (" (one per packed token)" if self.packed else "")
+
+    def check(self, name: str, t, allowed: tuple) -> None:
+        # Why each shape compared on its own: a tuple-of-tuples membership test makes Dynamo guard on every size
+        if not any(len(t.shape) == len(a) and all(x == y for x, y in zip(t.shape, a)) for a in allowed):
+            listed = " or ".join(str(a) for a in allowed) or "(S,), one per sequence"
+            raise ValueError(f"{name} must have shape {listed}, got {tuple(t.shape)}")
 
 
 @dataclass(frozen=True)
@@ -242,8 +306,9 @@ class LossTokens:
 
     @classmethod
     def of(cls, batch: "LossInputs", weights: "TokenWeights") -> "LossTokens":
-        return cls(batch.advantages, weights.mask_f.contiguous(), weights.weights, batch.old_logps,
-                   batch.ref_logps, batch.is_ratio)
+        """The stage's tokens: each sequence's advantage (and per-sequence is_ratio) reaches its tokens here."""
+        return cls(batch.per_token(batch.advantages), weights.mask_f.contiguous(), weights.weights, batch.old_logps,
+                   batch.ref_logps, batch.per_token(batch.is_ratio))
 
     def as_list(self) -> list:
         """The tensors in field order, as a registered op takes them (``ops.py``)."""
@@ -323,30 +388,40 @@ class ValidRows:
     total: int
     counts: tuple | None = None
     deferred: torch.Tensor | None = None
+    offsets: tuple | None = None
 
     @classmethod
-    def of(cls, mask, total: int, keep_padding: bool = False) -> "ValidRows":
-        counts = cls.counts_on_device(mask, keep_padding)
+    def of(cls, mask, total: int, keep_padding: bool = False, seqs: Sequences | None = None) -> "ValidRows":
+        values = cls.counts_on_device(mask, keep_padding, seqs)
         # the one host sync of the call
-        return cls.from_counts(mask, total, None if counts is None else counts.tolist(), keep_padding)
+        return cls.from_counts(mask, total, None if values is None else values.tolist(), keep_padding, seqs)
 
     @staticmethod
-    def counts_on_device(mask, keep_padding: bool = False):
-        """The valid tokens per sequence (a (B,) tensor; (1,) for a flat mask), or None where no compaction is
-        made (no mask, meta tensors, ``keep_padding``, torch.compile)."""
+    def counts_on_device(mask, keep_padding: bool = False, seqs: Sequences | None = None):
+        """What the compaction reads on the host, as one tensor: the valid tokens per sequence ((B,) rows of a
+        (B, T) mask, (1,) for a flat one), and for packed ``seqs`` (S,) then the S + 1 offsets; None where no
+        compaction is made (no mask, meta tensors, ``keep_padding``, torch.compile)."""
         if mask is None or mask.device.type == "meta" or keep_padding or torch.compiler.is_compiling():
             return None
+        if seqs is not None and seqs.is_packed:
+            counts = seqs.sums(mask.reshape(-1) != 0).to(torch.int64)
+            return torch.cat([counts, seqs.cu_seqlens])
         return (mask.reshape(mask.shape[0] if mask.dim() > 1 else 1, -1) != 0).sum(-1)
 
     @classmethod
-    def from_counts(cls, mask, total: int, counts, keep_padding: bool = False) -> "ValidRows":
-        """The compaction of ``mask`` from its per-sequence counts, read on the host (``counts_on_device``)."""
-        if counts is None:
+    def from_counts(cls, mask, total: int, values, keep_padding: bool = False,
+                    seqs: Sequences | None = None) -> "ValidRows":
+        """The compaction of ``mask`` from what ``counts_on_device`` gave, read on the host: per-sequence counts
+        (and, packed, the sequences' token offsets)."""
+        if values is None:
             deferred = mask is not None and not keep_padding and torch.compiler.is_compiling()
             return cls(None, total, deferred=mask.reshape(-1) if deferred else None)
+        counts, offsets = values, None
+        if seqs is not None and seqs.is_packed:
+            counts, offsets = values[:seqs.n_seq], tuple(values[seqs.n_seq:])
         count = sum(counts)
         keep = mask.reshape(-1) != 0
-        return cls(None if count == total else _flat_index(keep, count), total, tuple(counts))
+        return cls(None if count == total else _flat_index(keep, count), total, tuple(counts), offsets=offsets)
 
     @property
     def count(self) -> int:

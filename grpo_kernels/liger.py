@@ -209,7 +209,7 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     shape = mask.shape
     per_token = torch.where(mask, terms.loss.expand(shape), 0.0)
     kl = None if beta == 0.0 else torch.where(mask, terms.kl.expand(shape), 0.0).detach()
-    low, high, cispo = terms.clipped(cfg)
+    low, high, cispo, _ = terms.clipped(cfg)
     clipped = cispo if LOSS_TABLE[loss_type].policy == "cispo" else low | high
     return per_token, kl, (clipped.expand(shape) & mask).to(per_token.dtype)
 

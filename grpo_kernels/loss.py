@@ -12,6 +12,8 @@ import warnings
 import torch
 from torch import nn
 
+from dataclasses import replace
+
 from . import ops, planner
 from .config import GRPOLossConfig, resolve_config
 from .distributed import sharded_head, vocab_parallel
@@ -27,27 +29,36 @@ from .token_stage import loss_from_token_logprobs
 
 def validate_logits_loss(*, logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
                          num_items_in_batch=None, config=None, impl="auto", sampling_logps=None,
-                         inplace_backward=False, config_overrides=None, **_ignored):
-    """(inputs, batch, cfg, plan) of one ``grpo_loss`` call (also what ``explain`` shows)."""
+                         inplace_backward=False, cu_seqlens=None, config_overrides=None, **_ignored):
+    """(inputs, batch, cfg, plan) of one ``grpo_loss`` call (also what ``explain`` shows). Packed (``cu_seqlens``):
+    the (N, V) logits and (N,) ids become a (1, N) grid (views)."""
     cfg = resolve_config(config, config_overrides or {})
-    inputs = LogitsInputs.validate(logits, ids, cfg.transform, impl, dims=(3,), inplace_backward=inplace_backward)
-    B, T = ids.shape
+    packed = cu_seqlens is not None
+    inputs = LogitsInputs.validate(logits, ids, cfg.transform, impl, dims=(2,) if packed else (3,),
+                                   inplace_backward=inplace_backward)
+    if packed:
+        inputs = replace(inputs, logits=inputs.logits.unsqueeze(0), ids=inputs.ids.unsqueeze(0))
+    B, T = inputs.ids.shape
     batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
-                                sampling_logps, num_items_in_batch)
+                                sampling_logps, num_items_in_batch, cu_seqlens)
     wants_grad = torch.is_grad_enabled() and logits.requires_grad
     call = planner.LogitsCall("grpo_loss", inputs, cfg, planner.Budget.of(cfg.memory_budget), wants_grad,
                               bool(inplace_backward))
-    return inputs, batch, cfg, planner.plan_logits(call)
+    return inputs, batch, cfg, planner.with_sequences_note(planner.plan_logits(call), batch.seqs)
 
 
 def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
               num_items_in_batch=None, config: GRPOLossConfig | None = None, impl: str = "auto",
-              sampling_logps=None, inplace_backward: bool = False, **config_overrides):
+              sampling_logps=None, inplace_backward: bool = False, cu_seqlens=None, **config_overrides):
     """GRPO loss from logits (B, T, V) aligned with ``ids`` (B, T): returns ``(loss, metrics)``.
 
     advantages (B,) or (B, T); mask (B, T) (None = all valid); old_logps / ref_logps / sampling_logps (B, T);
     is_ratio (B,), (B, 1) or (B, T), >= 0; num_items_in_batch > 0 normalizes dapo / cispo / vespo (default:
     mask.sum()). config: a ``GRPOLossConfig``; keyword overrides (``loss_type="grpo"``, ``beta=0.04``...) apply on top.
+    Packed sequences (``cu_seqlens`` (S + 1,) int32 / int64, flash-attn's convention: sequence s is rows
+    ``cu_seqlens[s]:cu_seqlens[s + 1]``): logits (N, V), ids / mask / old / ref / sampling log-probs (N,) (mask: the
+    rows scored, e.g. 0 at prompt tokens), advantages (S,), is_ratio (S,) or (N,); the same numbers as the padded
+    (S, Tmax) call on the same tokens (dr_grpo needs ``max_completion_length``; docs/api.md "Packed sequences").
     inplace_backward: write d logits into the logits buffer (no second B x T x V tensor; refused for logits whose
     elements overlap in memory, e.g. expanded). On the fast path (``grpo_kernels.explain`` says which path runs)
     the buffer holds d logits as soon as this returns. Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a
@@ -56,7 +67,8 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     inputs, batch, cfg, plan = validate_logits_loss(
         logits=logits, ids=ids, advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
         is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, impl=impl,
-        sampling_logps=sampling_logps, inplace_backward=inplace_backward, config_overrides=config_overrides)
+        sampling_logps=sampling_logps, inplace_backward=inplace_backward, cu_seqlens=cu_seqlens,
+        config_overrides=config_overrides)
     if plan.path == LOGITS_FAST:
         return logits_loss_in_forward(inputs, batch, cfg, inplace_backward)
     logps, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward, row_mask=batch.mask)
@@ -65,22 +77,30 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
 
 def validate_head_loss(*, hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
                        is_ratio=None, num_items_in_batch=None, config=None, impl="auto", sampling_logps=None,
-                       process_group=None, vocab_start=None, config_overrides=None, **_ignored):
+                       process_group=None, vocab_start=None, cu_seqlens=None, config_overrides=None, **_ignored):
     """(inputs, batch, cfg, rows, shard | None): validated on this rank, or agreed by the whole vocab-parallel
-    group (``distributed/vocab_parallel.validate``: every rank raises the same error)."""
+    group (``distributed/vocab_parallel.validate``: every rank raises the same error). Packed (``cu_seqlens``):
+    hidden (N, H) and ids (N,) on a (1, N) grid."""
     cfg = resolve_config(config, config_overrides or {})
+    packed = cu_seqlens is not None
 
     def local():
-        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.transform, impl, ids_dims=(2,),
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.transform, impl, ids_dims=(1,) if packed else (2,),
                                      check_ids=process_group is None)
-        B, T = ids.shape
+        if packed:
+            if hidden.dim() != 2:
+                raise ValueError(f"hidden must have shape (N, H) with cu_seqlens (packed rows), got "
+                                 f"{tuple(hidden.shape)}")
+            inputs = replace(inputs, shape=torch.Size((1, inputs.ids.numel())))
+        B, T = inputs.shape
         batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
-                                    sampling_logps, num_items_in_batch)
+                                    sampling_logps, num_items_in_batch, cu_seqlens)
         return inputs, batch.mask, batch
 
     if process_group is None:
         inputs, _, batch = local()
-        return inputs, batch, cfg, ValidRows.of(batch.mask, inputs.ids.numel(), cfg.capturable), None
+        rows = ValidRows.of(batch.mask, inputs.ids.numel(), cfg.capturable, batch.seqs)
+        return inputs, batch, cfg, rows, None
     inputs, _, batch, shard, rows = vocab_parallel.validate(process_group, vocab_start, hidden, local, cfg.capturable)
     return inputs, batch, cfg, rows, shard
 
@@ -92,25 +112,35 @@ def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, r
     needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
     B, T = inputs.shape
 
-    def counts():  # valid tokens per sequence, read by the valid-row compaction's one host sync
-        if torch.compiler.is_compiling():
-            # Why None: a compiled graph makes no host sync, and the sequence-level path runs Python per chunk of
-            # sequences; the planner then takes the memory-light path
+    def counts():
+        """(valid tokens per sequence, packed: the sequences' token offsets), from the valid-row compaction's one
+        host sync, or read here when it made none (packed without a mask); None where nothing may be read."""
+        if torch.compiler.is_compiling() or (cfg.capturable and batch.seqs.is_packed):
+            # Why None: a compiled graph (or a capturable call) makes no host sync, and the sequence-level path
+            # runs Python per chunk of sequences; the planner then takes the memory-light path
             return None
-        return [T] * B if rows.counts is None else list(rows.counts)
+        if not batch.seqs.is_packed:
+            return ([T] * B if rows.counts is None else list(rows.counts)), None
+        if rows.offsets is not None:
+            return list(rows.counts), rows.offsets
+        offsets = batch.seqs.cu_seqlens.tolist()  # the call's one host sync (no mask: no compaction read)
+        return [b - a for a, b in zip(offsets[:-1], offsets[1:])], tuple(offsets)
 
-    return planner.plan_head(planner.HeadCall("fused_linear_grpo_loss", inputs, cfg,
+    plan = planner.plan_head(planner.HeadCall("fused_linear_grpo_loss", inputs, cfg,
                                               planner.Budget.of(cfg.memory_budget), needs, rows.count,
                                               cfg.deterministic, counts, vocab_parallel_shard))
+    return planner.with_sequences_note(plan, batch.seqs)
 
 
 def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
                            is_ratio=None, num_items_in_batch=None, config: GRPOLossConfig | None = None,
                            impl: str = "auto", sampling_logps=None, process_group=None,
-                           vocab_start: int | None = None, gather_head=None, **config_overrides):
+                           vocab_start: int | None = None, gather_head=None, cu_seqlens=None, **config_overrides):
     """GRPO loss from final hidden states and the lm_head, never writing the B x T x V logits.
 
     hidden (B, T, H) or (B*T, H); weight (V, H); bias (V,) or None; ids (B, T); other arguments as ``grpo_loss``.
+    Packed sequences (``cu_seqlens``, as ``grpo_loss``): hidden (N, H), ids and the per-token tensors (N,),
+    advantages (S,).
     Gradients flow to hidden, weight and bias, each only when it requires grad (a frozen head does no d weight
     work). The planner picks the path (``grpo_kernels.explain`` shows it): on the Triton path, token-level
     configurations compute the gradients in the forward (6NHV) when its chunk and accumulators fit
@@ -133,7 +163,7 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
             hidden=hidden, weight=weight, ids=ids, advantages=advantages, mask=mask, bias=bias, old_logps=old_logps,
             ref_logps=ref_logps, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, impl=impl,
             sampling_logps=sampling_logps, process_group=process_group, vocab_start=vocab_start,
-            config_overrides=config_overrides)
+            cu_seqlens=cu_seqlens, config_overrides=config_overrides)
         plan = plan_head_loss(inputs, batch, cfg, rows, shard)
         # the fast paths read weight / bias only here: their backward hands out stored gradients
         if plan.path == HEAD_FAST:
@@ -197,7 +227,7 @@ class FusedLinearGRPOLoss(nn.Module):
                 raise ValueError(f"argument {key!r} given twice")
             named[key] = value
         unknown = set(named) - set(self._POSITIONAL) - {"sampling_logps", "process_group", "vocab_start",
-                                                        "gather_head"}
+                                                        "gather_head", "cu_seqlens"}
         if unknown:
             raise ValueError(f"unknown argument(s) {sorted(unknown)} for FusedLinearGRPOLoss.forward")
         for required in ("hidden", "weight", "ids", "advantages"):

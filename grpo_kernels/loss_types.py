@@ -78,22 +78,31 @@ def per_token_gradient_known(config) -> bool:
 
 
 def reduction_weights(mask: torch.Tensor, loss_type: str, num_items_in_batch=None,
-                      max_completion_length: int | None = None) -> torch.Tensor:
+                      max_completion_length: int | None = None, sequences=None) -> torch.Tensor:
     """Per-token weights ``w`` (B, T), zero at padded positions, with ``loss = sum(w * per_token_loss)``.
 
     mask: (B, T) float (0/1) in the dtype of the result; num_items_in_batch: None, a number or a one-element tensor
-    (moved to the mask's device). Empty batches give empty weights (the loss is then 0).
+    (moved to the mask's device); sequences: how the tokens group into sequences (``sequences.Sequences``; None: one
+    per row). Packed sequences need ``max_completion_length`` for ``fixed_length`` (there is no row length). Empty
+    batches give empty weights (the loss is then 0).
     """
     B, T = mask.shape
+    packed = sequences is not None and sequences.is_packed
+    S = sequences.n_seq if packed else B
     reduction = LOSS_TABLE[loss_type].reduction
     if reduction == "row_mean":
+        if packed:
+            return mask / sequences.expand(sequences.sums(mask).clamp(min=1)) / max(S, 1)
         return mask / mask.sum(-1, keepdim=True).clamp(min=1) / max(B, 1)
     if reduction == "token_mean":
         return mask / mask.sum().clamp(min=1)
     if reduction == "fixed_length":
-        return mask / (max(B, 1) * (max_completion_length or max(T, 1)))
+        if packed and max_completion_length is None:
+            raise ValueError(f"loss_type={loss_type!r} on packed sequences needs max_completion_length (its "
+                             "normalizer; a packed batch has no padded width to take it from)")
+        return mask / (max(S, 1) * (max_completion_length or max(T, 1)))
     if reduction == "row_sum":
-        return mask / max(B, 1)
+        return mask / max(S, 1)
     items = mask.sum() if num_items_in_batch is None else \
         torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device).reshape(())
     return mask / items.clamp(min=1)

@@ -183,6 +183,14 @@ def _with_cap_note(plan: Plan, softcap: float | None) -> Plan:
                                              f"recomputed in the backward, {where}",))
 
 
+def with_sequences_note(plan: Plan, seqs) -> Plan:
+    """The plan with a line saying that the tokens are packed sequences (``sequences.Sequences``), if they are."""
+    if seqs is None or not seqs.is_packed:
+        return plan
+    return replace(plan, notes=plan.notes + (f"packed: {_shown(seqs.n_seq)} sequences over {_shown(seqs.grid[1])} "
+                                             "tokens (cu_seqlens); no (S, Tmax) tensor is made",))
+
+
 def plan_logits(call: LogitsCall) -> Plan:
     """The path of ``grpo_loss`` (``call.cfg`` given) or ``token_logprobs`` (None) over (B, T, V) / (N, V) logits."""
     cfg = call.cfg
@@ -423,13 +431,13 @@ def _head_fast(call: HeadCall, costs: _HeadCosts, budget: int, items: list, max_
 
 
 def _head_fast_sequence(call: HeadCall, costs: _HeadCosts, budget: int, items: list, max_rows: int):
-    counts = call.sequence_counts() if call.sequence_counts is not None else None
+    counts, offsets = (call.sequence_counts() if call.sequence_counts else None) or (None, None)
     if not counts:
         return None, "the sequence-level path needs a mask it can count"
     if max_rows < min(call.n_valid, _fast_min_rows()) or max(counts) > max_rows:
         return None, "a sequence longer than the rows the budget allows per chunk"
-    chunks = sequence_chunks(counts, max_rows)
-    rows = max(r1 - r0 for _, _, r0, r1 in chunks)
+    chunks = sequence_chunks(counts, max_rows, offsets, call.inputs.shape[-1])
+    rows = max(c[3] - c[2] for c in chunks)
     items = items + [("fp32 logits chunk (d logits written in place)", rows * 4 * call.inputs.weight.shape[0]),
                      ("per-token values", _per_token_bytes(call.n_valid, 18))]
     return _head_plan(call, costs, HEAD_FAST_SEQUENCE, "Triton, a gradient wanted, and every sequence's valid "
@@ -448,13 +456,13 @@ def _head_fast_vocab_parallel(call: HeadCall, costs: _HeadCosts, budget: int, it
     else:  # the shard-sized items as if the shard were the whole vocabulary: the same rows on every rank
         working = budget - (accum + costs.weight_cast) * total // V - (costs.fixed - costs.weight_cast) - small
     rows_all = max(0, working) // (4 * total + 12 * world)
-    counts = call.sequence_counts() if call.sequence_counts is not None else None
+    counts, offsets = (call.sequence_counts() if call.sequence_counts else None) or (None, None)
     if not counts:
         return None, "vocab-parallel: the fast path needs a mask it can count"
     if rows_all < min(N, _fast_min_rows()) or max(counts) > rows_all:
         return None, "vocab-parallel: a sequence longer than the rows the budget allows per chunk"
-    chunks = sequence_chunks(counts, rows_all)
-    rows = max(r1 - r0 for _, _, r0, r1 in chunks)
+    chunks = sequence_chunks(counts, rows_all, offsets, call.inputs.shape[-1])
+    rows = max(c[3] - c[2] for c in chunks)
     items = items + [("fp32 logits chunk of the shard (d logits written in place)", rows * 4 * V),
                      ("gathered row statistics of a chunk", rows * 12 * world), ("per-token values", small)]
     return _head_plan(call, costs, HEAD_FAST_VOCAB_PARALLEL, "Triton, a loss with gradients, every sequence's valid "
@@ -468,15 +476,20 @@ def _larger_phase(during, after) -> list:
     return list(during) if sum(b for _, b in during) >= sum(b for _, b in after) else list(after)
 
 
-def sequence_chunks(counts: list, max_rows: int) -> list:
-    """Runs of whole sequences of at most max_rows valid tokens: (first seq, end seq, first row, end row)."""
+def sequence_chunks(counts: list, max_rows: int, offsets=None, row_length: int = 0) -> list:
+    """Runs of whole sequences of at most max_rows valid tokens: (first seq, end seq, first row, end row, first
+    token, end token): rows count the valid (compacted) tokens; tokens index the call's grid, from the sequences'
+    offsets (packed) or ``row_length`` per sequence (padded rows)."""
+    def token(b):
+        return offsets[b] if offsets is not None else b * row_length
+
     chunks, b0, r0, rows = [], 0, 0, 0
     for b, n in enumerate(counts):
         if rows + n > max_rows:
-            chunks.append((b0, b, r0, r0 + rows))
+            chunks.append((b0, b, r0, r0 + rows, token(b0), token(b)))
             b0, r0, rows = b, r0 + rows, 0
         rows += n
-    chunks.append((b0, len(counts), r0, r0 + rows))
+    chunks.append((b0, len(counts), r0, r0 + rows, token(b0), token(len(counts))))
     return chunks
 
 

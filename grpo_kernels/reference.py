@@ -13,6 +13,7 @@ import torch
 
 from .config import GRPOLossConfig
 from .loss_types import LOSS_TABLE, reduction_weights
+from .sequences import Sequences
 
 _LOG_1E_8 = math.log(1e-8)
 
@@ -99,30 +100,46 @@ def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.sqrt(torch.where(count > 1, var, float("nan")))
 
 
-def gamma_weights(advantages, log_ratio, mask, is_ratio, config: GRPOLossConfig) -> torch.Tensor:
+def gamma_weights(advantages, log_ratio, mask, is_ratio, config: GRPOLossConfig, seqs: Sequences | None = None):
     """VESPO weights ``phi(w) = exp(lam + k log w - lam w)`` with ``log w`` the clamped masked *sum* of log ratios
-    per row (plus the clamped log of ``is_ratio``); detached. Shapes broadcast like TRL's ``get_gamma_weights``."""
+    per sequence (plus the clamped log of ``is_ratio``: a per-sequence one once, a per-token one summed over every
+    position of the sequence, as TRL's ``get_gamma_weights``); detached. ``advantages`` / ``is_ratio``: in ``seqs``'
+    per-sequence layout, or (B, T); phi is per-sequence when the advantages are."""
+    seqs = seqs or Sequences.rows(*log_ratio.shape)
     with torch.no_grad():
-        seq_log_ratio = torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
+        seq_log_ratio = seqs.sums(torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0.0))
+        broken = seqs.sums(torch.isnan(torch.where(mask, log_ratio, 0.0)).to(log_ratio.dtype)) > 0
         if is_ratio is not None:
-            seq_log_ratio = seq_log_ratio + torch.log(is_ratio).clamp(_LOG_1E_8, 20.0).sum(-1, keepdim=True)
+            log_is = torch.log(is_ratio).clamp(_LOG_1E_8, 20.0)
+            per_seq = _is_per_sequence(is_ratio, log_ratio)
+            seq_log_ratio = seq_log_ratio + (log_is if per_seq else seqs.sums(log_is))
+            nan_is = torch.isnan(is_ratio)
+            broken = broken | (nan_is if per_seq else seqs.sums(nan_is.to(log_ratio.dtype)) > 0)
         log_w = seq_log_ratio.clamp(_LOG_1E_8, 20.0)
+        if not _is_per_sequence(advantages, log_ratio):  # per-token advantages: phi per token
+            log_w, broken = seqs.expand(log_w), seqs.expand(broken.to(log_w.dtype)) > 0
         nonneg = advantages >= 0
         k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg).to(log_w.dtype)
         lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         # TRL's nan_to_num above also turns a NaN log ratio into a zero weight, which would hide a broken input:
         # a NaN at a valid position (or in is_ratio, read at every position here) must reach the loss.
-        broken = torch.isnan(torch.where(mask, log_ratio, 0.0)).any(-1, keepdim=True)
-        if is_ratio is not None:
-            broken = broken | torch.isnan(is_ratio).any(-1, keepdim=True)
         return torch.where(broken, float("nan"), phi)
 
 
-def off_policy_mask(advantages, logps, sampling_logps, mask, threshold: float) -> torch.Tensor:
-    """DeepSeek-V3.2 sequence mask: keep a row unless A < 0 and mean(sampling_logp - logp) > threshold."""
+def _is_per_sequence(t: torch.Tensor, grid_like: torch.Tensor) -> bool:
+    """Whether ``t`` is in the per-sequence layout ((B, 1) padded, (S,) packed) rather than a (B, T) grid."""
+    return t.dim() == 1 or (t.shape[-1] == 1 and grid_like.shape[-1] != 1)
+
+
+def off_policy_mask(advantages, logps, sampling_logps, mask, threshold: float, seqs: Sequences | None = None):
+    """DeepSeek-V3.2 sequence mask: keep a sequence unless A < 0 and mean(sampling_logp - logp) > threshold; in
+    the advantages' layout (per sequence, or (B, T))."""
+    seqs = seqs or Sequences.rows(*logps.shape)
     kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
-    avg = torch.where(mask, kl, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    avg = seqs.sums(torch.where(mask, kl, 0.0)) / seqs.sums(mask).clamp(min=1)
+    if not _is_per_sequence(advantages, logps):
+        avg = seqs.expand(avg)
     return (advantages >= 0) | (avg <= threshold)
 
 
@@ -140,23 +157,17 @@ def high_entropy_mask(entropy, mask, top_quantile: float) -> torch.Tensor:
     return (torch.where(mask, e, 0.0) >= threshold.to(e.dtype)) & mask
 
 
-def _masked_mean(x, mask, n_valid) -> torch.Tensor:
-    """TRL's ``global_masked_mean``: a (B, 1) tensor is one value per row, a (B, T) one is masked by tokens."""
-    if x.shape[-1] == 1 and mask.shape[-1] != 1:
-        return x.sum() / max(x.shape[0], 1)
-    return torch.where(mask, x, 0.0).sum() / n_valid.clamp(min=1)
-
-
 @dataclass(frozen=True)
 class PerTokenLoss:
-    """Section 2's per-token terms before the reduction (``per_token_loss``): (B, T) tensors or (B, 1) ones that
-    broadcast to (B, T).
+    """Section 2's per-token terms before the reduction (``per_token_loss``): (B, T) tensors, or per-sequence ones
+    in ``seqs``' layout ((B, 1) padded: they broadcast) where marked.
 
-    loss: ``l = policy * masks * is_ratio + beta * kl``, differentiable (padded tokens hold finite values that every
-    reduction weights by 0); kl: the k3 KL (times the ratio with ``use_bias_correction_kl``), None without
-    ``ref_logps``; coef_1: the ratio the clip metrics read (after the delta clamp, as TRL's); adv: the advantages as
-    broadcast (0 at padded tokens when (B, T)); mask: bool (B, T); entropy: 0 at padded tokens, or None; phi:
-    vespo's weights or None; entropy_mask: the top-entropy mask or None."""
+    loss: ``l = policy * masks * is_ratio + beta * kl``, (B, T) or (B, 1), differentiable (padded tokens hold finite
+    values that every reduction weights by 0); kl: the k3 KL (times the ratio with ``use_bias_correction_kl``), None
+    without ``ref_logps``; coef_1: the ratio the clip metrics read (after the delta clamp, as TRL's), per sequence
+    when ``coef_per_seq``; adv: the advantages (0 at padded tokens when (B, T)), per sequence when ``adv_per_seq``;
+    mask: bool (B, T); entropy: 0 at padded tokens, or None; phi: vespo's weights (per sequence with the advantages)
+    or None; entropy_mask: the top-entropy mask or None; seqs: the layout."""
 
     loss: torch.Tensor
     kl: torch.Tensor | None
@@ -166,71 +177,106 @@ class PerTokenLoss:
     entropy: torch.Tensor | None = None
     phi: torch.Tensor | None = None
     entropy_mask: torch.Tensor | None = None
+    seqs: Sequences | None = None
+    coef_per_seq: bool = False
+    adv_per_seq: bool = False
 
     def clipped(self, cfg: GRPOLossConfig):
-        """(low, high, cispo) bool indicators of the clip metrics: ``rho < 1 - eps_low`` with A < 0, ``rho > 1 +
-        eps_high`` with A > 0, and cispo's ``rho > eps_high`` with A > 0 (TRL's definitions)."""
-        low = (self.coef_1 < 1 - cfg.epsilon_low) & (self.adv < 0)
-        high = (self.coef_1 > 1 + cfg.epsilon_high) & (self.adv > 0)
-        return low, high, (self.coef_1 > cfg.epsilon_high) & (self.adv > 0)
+        """(low, high, cispo, per_seq) of the clip metrics: bool indicators of ``rho < 1 - eps_low`` with A < 0,
+        ``rho > 1 + eps_high`` with A > 0 and cispo's ``rho > eps_high`` with A > 0 (TRL's definitions), per
+        sequence when the ratio and the advantages both are."""
+        coef, adv, per_seq = self.coef_1, self.adv, self.coef_per_seq and self.adv_per_seq
+        if not per_seq:
+            coef = self.seqs.expand(coef) if self.coef_per_seq else coef
+            adv = self.seqs.expand(adv) if self.adv_per_seq else adv
+        low = (coef < 1 - cfg.epsilon_low) & (adv < 0)
+        high = (coef > 1 + cfg.epsilon_high) & (adv > 0)
+        return low, high, (coef > cfg.epsilon_high) & (adv > 0), per_seq
+
+
+def _layout(logps, cu_seqlens, sequences) -> tuple:
+    """(logps on the (B, T) grid, Sequences) of a reference call: padded (B, T) logps, or packed (N,) ones with
+    ``cu_seqlens`` (then a (1, N) grid), or a layout the caller already made (``sequences``)."""
+    if sequences is not None:
+        return logps.reshape(sequences.grid), sequences
+    if cu_seqlens is not None:
+        seqs = Sequences.packed(cu_seqlens, logps.numel())
+        return logps.reshape(seqs.grid), seqs
+    return logps, Sequences.rows(*logps.shape)
 
 
 def per_token_loss(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None, entropy=None,
-                   sampling_logps=None, config: GRPOLossConfig | None = None) -> PerTokenLoss:
+                   sampling_logps=None, config: GRPOLossConfig | None = None, cu_seqlens=None,
+                   sequences: Sequences | None = None) -> PerTokenLoss:
     """The per-token loss of docs/DESIGN.md section 2 and what its metrics read, before any reduction; arguments
     as ``loss_from_logps`` (which reduces it)."""
     cfg = config or GRPOLossConfig()
     policy = LOSS_TABLE[cfg.loss_type].policy
-    x = _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy)
+    logps, seqs = _layout(logps, cu_seqlens, sequences)
+    x = _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy,
+                        seqs)
     logps, mask, adv, dtype = x["logps"], x["mask"], x["adv"], logps.dtype
+    adv_g = seqs.expand(adv) if x["adv_per_seq"] else adv
 
     log_ratio = logps - x["old"]
-    if cfg.importance_sampling_level == "token":
-        log_w = log_ratio
+    coef_per_seq = cfg.importance_sampling_level != "token"
+    if coef_per_seq:
+        coef_1 = torch.exp(seqs.sums(torch.where(mask, log_ratio, 0.0)) / seqs.sums(mask).clamp(min=1))
     else:
-        log_w = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    coef_1 = torch.exp(log_w)
+        coef_1 = torch.exp(log_ratio)
+    coef_g = seqs.expand(coef_1) if coef_per_seq else coef_1
 
     per_token_kl = None
     if x["ref"] is not None:
         ref = x["ref"]
         per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
         if cfg.use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
+            per_token_kl = per_token_kl * coef_g
 
-    loss, phi, coef_1 = _policy_term(policy, coef_1, adv, logps, log_ratio, mask, x["is_ratio"], cfg)
+    # the policy term in the per-sequence layout where both operands are (padded: (B, 1), as TRL computes it)
+    same_layout = coef_per_seq and x["adv_per_seq"]
+    ratio, a = (coef_1, adv) if same_layout else (coef_g, adv_g)
+    loss, phi, ratio = _policy_term(policy, ratio, a, logps, log_ratio, mask, x["is_ratio"], cfg, seqs, adv)
+    loss = _grid(loss, logps, seqs)
+    # padded, a per-sequence ratio stays (B, 1) (it broadcasts) even against per-token advantages
+    ratio_per_seq = same_layout or (coef_per_seq and not seqs.is_packed)
     if cfg.off_policy_mask_threshold is not None:
         sampling = x["old"] if x["sampling"] is None else x["sampling"]
-        loss = loss * off_policy_mask(adv, logps, sampling, mask, cfg.off_policy_mask_threshold).to(dtype)
+        keep = off_policy_mask(adv, logps, sampling, mask, cfg.off_policy_mask_threshold, seqs).to(dtype)
+        loss = loss * (seqs.expand(keep) if x["adv_per_seq"] else keep)
     entropy_mask = None
     if cfg.top_entropy_quantile < 1.0:
         entropy_mask = high_entropy_mask(x["entropy"], mask, cfg.top_entropy_quantile)
         loss = loss * entropy_mask.to(dtype)
     if x["is_ratio"] is not None and policy != "vespo":
-        loss = loss * x["is_ratio"]
+        loss = loss * (seqs.expand(x["is_ratio"]) if x["is_per_seq"] else x["is_ratio"])
     if cfg.beta != 0.0:
         loss = loss + cfg.beta * per_token_kl
-    return PerTokenLoss(loss, per_token_kl, coef_1, adv, mask, x["entropy"], phi, entropy_mask)
+    return PerTokenLoss(loss, per_token_kl, ratio, adv, mask, x["entropy"], phi, entropy_mask, seqs, ratio_per_seq,
+                        x["adv_per_seq"])
 
 
 def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None,
                     entropy=None, num_items_in_batch=None, sampling_logps=None,
-                    config: GRPOLossConfig | None = None):
+                    config: GRPOLossConfig | None = None, cu_seqlens=None, sequences: Sequences | None = None):
     """GRPO loss of docs/DESIGN.md section 2 from per-token log-probs: returns ``(loss, metrics)``.
 
-    logps (B, T) differentiable (fp32 or fp64); advantages (B,) or (B, T); mask (B, T) bool/int/float or None;
-    old_logps, ref_logps, sampling_logps (B, T); is_ratio (B,), (B, 1) or (B, T); entropy (B, T), differentiable
-    when ``config.entropy_coef != 0``. Inputs must already be validated and on logps' device; they are cast to
-    logps' dtype. metrics: detached 0-dim tensors ``kl``, ``entropy``, ``clip_ratio/{low,high,region}_mean`` and,
-    for cispo / vespo, ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
+    Padded: logps (B, T) differentiable (fp32 or fp64); advantages (B,) or (B, T); mask (B, T) bool/int/float or
+    None; old_logps, ref_logps, sampling_logps (B, T); is_ratio (B,), (B, 1) or (B, T); entropy (B, T),
+    differentiable when ``config.entropy_coef != 0``. Packed (``cu_seqlens`` (S + 1,): sequence s is tokens
+    ``cu_seqlens[s]:cu_seqlens[s + 1]``): logps, mask and the other per-token tensors (N,), advantages (S,), is_ratio
+    (S,) or (N,). Inputs must already be validated and on logps' device; they are cast to logps' dtype. metrics:
+    detached 0-dim tensors ``kl``, ``entropy``, ``clip_ratio/{low,high,region}_mean`` and, for cispo / vespo,
+    ``cispo_clip_ratio`` / ``vespo/phi_seq_mean``.
     """
     cfg = config or GRPOLossConfig()
     terms = per_token_loss(logps, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio,
-                           entropy=entropy, sampling_logps=sampling_logps, config=cfg)
-    mask, dtype = terms.mask, logps.dtype
-    B, T = logps.shape
-    weights = reduction_weights(mask.to(dtype), cfg.loss_type, num_items_in_batch, cfg.max_completion_length)
-    loss = torch.where(mask, weights * terms.loss.expand(B, T), 0.0).sum()
+                           entropy=entropy, sampling_logps=sampling_logps, config=cfg, cu_seqlens=cu_seqlens,
+                           sequences=sequences)
+    mask, seqs = terms.mask, terms.seqs
+    weights = reduction_weights(mask.to(logps.dtype), cfg.loss_type, num_items_in_batch, cfg.max_completion_length,
+                                seqs)
+    loss = torch.where(mask, weights * terms.loss.expand(seqs.grid), 0.0).sum()
 
     if cfg.entropy_coef != 0.0:
         eff = mask if terms.entropy_mask is None else terms.entropy_mask
@@ -238,39 +284,51 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
     return loss, _metrics(terms, cfg)
 
 
-def _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy):
-    """The inputs in logps' dtype with neutral values at padded positions, by name.
+def _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy,
+                    seqs: Sequences):
+    """The inputs in logps' dtype on the (B, T) grid with neutral values at padded positions, by name; per-sequence
+    advantages / is_ratio in ``seqs``' per-sequence layout (flagged ``adv_per_seq`` / ``is_per_seq``).
 
     Padded positions may hold anything (sentinel log-probs, -inf, a huge ratio): neutral values there keep 0 * inf
     out of the forward and the backward. Valid positions are untouched, so the numbers are TRL's."""
-    dtype = logps.dtype
-    mask = torch.ones_like(logps, dtype=torch.bool) if mask is None else mask.bool()
+    dtype, grid = logps.dtype, seqs.grid
+    mask = torch.ones(grid, dtype=torch.bool, device=logps.device) if mask is None else mask.reshape(grid).bool()
     adv = advantages.to(dtype)
+    adv_per_seq = seqs.is_packed or adv.dim() == 1
     # (B, T) advantages at padded positions are neutral too (a per-row ratio's gradient sums over the whole row)
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(mask, adv, 0.0)
+    adv = seqs.per_sequence(adv) if adv_per_seq else torch.where(mask, adv.reshape(grid), 0.0)
     logps = torch.where(mask, logps, 0.0)
     neutral = logps.detach()
+    # packed: (S,) per sequence (where S = N every sequence is one token and both readings agree), (N,) per token
+    if is_ratio is None:
+        is_per_seq = False
+    elif seqs.is_packed:
+        is_per_seq = is_ratio.shape[0] == seqs.n_seq
+    else:
+        is_per_seq = is_ratio.dim() == 1 or (is_ratio.shape[-1] == 1 and grid[1] != 1)
     if is_ratio is not None:
         is_ratio = is_ratio.to(dtype)
         # vespo folds the raw ratios of every position into its gamma weights, as TRL does; elsewhere padded
         # positions only multiply a masked-out loss, so they are neutralized.
-        is_ratio = is_ratio.unsqueeze(1) if is_ratio.dim() == 1 else \
-            is_ratio if policy == "vespo" else torch.where(mask, is_ratio, 1.0)
+        is_ratio = seqs.per_sequence(is_ratio) if is_per_seq else \
+            is_ratio.reshape(grid) if policy == "vespo" else torch.where(mask, is_ratio.reshape(grid), 1.0)
 
     def at_valid(t, fill):
-        return None if t is None else torch.where(mask, t.to(dtype), fill)
+        return None if t is None else torch.where(mask, t.reshape(grid).to(dtype), fill)
 
-    return {"logps": logps, "mask": mask, "adv": adv, "is_ratio": is_ratio,
-            "old": neutral if old_logps is None else at_valid(old_logps, neutral),
+    return {"logps": logps, "mask": mask, "adv": adv, "adv_per_seq": adv_per_seq, "is_ratio": is_ratio,
+            "is_per_seq": is_per_seq, "old": neutral if old_logps is None else at_valid(old_logps, neutral),
             "ref": at_valid(ref_logps, neutral), "sampling": at_valid(sampling_logps, neutral),
-            "entropy": None if entropy is None else torch.where(mask, entropy, 0.0)}
+            "entropy": None if entropy is None else torch.where(mask, entropy.reshape(grid), 0.0)}
 
 
-def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg):
+def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg, seqs: Sequences, adv_own):
     """(per-token policy loss, vespo's phi or None, the ratio the clip metrics read: delta-clamped for the clipped
-    term, as TRL's) of the loss type's policy term (docs/DESIGN.md section 2)."""
+    term, as TRL's) of the loss type's policy term (docs/DESIGN.md section 2). coef_1 and adv share a layout;
+    adv_own: the advantages in their own layout (vespo's phi is per sequence when they are)."""
     if policy == "cispo":
-        return -torch.clamp(coef_1, max=cfg.epsilon_high).detach() * adv * logps, None, coef_1
+        return -torch.clamp(_grid(coef_1, logps, seqs), max=cfg.epsilon_high).detach() * _grid(adv, logps, seqs) \
+            * logps, None, coef_1
     if policy == "clipped":
         coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
         if cfg.delta is not None:
@@ -279,36 +337,55 @@ def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg):
     if policy == "sapo":
         temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(logps.dtype)
         return -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv, None, coef_1
-    phi = gamma_weights(adv, log_ratio, mask, is_ratio, cfg)  # vespo
-    return -phi * adv * logps, phi, coef_1
+    phi = gamma_weights(adv_own, log_ratio, mask, is_ratio, cfg, seqs)  # vespo: per sequence with the advantages
+    return -_grid(phi, logps, seqs) * _grid(adv, logps, seqs) * logps, phi, coef_1
+
+
+def _grid(t, logps, seqs: Sequences):
+    """``t`` broadcastable against the (B, T) grid (a packed per-sequence tensor expanded to its tokens)."""
+    return seqs.expand(t) if seqs.is_packed and _is_per_sequence(t, logps) else t
+
+
+def _masked_mean(x, per_seq: bool, mask, n_valid, seqs: Sequences) -> torch.Tensor:
+    """TRL's ``global_masked_mean``: a per-sequence value is counted once per sequence, a per-token one is masked
+    by tokens."""
+    if per_seq:
+        return seqs.mean(x)
+    return torch.where(mask, x, 0.0).sum() / n_valid.clamp(min=1)
 
 
 def _metrics(terms: PerTokenLoss, cfg) -> dict:
     """The metrics dict (detached 0-dim masked means over the batch) of ``loss_from_logps``."""
     with torch.no_grad():
-        mask, dtype = terms.mask, terms.coef_1.dtype
+        mask, dtype, seqs = terms.mask, terms.coef_1.dtype, terms.seqs
         n_valid = mask.sum().to(dtype)
         zero = torch.zeros((), dtype=dtype, device=mask.device)
-        low, high, cispo_clipped = terms.clipped(cfg)
+        low, high, cispo_clipped, per_seq = terms.clipped(cfg)
+
+        def mean(x, seq=per_seq):
+            return _masked_mean(x.to(dtype), seq, mask, n_valid, seqs)
+
         metrics = {
-            "kl": zero if terms.kl is None else _masked_mean(terms.kl, mask, n_valid),
-            "entropy": zero if terms.entropy is None else _masked_mean(terms.entropy.detach(), mask, n_valid),
-            "clip_ratio/low_mean": _masked_mean(low.to(dtype), mask, n_valid),
-            "clip_ratio/high_mean": _masked_mean(high.to(dtype), mask, n_valid),
-            "clip_ratio/region_mean": _masked_mean((low | high).to(dtype), mask, n_valid),
+            "kl": zero if terms.kl is None else mean(terms.kl, False),
+            "entropy": zero if terms.entropy is None else mean(terms.entropy.detach(), False),
+            "clip_ratio/low_mean": mean(low),
+            "clip_ratio/high_mean": mean(high),
+            "clip_ratio/region_mean": mean(low | high),
         }
         if LOSS_TABLE[cfg.loss_type].policy == "cispo":
-            metrics["cispo_clip_ratio"] = _masked_mean(cispo_clipped.to(dtype), mask, n_valid)
+            metrics["cispo_clip_ratio"] = mean(cispo_clipped)
         if terms.phi is not None:
-            metrics["vespo/phi_seq_mean"] = _masked_mean(terms.phi, mask, n_valid)
+            metrics["vespo/phi_seq_mean"] = mean(terms.phi, terms.adv_per_seq)
         return {k: v.detach() for k, v in metrics.items()}
 
 
 def reference_grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
-                        num_items_in_batch=None, sampling_logps=None, config: GRPOLossConfig | None = None):
-    """Full-logits eager GRPO loss (the ground truth of the tests): logits (B, T, V) -> (loss, metrics)."""
+                        num_items_in_batch=None, sampling_logps=None, config: GRPOLossConfig | None = None,
+                        cu_seqlens=None):
+    """Full-logits eager GRPO loss (the ground truth of the tests): logits (B, T, V), or (N, V) packed with
+    ``cu_seqlens`` -> (loss, metrics)."""
     cfg = config or GRPOLossConfig()
     logps, entropy = logprobs_and_entropy(logits, ids, cfg.temperature, cfg.softcap)
     return loss_from_logps(logps, advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
                            is_ratio=is_ratio, entropy=entropy, num_items_in_batch=num_items_in_batch,
-                           sampling_logps=sampling_logps, config=cfg)
+                           sampling_logps=sampling_logps, config=cfg, cu_seqlens=cu_seqlens)

@@ -74,7 +74,7 @@ def loss_from_token_logprobs(logps, entropy, batch: LossInputs, cfg: GRPOLossCon
         return loss_from_logps(logps, batch.advantages, mask=batch.mask, old_logps=batch.old_logps,
                                ref_logps=batch.ref_logps, is_ratio=batch.is_ratio, entropy=entropy,
                                num_items_in_batch=batch.num_items_in_batch, sampling_logps=batch.sampling_logps,
-                               config=cfg)
+                               config=cfg, sequences=batch.seqs)
     B, T = logps.shape
     weights = batch.token_weights(cfg, B, T, logps.device)
     tokens = LossTokens.of(batch, weights)

@@ -10,7 +10,9 @@ same ptxas on the PTX when the kernel came from Triton's cache). Shared memory i
 
 Where the configs come from: every kernel module of ``grpo_kernels.kernels`` has ``aot_launches()``, a list of
 ``(name, thunk)`` scenarios that call the module's real launchers on small CPU tensors of the GPU shape class.
-``module_configs`` runs each thunk under ``grpo_kernels.kernels.launch.recording(arch)``: nothing runs, every
+``module_configs`` runs each thunk under ``grpo_kernels.kernels.launch.recording(arch, tf32)``, once with torch's
+fp32 matmul precision at "highest" (IEEE) and once at "high" (TF32; configs only that run launches are named
+``..._tf32``): nothing runs, routes are decided as on a CUDA device (``launch.as_cuda``), every
 ``launch(kernel, grid, *args, **kwargs)`` is recorded, and ``signature_of`` derives the signature from the actual
 arguments with Triton's own specialization rule (the JIT's ``specialize_impl``: pointer dtypes, i32/i64, ints
 divisible by 16 or equal to 1, 16-byte aligned pointers, ``do_not_specialize``). So no signature is written by
@@ -31,6 +33,10 @@ Kernels created while ``TRITON_INTERPRET=1`` are interpreter objects, not JITFun
 resolve to interpreter objects too; ``report_module`` therefore compiles in a child process with
 ``TRITON_INTERPRET=0`` (``python -m tools.aot --module MOD --arch 90``), which works from any
 process, the interpreted test session included. ``compile_config`` compiles in-process.
+
+Which Triton compiles: the child's. ``GRPO_AOT_PYTHON`` names its interpreter (default: this one), e.g.
+``.venv-triton36/bin/python`` (scripts/setup_aot36.sh: the GPU image's Triton 3.6 beside CI's 3.9); each report
+carries the compiling Triton's version. Only APIs both versions have are used here.
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ class KernelReport:
     loop_instructions: list = dataclasses.field(default_factory=list)  # SASS per sweep loop body, in code order
     loop_elements: int = 0  # elements per thread one iteration covers (0: not a row sweep)
     error: str = ""
+    triton: str = ""  # the version of the Triton that compiled it
 
     @property
     def per_element(self) -> list:
@@ -260,7 +267,8 @@ def report(name: str, fn, signature: dict, constexprs: dict, arch: int = 90) -> 
                         spill_loads=info["spill_loads"], shared_bytes=kernel.metadata.shared + info["static_shared"],
                         num_warps=warps, num_stages=stages, hgmma=info["hgmma"], hmma=info["hmma"],
                         ldg128=info["ldg128"], stg128=info["stg128"], ldg16=info["ldg16"], stg16=info["stg16"],
-                        loop_instructions=info["loop_instructions"], loop_elements=loop_elements(constexprs))
+                        loop_instructions=info["loop_instructions"], loop_elements=loop_elements(constexprs),
+                        triton=_triton()[0].__version__)
 
 
 _REPORT_FILE = "grpo_aot_report_v3.json"  # v3: with the sweep-loop instruction counts
@@ -293,52 +301,87 @@ def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
 def module_configs(module: str, arch: int):
     """Every distinct kernel config ``module.aot_launches()`` launches for ``sm_<arch>`` (see the module docstring).
 
-    A scenario that launches one kernel names its config; one that launches several (a forward and its merge)
-    names them ``scenario/kernel``. Identical configs reached from several scenarios are listed once."""
+    Each scenario is recorded as a CUDA run would launch it (``launch.recording``: GPU routes, compiled tiles), twice:
+    under torch's default fp32 matmul precision ("highest", IEEE fp32) and under "high" (TF32). A scenario that
+    launches one kernel names its config; one that launches several (a forward and its merge) names them
+    ``scenario/kernel``; configs that only the TF32 run launches get ``_tf32`` after the scenario's name. Identical
+    configs reached from several scenarios (or both precisions) are listed once."""
     from grpo_kernels.kernels.launch import recording
 
     configs, seen = [], set()
-    for name, thunk in importlib.import_module(module).aot_launches():
-        with recording(arch) as records:
-            thunk()
-        if not records:
-            raise RuntimeError(f"{module}: AOT scenario {name!r} launched no kernel")
-        for rec in records:
-            sig, consts = signature_of(rec.kernel, rec.args, rec.kwargs)
-            key = (_as_jit(rec.kernel).fn, tuple(sorted(sig.items())), repr(sorted(consts.items())))
-            if key in seen:
-                continue
-            seen.add(key)
-            label = name if len(records) == 1 else f"{name}/{_as_jit(rec.kernel).__name__}"
-            configs.append((label, rec.kernel, sig, consts))
+    scenarios = importlib.import_module(module).aot_launches()
+    for tf32 in (False, True):
+        for name, thunk in scenarios:
+            with recording(arch, tf32=tf32) as records:
+                thunk()
+            if not records:
+                raise RuntimeError(f"{module}: AOT scenario {name!r} launched no kernel")
+            scenario = f"{name}_tf32" if tf32 else name
+            for rec in records:
+                sig, consts = signature_of(rec.kernel, rec.args, rec.kwargs)
+                key = (_as_jit(rec.kernel).fn, tuple(sorted(sig.items())), repr(sorted(consts.items())))
+                if key in seen:
+                    continue
+                seen.add(key)
+                label = scenario if len(records) == 1 else f"{scenario}/{_as_jit(rec.kernel).__name__}"
+                configs.append((label, rec.kernel, sig, consts))
     return configs
 
 
+_CONFIGS: dict = {}  # (module, arch) -> module_configs(module, arch), per worker process
+
+
+def _one_thread() -> None:
+    """One torch thread in the AOT processes: the scenarios' CPU ops are tiny, and with several threads on a busy
+    machine each took ~20 ms (recording the linear modules: 25 s instead of 2 s)."""
+    import torch
+    torch.set_num_threads(1)
+
+
 def _report_job(job) -> KernelReport:
-    """Worker: compile config ``name`` of ``module`` for ``arch``; a compile error is a result, not a crash."""
+    """Worker: compile config ``name`` of ``module`` for ``arch``; a compile error is a result, not a crash.
+
+    Why the per-process cache: recording a module's scenarios takes seconds (the light backward's CPU GEMMs), and a
+    worker compiles many configs of one module."""
     module, arch, name = job
     const = {}
+    _one_thread()
     try:
-        _, fn, sig, const = next(c for c in module_configs(module, arch) if c[0] == name)
+        if (module, arch) not in _CONFIGS:
+            _CONFIGS[(module, arch)] = module_configs(module, arch)
+        _, fn, sig, const = next(c for c in _CONFIGS[(module, arch)] if c[0] == name)
         return report(name, fn, sig, const, arch)
     except Exception as exc:
         return KernelReport(name, arch, 0, 0, 0, 0, 0, 0, const.get("num_warps", 4), const.get("num_stages", 3),
-                            False, False, error=f"{type(exc).__name__}: {exc}")
+                            False, False, error=f"{type(exc).__name__}: {exc}", triton=_triton()[0].__version__)
+
+
+def child_python() -> str:
+    """The interpreter whose Triton compiles in ``report_module``'s child process: ``$GRPO_AOT_PYTHON`` when set
+    (e.g. ``.venv-triton36/bin/python``, the GPU image's Triton 3.6: scripts/setup_aot36.sh), else this one."""
+    return os.environ.get("GRPO_AOT_PYTHON") or sys.executable
+
+
+def child_env() -> dict:
+    """The child process' environment: no interpreter, and this checkout importable (tests run from a checkout; the
+    Triton 3.6 environment does not install the package)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def report_module(modules, archs=(90, 80), jobs: int | None = None, only: str = "",
                   timeout: float = 3600.0) -> list[KernelReport]:
     """Compile every config of ``module_configs`` for ``modules`` (a name or a list) for each arch.
 
-    Runs ``python -m tools.aot`` in a child process with ``TRITON_INTERPRET=0``, so it works from an
-    interpreted test session; ``jobs`` worker processes compile in parallel (default: the CPU count, at most 8).
+    Runs ``python -m tools.aot`` in a child process (``child_python()``, so ``GRPO_AOT_PYTHON`` selects another
+    Triton) with ``TRITON_INTERPRET=0``, so it works from an interpreted test session; ``jobs`` worker processes
+    compile in parallel (default: the CPU count, at most 8).
     """
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
-    # The child must import this package even when it is not installed (tests run from a checkout).
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "tools.aot", "--json", "--only", only]
+    env = child_env()
+    cmd = [child_python(), "-m", "tools.aot", "--json", "--only", only]
     for module in [modules] if isinstance(modules, str) else modules:
         cmd += ["--module", module]
     for arch in archs:
@@ -361,6 +404,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("run with TRITON_INTERPRET=0 (interpreter kernels cannot be compiled)")
+    _one_thread()
     jobs = [(module, arch, name) for module in args.module for arch in args.arch or [90, 80]
             for name, *_ in module_configs(module, arch) if not args.only or re.search(args.only, name)]
     failed = False

@@ -314,7 +314,8 @@ def validate(process_group, vocab_start, hidden, local, keep_padding: bool = Fal
     mine = _local_row(result[0], result[1], vocab_start, message, device)
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=process_group)
-    counts = None if message else ValidRows.counts_on_device(result[1], keep_padding)
+    seqs = getattr(result[2], "seqs", None)  # the loss's sequences (packed or rows), None for log-probs
+    counts = None if message else ValidRows.counts_on_device(result[1], keep_padding, seqs)
     table = torch.stack(parts)
     read = torch.cat([table.reshape(-1), counts.to(device)]) if counts is not None else table.reshape(-1)
     values = read.tolist()  # the one host sync: the table, and this rank's valid-row counts
@@ -323,7 +324,7 @@ def validate(process_group, vocab_start, hidden, local, keep_padding: bool = Fal
         raise ValueError(error)
     inputs, mask, extra = result
     rows = ValidRows.from_counts(mask, inputs.ids.numel(), None if counts is None else values[world * mine.numel():],
-                                 keep_padding)
+                                 keep_padding, seqs)
     shard = VocabShard(process_group, rank, world, starts[rank], inputs.weight.shape[0], total)
     return inputs, mask, extra, shard, rows
 

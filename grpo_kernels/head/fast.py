@@ -181,9 +181,11 @@ def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossCon
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     # d loss / d entropy of every valid token: loss = ... - entropy_coef * sum(entropy) / n_valid
     ge = None if cfg.entropy_coef == 0.0 else (-cfg.entropy_coef / weights.count).reshape(1).float()
-    tokens = HeadTokens(adv=_per_token(batch.advantages, B, T, rows), w=_per_token(weights.weights, B, T, rows),
-                        old=_per_token(batch.old_logps, B, T, rows), ref=_per_token(batch.ref_logps, B, T, rows),
-                        isr=_per_token(batch.is_ratio, B, T, rows), ge=ge)
+    # each sequence's advantage (and per-sequence is_ratio) reaches its tokens here (packed: a gather)
+    tokens = HeadTokens(adv=_per_token(batch.per_token(batch.advantages), B, T, rows),
+                        w=_per_token(weights.weights, B, T, rows), old=_per_token(batch.old_logps, B, T, rows),
+                        ref=_per_token(batch.ref_logps, B, T, rows),
+                        isr=_per_token(batch.per_token(batch.is_ratio), B, T, rows), ge=ge)
     o = FastOptions(inputs.dtype, cfg, inputs.transform, plan.chunk_rows)
     entropy_scale = 1.0 / weights.count.double()
     if ops.compiling():  # the Function does not trace: its registered op does
@@ -259,7 +261,7 @@ def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GR
     if shard_view is not None:
         hidden, ids, grad_ids, combine = shard_view(hidden, ids)
     token_grads = _SequenceGrads(batch, cfg, weights, rows, plan, T, combine)
-    bounds = (0,) + tuple(r1 for *_, r1 in plan.sequence_chunks)
+    bounds = (0,) + tuple(chunk[3] for chunk in plan.sequence_chunks)
     o = SequenceOptions(inputs.dtype, inputs.transform, bounds, token_grads, grad_ids)
     anchor, logp, ent = _HeadSequenceGradsInForward.apply(hidden, inputs.weight, inputs.bias, ids, o)
     logp, ent = rows.scatter(logp, ent)
@@ -267,7 +269,7 @@ def head_sequence_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GR
         loss, metrics = loss_from_logps(logp.view(B, T), batch.advantages, batch.mask, old_logps=batch.old_logps,
                                         ref_logps=batch.ref_logps, is_ratio=batch.is_ratio, entropy=ent.view(B, T),
                                         num_items_in_batch=batch.num_items_in_batch,
-                                        sampling_logps=batch.sampling_logps, config=cfg)
+                                        sampling_logps=batch.sampling_logps, config=cfg, sequences=batch.seqs)
     return loss.float() + anchor, metrics
 
 
@@ -278,43 +280,51 @@ class _SequenceGrads:
     within a sequence every reduction weights its tokens alike, so the rescale is exact.
 
     Why flat positions and not a boolean mask: ``x[mask] = v`` is a host sync (its size depends on the data), made
-    per chunk; the positions of a chunk's tokens in its (sequences, T) grid come from the valid-row index already
-    made, so the loop never waits for the device."""
+    per chunk; the positions of a chunk's tokens in the chunk's own grid come from the valid-row index already
+    made, so the loop never waits for the device. A chunk is the sequences b0 .. b1, which are the grid's tokens
+    t0 .. t1 (rows of a padded grid, a stretch of the packed row)."""
 
     def __init__(self, batch: LossInputs, cfg: GRPOLossConfig, weights, rows: ValidRows, plan, T: int, combine):
         self.batch, self.cfg, self.weights, self.rows, self.T, self.combine = batch, cfg, weights, rows, T, combine
-        self.sequences_of = {r0: (b0, b1) for b0, b1, r0, _ in plan.sequence_chunks}
+        self.chunk_of = {chunk[2]: chunk for chunk in plan.sequence_chunks}
 
-    def _positions(self, r0: int, r1: int, b0: int):
+    def _positions(self, r0: int, r1: int, t0: int):
         index = self.rows.index
         flat = torch.arange(r0, r1, device=self.weights.mask_b.device) if index is None else index[r0:r1]
-        return flat - b0 * self.T
+        return flat - t0
 
     def __call__(self, r0, r1, logp, lse, ent):
         if self.combine is not None:
             self.combine(r0, r1, logp, lse, ent)
-        b0, b1 = self.sequences_of[r0]
-        cfg, batch, pos = self.cfg, self.batch, self._positions(r0, r1, b0)
-        sub_mask = self.weights.mask_b[b0:b1]
+        b0, b1, _, _, t0, t1 = self.chunk_of[r0]
+        cfg, batch, pos = self.cfg, self.batch, self._positions(r0, r1, t0)
+        seqs = batch.seqs.slice(b0, b1, t0, t1)
 
-        def on_grid(values):  # (b1 - b0, T) fp32, the chunk's values at its valid tokens, zeros elsewhere
-            grid = torch.zeros((b1 - b0) * self.T, dtype=torch.float32, device=values.device)
-            return grid.index_copy_(0, pos, values.float()).view(b1 - b0, self.T).requires_grad_(True)
+        def tokens_of(x):  # a per-token tensor's stretch of the chunk, on the chunk's grid
+            return None if x is None else x.reshape(-1)[t0:t1].reshape(seqs.grid)
 
-        def rows_of(x):
-            return None if x is None else x[b0:b1]
+        def of_chunk(x):  # a per-sequence tensor's sequences of the chunk, or a per-token one's stretch
+            if x is None or (x.dim() == 2 and x.shape[-1] == batch.seqs.grid[1] and x.shape[-1] != 1):
+                return tokens_of(x)
+            return x[b0:b1]
 
+        def on_grid(values):  # the chunk's values at its valid tokens, zeros elsewhere, on the chunk's grid
+            grid = torch.zeros(t1 - t0, dtype=torch.float32, device=values.device)
+            return grid.index_copy_(0, pos, values.float()).view(seqs.grid).requires_grad_(True)
+
+        sub_mask = tokens_of(self.weights.mask_b)
         with torch.enable_grad():
             x = on_grid(logp)
             e = on_grid(ent) if cfg.entropy_coef != 0.0 else None
-            sub_loss, _ = loss_from_logps(x, batch.advantages[b0:b1], sub_mask, old_logps=rows_of(batch.old_logps),
-                                          ref_logps=rows_of(batch.ref_logps), is_ratio=rows_of(batch.is_ratio),
-                                          entropy=e, num_items_in_batch=None,
-                                          sampling_logps=rows_of(batch.sampling_logps), config=cfg)
+            sub_loss, _ = loss_from_logps(x, of_chunk(batch.advantages), sub_mask,
+                                          old_logps=tokens_of(batch.old_logps), ref_logps=tokens_of(batch.ref_logps),
+                                          is_ratio=of_chunk(batch.is_ratio), entropy=e, num_items_in_batch=None,
+                                          sampling_logps=tokens_of(batch.sampling_logps), config=cfg,
+                                          sequences=seqs)
             grads = torch.autograd.grad(sub_loss, [x] if e is None else [x, e])
-        sub_w = reduction_weights(sub_mask.float(), cfg.loss_type, None, cfg.max_completion_length)
+        sub_w = reduction_weights(sub_mask.float(), cfg.loss_type, None, cfg.max_completion_length, seqs)
         at = lambda t: t.reshape(-1).index_select(0, pos)  # noqa: E731  (the chunk's valid tokens, in order)
         sub_w = at(sub_w)  # 0 at a padded token, which a ``capturable`` call computes too: its gradient is 0
-        g = at(grads[0]) * torch.where(sub_w != 0, at(self.weights.weights[b0:b1]) / sub_w, 0.0)
+        g = at(grads[0]) * torch.where(sub_w != 0, at(tokens_of(self.weights.weights)) / sub_w, 0.0)
         g_h = None if e is None else at(grads[1]) * (sub_mask.sum().clamp(min=1) / self.weights.count)
         return g.float(), None if g_h is None else g_h.float()

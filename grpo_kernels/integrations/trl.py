@@ -22,6 +22,17 @@ The global is shared by every TRL trainer: GRPO's policy and reference model are
 policy and every trainer's reference model (log_probs only) take the same path; SFT, DPO and KTO policies request
 extra outputs and stay on TRL's kernel (below).
 
+Padding-free rows (TRL's ``AsyncGRPOTrainer``, ``trl.experimental.async_grpo``) take the same seam. Its
+``compute_loss`` packs a rank's samples into one row, ``model(input_ids (1, N), position_ids (1, N), shift_labels
+(1, N), fused_lm_head=True, tree_*=...)``: ``position_ids`` restart at 0 per sequence (they are the depth in TRL's
+prefix trie, where the samples of a group share their prompt tokens), ``shift_labels`` holds the next token at each
+trained position and -100 elsewhere, and the ``tree_*`` cu_seqlens / kv indices only steer attention. The fused
+forward then scores ``shift_labels`` unshifted and makes the same single call, on (N, H) hidden rows of the whole
+packed row (the scored positions only on CUDA, where TRL compacts): per-token maths, blind to where one sequence ends,
+so it runs on grpo_kernels with no packing-specific path. ``patch_trl`` also wraps that module's own
+``add_fused_lm_head`` (imported quietly, without TRL's experimental-API notice), so ``strict=True`` checks an
+AsyncGRPO model at trainer setup as it does a GRPOTrainer's; the async trainer has no reference model.
+
 The loss is not rerouted through ``fused_linear_grpo_loss``: TRL's ``_compute_loss`` interleaves the maths with
 trainer state (gradient-accumulation normalizers, ``num_items_in_batch`` spanning the generation batch,
 ``tool_mask``, the adaptive entropy controller, MoE aux loss, metrics all-reduced across processes), so replacing
@@ -171,18 +182,44 @@ def _zero3_gather(weight, bias):
     return lambda: trl_utils.maybe_gather_lm_head_ctx(weight, bias)
 
 
-def _checked_add_fused_lm_head(model, *args, **kwargs):
-    """TRL's ``add_fused_lm_head`` preceded by a setup-time check of what the fused path cannot serve (a logit scale
-    or soft cap that is not a finite number > 0; a valid soft cap runs on grpo_kernels).
+def _checked_add_fused_lm_head(trainer_module: str):
+    """TRL's ``add_fused_lm_head`` as ``trainer_module`` imported it, preceded by a setup-time check of what the
+    fused path cannot serve (a logit scale or soft cap that is not a finite number > 0; a valid soft cap runs on
+    grpo_kernels).
 
     Non-strict: warns (once) and the affected calls run TRL's kernel. Strict: raises a ValueError naming the option.
     """
-    original = _ORIGINALS[("trl.trainer.grpo_trainer", "add_fused_lm_head")]
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    blocker = fused_head_blocker(getattr(config, "final_logit_softcapping", None), logit_scale_of(config))
-    if blocker is not None:
-        _fallback(*blocker)
-    return original(model, *args, **kwargs)
+    def checked_add_fused_lm_head(model, *args, **kwargs):
+        original = _ORIGINALS[(trainer_module, "add_fused_lm_head")]
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        blocker = fused_head_blocker(getattr(config, "final_logit_softcapping", None), logit_scale_of(config))
+        if blocker is not None:
+            _fallback(*blocker)
+        return original(model, *args, **kwargs)
+
+    return checked_add_fused_lm_head
+
+
+# TRL's padding-free trainer (one packed row per rank, shift_labels): experimental in TRL 1.16, so optional here.
+_ASYNC_GRPO = "trl.experimental.async_grpo.async_grpo_trainer"
+
+
+def _async_grpo_module():
+    """TRL's AsyncGRPO trainer module, imported without TRL's experimental-API notice (the user did not import it;
+    importing it later shows nothing either, as the package is then loaded); None when it cannot be imported (its
+    ``add_fused_lm_head`` then stays TRL's, and the kernel swap still serves its calls)."""
+    import importlib
+    import sys
+
+    if _ASYNC_GRPO in sys.modules:
+        return sys.modules[_ASYNC_GRPO]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"You are importing from 'trl\.experimental'")
+        try:
+            return importlib.import_module(_ASYNC_GRPO)
+        except Exception as exc:  # an optional TRL module: never a reason to refuse patching GRPOTrainer
+            logger.debug("grpo_kernels.patch_trl: %s not patched (%s: %s)", _ASYNC_GRPO, type(exc).__name__, exc)
+            return None
 
 
 def _targets():
@@ -195,8 +232,12 @@ def _targets():
         if not hasattr(module, name):
             raise RuntimeError(f"{module.__name__}.{name} not found: this TRL does not have the fused-LM-head seam "
                                f"grpo_kernels patches (supported TRL series: {', '.join(SUPPORTED_TRL_VERSIONS)})")
-    return [(utils, "_ChunkedLogProbFunction", TRLLogProbFunction),
-            (grpo, "add_fused_lm_head", _checked_add_fused_lm_head)]
+    targets = [(utils, "_ChunkedLogProbFunction", TRLLogProbFunction),
+               (grpo, "add_fused_lm_head", _checked_add_fused_lm_head(grpo.__name__))]
+    async_grpo = _async_grpo_module()
+    if async_grpo is not None and hasattr(async_grpo, "add_fused_lm_head"):
+        targets.append((async_grpo, "add_fused_lm_head", _checked_add_fused_lm_head(async_grpo.__name__)))
+    return targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +308,7 @@ def _routes(strict: bool) -> tuple[Route, ...]:
         Route("reference model log-probs (beta > 0)", "grpo_kernels", "same fused head, no gradient"),
         Route("ZeRO-3 / FSDP2 sharded lm_head", "grpo_kernels", "TRL gathers the head around the call"),
         Route("final_logit_softcapping (Gemma 2/3)", "grpo_kernels", "cap applied in the kernels; scale folded"),
+        Route("padding-free packed row (AsyncGRPO)", "grpo_kernels", "shift_labels row: one (N, H) call, per token"),
         Route("logit scale / soft cap not finite > 0", "TRL", f"no such head to fold; {refused}"),
         Route("other outputs (SFT is_top1, DPO mean_logits)", "TRL", "not computed by grpo_kernels; silent"),
         Route("float64 on a GPU", "TRL", "the Triton kernels take fp32/bf16/fp16; silent"),
@@ -305,9 +347,9 @@ def patch_trl(strict: bool = False) -> TRLPatchReport:
                             patched=tuple(f"{module.__name__}.{name}" for module, name, _ in targets),
                             routes=_routes(strict), newly_patched=newly)
     fallbacks = "; ".join(r.calls for r in report.fallbacks)
-    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s): policy and reference log-probs run on grpo_kernels "
-                "[%s]; TRL's own kernel for: %s", version, "patched" if newly else "already patched", strict,
-                _backend(), fallbacks)
+    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s): policy, reference and padding-free log-probs run on "
+                "grpo_kernels [%s]; TRL's own kernel for: %s", version, "patched" if newly else "already patched",
+                strict, _backend(), fallbacks)
     return report
 
 

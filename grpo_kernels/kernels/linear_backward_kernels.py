@@ -40,8 +40,8 @@ import torch
 
 from .._checks import alloc
 from . import linear_tiles as tiles
-from .common import cap_args, cdiv, overrides
-from .launch import launch
+from .common import cap_args, cdiv, overrides, testing
+from .launch import as_cuda, launch
 from .fp32_gemm import addmm_f32_, logits_f32
 from .linear_epilogue_kernels import dlogits_chunk, half_view
 from .linear_tiles import dlogits_tile, grouped_tile, logits_tile, mma, to_input_dtype, tl, triton
@@ -356,43 +356,61 @@ def dlogits_by_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     """
     if overrides().dlogits_by_gemm is not None:
         return overrides().dlogits_by_gemm
-    return device.type == "cuda" and dtype != torch.float32
+    return as_cuda(device) and dtype != torch.float32
 
 
 
 
 def aot_launches():
-    """(name, thunk) scenarios for ``tools/aot.py``: both backward modes per dtype, bias and entropy gradient; the
-    atomic kernel also per combination of requested gradients (each is a separate compiled variant); and the bf16
-    / fp32 tile kernels of both modes, heaviest flags, with the soft cap on (``_softcap``)."""
+    """(name, thunk) scenarios for ``tools/aot.py``, recorded as a CUDA run launches them (``launch.recording``):
+    both backward modes per dtype, bias and entropy gradient; the atomic kernel also per combination of requested
+    gradients (each is a separate compiled variant); and the tile kernels of both modes, heaviest flags, with the
+    soft cap on (``_softcap``). fp32 scenarios are recorded under TF32 too (``tools.aot.module_configs``: ``_tf32``).
+
+    The deterministic mode's d logits come, on a GPU, from the Triton tile kernel for fp32 (``linear_dlogits_*``)
+    and from cuBLAS fp32 logits + ``head_dlogits_kernel`` for bf16 / fp16 (``head_dlogits_light_*``, every bias /
+    entropy / cap combination); the bf16 / fp16 tile kernel is reached only through the testing knob
+    ``dlogits_by_gemm=False`` (``linear_dlogits_bf16_*``, ``linear_dlogits_fp16_*``: recorded with it)."""
     from ..config import LogitTransform
     from ..inputs import LogprobGrads
 
-    def scenario(dtype, has_bias, has_ent, need, deterministic, softcap=None):
+    def scenario(dtype, has_bias, has_ent, need, deterministic, softcap=None, by_gemm=None):
         def thunk():
             hidden, weight, bias, ids = tiles.aot_inputs(dtype, has_bias)
             x = torch.zeros(hidden.shape[0])
-            linear_logprobs_backward(hidden, weight, bias, ids, LogprobGrads(x, x, x, x if has_ent else None),
-                                     LogitTransform(1.0, softcap), need, deterministic)
+            # Why the chunk budget: two vocab chunks of 1024 columns (the variants do not depend on the chunk
+            # count; the recorded route's CPU GEMMs per chunk would dominate the recording time).
+            with testing(dlogits_by_gemm=by_gemm):
+                linear_logprobs_backward(hidden, weight, bias, ids, LogprobGrads(x, x, x, x if has_ent else None),
+                                         LogitTransform(1.0, softcap), need, deterministic,
+                                         chunk_bytes=4 * 1024 * hidden.shape[0])
         return thunk
 
     scenarios = []
     for dtype, ty in tiles.TRITON_DTYPES.items():
+        half = dtype != torch.float32
         for has_bias in (False, True):
             b = "bias" if has_bias else "nobias"
             for has_ent in (False, True):
                 e = "ent" if has_ent else "noent"
+                need = (True, True, has_bias)
                 scenarios.append((f"linear_dlogits_{ty}_{b}_{e}",
-                                  scenario(dtype, has_bias, has_ent, (True, True, has_bias), True)))
+                                  scenario(dtype, has_bias, has_ent, need, True, by_gemm=False if half else None)))
+                if half:
+                    for cap in (None, 30.0):
+                        scenarios.append((f"head_dlogits_light_{ty}_{b}_{e}{'_softcap' if cap else ''}",
+                                          scenario(dtype, has_bias, has_ent, need, True, cap)))
                 for need in _need_combos(has_bias):
                     flags = "".join(n for n, f in zip("hwb", need) if f)
                     scenarios.append((f"linear_bwd_atomic_{ty}_{b}_{e}_{flags}",
                                       scenario(dtype, has_bias, has_ent, need, False)))
-    for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-        scenarios += [(f"linear_dlogits_{ty}_bias_ent_softcap", scenario(dtype, True, True, (True, True, True), True,
-                                                                         30.0)),
-                      (f"linear_bwd_atomic_{ty}_bias_ent_hwb_softcap", scenario(dtype, True, True, (True, True, True),
-                                                                                False, 30.0))]
+    for dtype, ty in tiles.TRITON_DTYPES.items():
+        if ty != "fp16":  # the fp16 tile kernel (testing knob only) is bf16's with another store type
+            scenarios.append((f"linear_dlogits_{ty}_bias_ent_softcap",
+                              scenario(dtype, True, True, (True, True, True), True, 30.0,
+                                       by_gemm=False if dtype != torch.float32 else None)))
+        scenarios.append((f"linear_bwd_atomic_{ty}_bias_ent_hwb_softcap",
+                          scenario(dtype, True, True, (True, True, True), False, 30.0)))
     return scenarios
 
 

@@ -51,6 +51,13 @@ triton, tl = import_triton()
 # under 48 registers on sm_90, so four programs share an SM and keep enough loads in flight).
 ROW_BLOCK = 2048
 ROW_WARPS = 8
+# Register cap (the ``maxnreg`` launch option) of the loss-gradient epilogue by d-logits dtype; absent: ptxas' own
+# choice (32-48 registers for bf16 / fp16). Why a cap for fp32 rows: left to itself ptxas targets 48 registers for
+# that kernel and spills there (4 B with Triton 3.6 on sm_90, every option; 8 B with Triton 3.9 on sm_80, every option
+# and the soft cap). Why 72: the smallest cap tried under which no fp32 variant spills on either Triton version and
+# architecture (64 still spilled 8 B in the latter); the variants take 55-72 registers, three or four 8-warp programs
+# per SM. (A cap on the half-precision variants would only raise them from 32-48 registers to 48-64, for nothing.)
+LOSS_GRAD_MAXNREG = {torch.float32: 72}
 # Under TRITON_INTERPRET: a small block, so that small test rows cross the main-loop / tail boundary.
 INTERPRET_ROW_BLOCK = 16
 N_ROW_TERMS = 8  # w*l, kl, clip low, clip high, clip region, cispo clipped, (2 unused: 32-byte rows)
@@ -127,14 +134,21 @@ def _dlogits_row(z_row, out_row, b_ptr, target, y_target, lse, ent, g, g_h, V, i
     0 .. k (a barrier after the loads of block k), the stores of blocks up to 2k + 1 touch only read data. So a
     barrier at k = 0, 2, 6, 14, ... (k + 2 a power of two) orders every store after all reads it could clobber:
     log2(V / B) barriers per row instead of one per block. fp32 rows are rewritten element by element by the
-    thread that read them and need none. Why a flat block here (no lanes): nothing is reduced, and eight
-    contiguous values per thread store as one 16-byte half-precision vector."""
+    thread that read them and need none inside the sweep; one before it orders the target's read (y_target).
+    Why a flat block here (no lanes): nothing is reduced, and eight contiguous values per thread store as one
+    16-byte half-precision vector."""
     offs = tl.arange(0, BLOCK)
     g_t = g * inv_temperature
     gh_t = g_h * inv_temperature
     coef_a = -gh_t * 0.6931471805599453
     coef_b = -g_t - gh_t * ent
     HALF: tl.constexpr = out_row.dtype.element_ty != tl.float32
+    if out_row.dtype.element_ty == tl.float32:
+        # Why a barrier before an fp32 row's sweep: its elements are rewritten by the threads that read them, but the
+        # target's logit (y_target) was read by every thread before the sweep, and the sweep may overwrite it; the
+        # barrier performs those reads before any store. (A half-precision row's first barrier, at block 0, or the
+        # tail's when V < BLOCK, does the same.)
+        tl.debug_barrier()
     v_main = (V // BLOCK) * BLOCK
     for v0 in range(0, v_main, BLOCK):
         x = tl.load(z_row + v0 + offs)
@@ -383,6 +397,7 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind:
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_BIAS=bias is not None,
                HAS_ENTROPY_GRAD=ge is not None, WRITE_GRAD=write_grad,
                ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS,
+               **({"maxnreg": LOSS_GRAD_MAXNREG[dtype]} if dtype in LOSS_GRAD_MAXNREG else {}),
                **cap_args(transform.softcap))
         if write_grad:
             chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
@@ -447,16 +462,18 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, transfor
 
 
 def aot_launches():
-    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel with / without bias, the d-logits epilogue,
-    and the loss-gradient epilogue per policy kind and dtype, plain and with every option (old, ref, is_ratio,
-    delta, bias, entropy); and the bf16 fold, d-logits and loss-gradient epilogues with the soft cap on (names
-    ending in ``_softcap``: their cost is reported, the instruction budget is that of the cap off)."""
+    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel without bias and with a bias of each dtype;
+    the d-logits epilogue for every (dtype, bias, entropy) combination; the loss-gradient epilogue per policy kind
+    in bf16, plain and with every option (old, ref, is_ratio, delta, bias, entropy), and per other dtype the plain
+    and the every-option clipped one; each of these kernels also with the soft cap on (names ending in
+    ``_softcap``: their cost is reported, the instruction budget is that of the cap off)."""
     from ..config import GRPOLossConfig
+    from ..loss_types import POLICY_TERMS
     from .linear_tiles import TRITON_DTYPES, aot_inputs
 
-    def fold(has_bias, softcap=None):
+    def fold(dtype, has_bias, softcap=None):
         def thunk():
-            hidden, weight, bias, ids = aot_inputs(torch.bfloat16, has_bias)
+            hidden, weight, bias, ids = aot_inputs(dtype, has_bias)
             head_logprobs_chunked(hidden, weight, bias, ids, 0.7, chunk_bytes=64 * 4 * weight.shape[0],
                                   softcap=softcap)
         return thunk
@@ -473,7 +490,6 @@ def aot_launches():
             head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, cfg.transform, kind, 64, (True, False, full))
         return thunk
 
-    from ..loss_types import POLICY_TERMS
     def dlogits(dtype, has_ent, has_bias=True, softcap=None):
         def thunk():
             hidden, weight, bias, ids = aot_inputs(dtype, has_bias)
@@ -483,24 +499,23 @@ def aot_launches():
                           softcap=softcap)
         return thunk
 
-    scenarios = [(f"head_fold_{'bias' if b else 'nobias'}", fold(b)) for b in (False, True)]
-    scenarios += [(f"head_dlogits_{ty}_bias_{'ent' if e else 'noent'}", dlogits(dtype, e))
-                  for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")) for e in (False, True)]
-    # fp32 and bias-free d logits: the sequence-level gradient-in-forward path launches these too
-    scenarios += [("head_dlogits_fp32_bias_ent", dlogits(torch.float32, True)),
-                  ("head_dlogits_bf16_nobias_noent", dlogits(torch.bfloat16, False, False))]
-    for dtype, ty in TRITON_DTYPES.items():
-        for name in ("clipped", "cispo", "sapo"):
-            for full in (False, True):
-                if ty != "bf16" and (name != "clipped" or not full):
-                    continue  # fp32 / fp16 change only the d-logits store: one variant each
-                scenarios.append((f"head_loss_grad_{ty}_{name}_{'all_options' if full else 'plain'}",
-                                  loss(dtype, POLICY_TERMS.index(name), full)))
-    # The soft cap on (a constexpr: separate compiled variants), bf16, plain and heaviest flags.
-    clipped = POLICY_TERMS.index("clipped")
-    scenarios += [("head_fold_nobias_softcap", fold(False, 30.0)), ("head_fold_bias_softcap", fold(True, 30.0)),
-                  ("head_dlogits_bf16_nobias_noent_softcap", dlogits(torch.bfloat16, False, False, 30.0)),
-                  ("head_dlogits_bf16_bias_ent_softcap", dlogits(torch.bfloat16, True, True, 30.0)),
-                  ("head_loss_grad_bf16_clipped_plain_softcap", loss(torch.bfloat16, clipped, False, 30.0)),
-                  ("head_loss_grad_bf16_clipped_all_options_softcap", loss(torch.bfloat16, clipped, True, 30.0))]
+    scenarios = []
+    for cap, suffix in ((None, ""), (30.0, "_softcap")):
+        # The fold reads fp32 logits whatever the dtype; only the bias' dtype makes a variant (no suffix: bf16).
+        scenarios += [(f"head_fold_nobias{suffix}", fold(torch.bfloat16, False, cap))]
+        scenarios += [(f"head_fold_bias{'' if ty == 'bf16' else '_' + ty}{suffix}", fold(dtype, True, cap))
+                      for dtype, ty in TRITON_DTYPES.items()]
+        # d logits: the sequence-level gradient-in-forward path (and the light backward) launch every combination
+        scenarios += [(f"head_dlogits_{ty}_{'bias' if b else 'nobias'}_{'ent' if e else 'noent'}{suffix}",
+                       dlogits(dtype, e, b, cap))
+                      for dtype, ty in TRITON_DTYPES.items() for b in (False, True) for e in (False, True)]
+        for dtype, ty in TRITON_DTYPES.items():
+            for name in ("clipped", "cispo", "sapo"):
+                for full in (False, True):
+                    if ty != "bf16" and name != "clipped":
+                        continue  # fp32 / fp16 change only the d-logits store and the bias load
+                    if cap and name != "clipped":
+                        continue  # the cap changes the sweeps, not the policy term
+                    scenarios.append((f"head_loss_grad_{ty}_{name}_{'all_options' if full else 'plain'}{suffix}",
+                                      loss(dtype, POLICY_TERMS.index(name), full, cap)))
     return scenarios

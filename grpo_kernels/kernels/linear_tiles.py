@@ -22,7 +22,7 @@ import torch
 from .._precision import fp32_matmuls_use_tf32
 from .._triton import import_triton, interpreting
 from .common import generation, num_sms, overrides, soft_cap, soft_cap_grad
-from .launch import target_arch
+from .launch import as_cuda
 
 triton, tl = import_triton()
 
@@ -43,9 +43,14 @@ class Tile:
     num_stages: int
 
 
-# (arch, kernel kind, dtype class) -> Tile. "half" = bf16/fp16 (tensor-core dots, wgmma on sm_90 needs
-# BLOCK_M >= 64 and 4 or 8 warps); "fp32" = IEEE fp32 FMA dots (no TF32), smaller tiles. The AOT test checks
-# that none of them spills on sm_90 / sm_80 and that bf16 lowers to HGMMA on sm_90.
+# (arch, kernel kind, dot class) -> Tile. "half" = bf16/fp16 (tensor-core dots, wgmma on sm_90 needs
+# BLOCK_M >= 64 and 4 or 8 warps); "fp32" = IEEE fp32 FMA dots (no TF32), smaller tiles; "tf32" = fp32 inputs while
+# torch's fp32 matmuls use TF32 (tensor-core dots): the fp32 tiles, except the atomic backward's. Why 64 x 64 x 32 on
+# 8 warps there: the fp32 tile (32 x 32 x 32, 4 warps) spilled 8 B under TF32 with Triton 3.9 on sm_90 (80
+# registers), and at BLOCK_K 16 it would stay a 32 x 32 tensor-core tile with twice the atomics per FLOP of a
+# 64 x 64 one; 64 x 64 x 32 on 8 warps takes 100-124 registers on both Triton versions, no spill, HGMMA on sm_90
+# (not measured on a GPU yet). The AOT test checks that none of them spills on sm_90 / sm_80 with Triton 3.6 and 3.9,
+# that bf16 lowers to HGMMA on sm_90, IEEE fp32 to no tensor-core MMA and TF32 to HGMMA / HMMA.
 TILES = {
     (90, "fwd", "half"): Tile(128, 128, 64, 8, 3),
     (90, "bwd", "half"): Tile(128, 128, 64, 8, 3),
@@ -53,8 +58,10 @@ TILES = {
     (80, "fwd", "half"): Tile(128, 128, 32, 8, 3),
     (80, "bwd", "half"): Tile(128, 128, 32, 8, 2),
     (80, "dlogits", "half"): Tile(128, 128, 32, 8, 3),
-    **{(arch, kind, "fp32"): Tile(64, 64, 16, 4, 2) for arch in (90, 80) for kind in ("fwd", "dlogits")},
+    **{(arch, kind, cls): Tile(64, 64, 16, 4, 2) for arch in (90, 80) for kind in ("fwd", "dlogits")
+       for cls in ("fp32", "tf32")},
     **{(arch, "bwd", "fp32"): Tile(32, 32, 32, 4, 2) for arch in (90, 80)},
+    **{(arch, "bwd", "tf32"): Tile(64, 64, 32, 8, 2) for arch in (90, 80)},
 }
 # Token blocks per group of the (token block, vocab block) swizzle of the backward kernels.
 GROUP_M = 8
@@ -70,18 +77,22 @@ DOT_NATIVE, DOT_IEEE, DOT_TF32 = 0, 1, 2
 
 def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[Tile, int, int]:
     """(tile, number of SMs, DOT_FP32) for a launch on ``device`` (or for ``target_arch()`` while recording).
-    The tile table's key is the GPU generation's (``common.GENERATIONS``)."""
-    fp32_dot = DOT_TF32 if fp32_matmuls_use_tf32() else DOT_IEEE
-    if target_arch() is not None:
-        return (TILES[(generation(device).tiles, kind, "fp32" if dtype == torch.float32 else "half")],
-                num_sms(device), DOT_IEEE if dtype == torch.float32 else DOT_NATIVE)
-    if device.type != "cuda":
+    The tile table's key is the GPU generation's (``common.GENERATIONS``) and the dot class: "half" (bf16 / fp16),
+    "fp32" (IEEE fp32 dots) or "tf32" (fp32 inputs while torch's fp32 matmuls use TF32)."""
+    if not as_cuda(device):
         assert interpreting(), "CPU tensors need TRITON_INTERPRET=1 (the API layer chooses the implementation)"
         # Why DOT_IEEE for bf16 here: the interpreter's bf16 tl.dot returns garbage (docs/DESIGN.md section 6).
         return (overrides().interpret_tile or INTERPRET_TILE, overrides().interpret_sms or INTERPRET_SMS,
                 DOT_IEEE if dtype in (torch.float32, torch.bfloat16) else DOT_NATIVE)
-    return (TILES[(generation(device).tiles, kind, "fp32" if dtype == torch.float32 else "half")], num_sms(device),
-            fp32_dot if dtype == torch.float32 else DOT_NATIVE)
+    # A CUDA launch, or one recorded as a CUDA run would make it (launch.as_cuda): fp32 follows torch's fp32 matmul
+    # precision (TF32 or IEEE), and the tiles are per dot class ("tf32" has its own: tensor-core dots).
+    if dtype != torch.float32:
+        dot, cls = DOT_NATIVE, "half"
+    elif fp32_matmuls_use_tf32():
+        dot, cls = DOT_TF32, "tf32"
+    else:
+        dot, cls = DOT_IEEE, "fp32"
+    return TILES[(generation(device).tiles, kind, cls)], num_sms(device), dot
 
 
 def check_inputs(hidden, weight, bias, ids) -> tuple[int, int, int]:

@@ -69,6 +69,10 @@ def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr
     # read before the sweep overwrites it (write_row_dlogits caps it from that register value).
     base = logits_ptr + b * stride_b + t * stride_t
     z_target = tl.load(base + target, mask=active & (target >= 0) & (target < V), other=0.0).to(tl.float32)
+    # Why the barrier: in place, the sweep's stores (any warp's) may overwrite the target's logit; every thread's
+    # read of it must be performed before any thread stores (bar.sync orders memory across the block like a
+    # membar.cta). Once per row, outside the sweep loops.
+    tl.debug_barrier()
     write_row_dlogits(base, dlogits_ptr + b * out_stride_b + t * out_stride_t, V, active, target, z_target,
                       tl.load(lse_ptr + row), h, g, g_h, inv_temperature, softcap, SOFTCAP, HAS_ENTROPY_GRAD,
                       BLOCK_V, VEC)
@@ -182,15 +186,17 @@ def aot_launches():
     scenarios += [("logits_fwd_bf16_vodd", lambda: odd_vocab(False)), ("logits_bwd_bf16_logp_vodd",
                                                                       lambda: odd_vocab(True))]
 
-    # The soft cap on (suffix _softcap: reported with its own cost, not held to the budget of the sweeps without it).
-    def capped(kind):
-        logits = torch.zeros(2, 3, 151936, dtype=torch.bfloat16)
+    # The soft cap on, every dtype (suffix _softcap: reported with its own cost, not held to the budget of the sweeps
+    # without it).
+    def capped(kind, dtype):
+        logits = torch.zeros(2, 3, 151936, dtype=dtype)
         ids, lse = torch.zeros(2, 3, dtype=torch.long), torch.zeros(6)
         if kind == "fwd":
             logits_logprobs_forward(logits, ids, 1.0, softcap=30.0)
         else:
             logits_logprobs_backward(logits, ids, lse, lse, lse, lse if kind == "entropy" else None, 1.0,
                                      softcap=30.0)
-    scenarios += [(f"logits_{name}_softcap", lambda k=kind: capped(k))
-                  for name, kind in (("fwd_bf16", "fwd"), ("bwd_bf16_logp", "logp"), ("bwd_bf16_entropy", "entropy"))]
+    scenarios += [(f"logits_{name.format(ty)}_softcap", lambda k=kind, d=dtype: capped(k, d))
+                  for dtype, ty in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16"))
+                  for name, kind in (("fwd_{}", "fwd"), ("bwd_{}_logp", "logp"), ("bwd_{}_entropy", "entropy"))]
     return scenarios

@@ -29,6 +29,8 @@ from .token_terms import token_terms_at
 
 # Per-row terms: w*l, m*kl, m*low, m*high, m*region, m*cispo_clipped (token_loss_kernels' sums), then m*entropy.
 N_TERMS = 7
+# 32-bit registers per SM on sm_80 and sm_90 (and per-thread limit).
+REGISTERS_PER_SM, MAX_THREAD_REGISTERS = 65536, 255
 
 triton, tl = import_triton()
 
@@ -66,6 +68,10 @@ def logits_loss_grad_in_forward(logits_ptr, dlogits_ptr, ids_ptr, mask_ptr, w_pt
         target = tl.load(ids_ptr + row)
         # Why the raw target logit is kept in a register: in place, the second sweep overwrites it in memory.
         z_target = tl.load(base + target, mask=keep, other=0.0).to(tl.float32)
+        # Why the barrier: a fast warp's second sweep may store the target's block while a slow warp has yet to read
+        # it; every thread's read must be performed before any thread stores (bar.sync orders memory across the
+        # block like a membar.cta). Once per row, outside the sweep loops.
+        tl.debug_barrier()
         logp = soft_cap(z_target, softcap, SOFTCAP) * inv_temperature - lse
         w = tl.load(w_ptr + row)
         adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
@@ -132,6 +138,11 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inp
     if N:
         cfg_t = tiles("grad_in_forward", x)
         grid = (min(N, cfg_t.programs_per_sm * num_sms(x.device)),)
+        # Why a register cap at the program's share of the register file: with one resident program per SM, more
+        # registers cost no occupancy, but left to itself ptxas targets 64 per thread at 16 warps and spilled there
+        # (Triton 3.6, sm_80, bf16 / fp16 with every option and the soft cap: 4-8 B). The cap states the budget.
+        maxnreg = min(MAX_THREAD_REGISTERS,
+                      REGISTERS_PER_SM // (32 * cfg_t.num_warps * max(1, cfg_t.programs_per_sm)))
         launch(logits_loss_grad_in_forward, grid, x, out, ids.reshape(N).contiguous(), mask_f, weights,
                old if old is not None else weights, ref if ref is not None else weights, adv,
                isr if isr is not None else weights, h_scale if h_scale is not None else weights, terms,
@@ -143,7 +154,7 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inp
                HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
                BLOCK_V=cfg_t.block_v, VEC=vec_for(cfg_t.block_v, x.dtype), num_warps=cfg_t.num_warps,
-               num_stages=cfg_t.num_stages)
+               num_stages=cfg_t.num_stages, maxnreg=maxnreg)
     return dlogits_result(logits, x, out, inplace), terms
 
 
@@ -162,7 +173,7 @@ def scale_dlogits_(dlogits: torch.Tensor, scale: torch.Tensor, mask_f: torch.Ten
 def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: the launchers above on small CPU tensors of the GPU shape class
     (V = 151936): bf16 with every option for each policy kind, plain bf16, and fp32 / fp16 with every option; the
-    bf16 clipped ones also with the soft cap on (suffix _softcap: reported, not held to the budget of the others)."""
+    clipped ones also with the soft cap on (suffix _softcap: reported, not held to the budget of the others)."""
     from ..config import GRPOLossConfig
     from ..inputs import LossTokens
 
@@ -182,8 +193,9 @@ def aot_launches():
     scenarios.append(("logits_loss_bf16_clipped_plain", scenario(torch.bfloat16, KIND_CLIPPED, False)))
     scenarios += [(f"logits_loss_bf16_clipped_{flags}_softcap", scenario(torch.bfloat16, KIND_CLIPPED, full, 30.0))
                   for flags, full in (("plain", False), ("all_options", True))]
-    scenarios += [(f"logits_loss_{ty}_clipped_all_options", scenario(dt, KIND_CLIPPED, True))
-                  for dt, ty in ((torch.float32, "fp32"), (torch.float16, "fp16"))]
+    scenarios += [(f"logits_loss_{ty}_clipped_all_options{suffix}", scenario(dt, KIND_CLIPPED, True, cap))
+                  for dt, ty in ((torch.float32, "fp32"), (torch.float16, "fp16")) for cap, suffix in ((None, ""),
+                                                                                                      (30.0, "_softcap"))]
     for dt, ty in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         scenarios.append((f"logits_scale_{ty}", lambda dt=dt: scale_dlogits_(torch.zeros(2, 3, 151936, dtype=dt),
                                                                           torch.ones(1), torch.ones(2, 3))))

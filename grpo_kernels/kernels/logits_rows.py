@@ -10,7 +10,7 @@ loop stays vectorized where the row start is aligned, and the tail is scalar. Ro
 JIT's 16-divisibility specialization (no ``do_not_specialize`` on them) so the row start is provably aligned.
 Variants per kernel, dtype and flag set: V % 16 == 0 or not (V == 1 is a third, trivial one), times the alignment
 class of the strides; T, the vocab size within its class, the temperature and every loss hyper-parameter are runtime
-values (``tools/aot.py`` and ``tests/test_aot.py`` check the vector widths in the compiled SASS).
+values (``tools/aot.py`` and ``tests/kernels/test_aot.py`` check the vector widths in the compiled SASS).
 
 Why a block is a (lanes, VEC) tile: VEC = 16 bytes of values, so a lane is one 16-byte vector and Triton's
 coalesced layout puts each lane wholly in one thread. The online logsumexp then keeps its running max and sums per
@@ -59,7 +59,7 @@ class RowTiles:
 #   V = 151936 bf16 = 40 MB) and each program is made wide (16 warps, 16 KB blocks) to keep bytes in flight
 #   without more rows; the second sweep runs the row backwards so the blocks read last are rewritten first.
 # fp32 logits use half the block (same bytes per block). Registers stay under 128 per thread at 16 warps (the
-# AOT report prints them; tests/test_aot.py fails on spills).
+# AOT report prints them; tests/kernels/test_aot.py fails on spills).
 _TABLE = {
     (90, "forward", 2): RowTiles(8192, 8, 3),
     (90, "forward", 4): RowTiles(4096, 8, 3),

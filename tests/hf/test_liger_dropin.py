@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from tests.cases import CASES, Case, make_inputs
-from tests.tolerances import assert_three_way
+from tests.support.cases import CASES, Case, make_inputs
+from tests.support.tolerances import assert_three_way
 
 liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss", reason="needs liger-kernel (test extra)")
 from grpo_kernels import liger as ours  # noqa: E402
@@ -411,7 +411,7 @@ def test_errors_name_the_argument(call, match):
 def _three_numbers(overrides, ref=False, full_mask=False, liger=True, old_shift=0.0):
     """(ours, Liger's definition, TRL 1.16's _compute_loss) for one configuration on the same (B, L + 1, V) logits:
     ours and Liger's as (loss, [kl,] clip), TRL's as (loss, metrics dict)."""
-    from tests.oracles import trl_compute_loss
+    from tests.support.oracles import trl_compute_loss
 
     case = Case("difference", overrides, ref=ref)
     inputs = _logits_inputs(case, B=6, T=8)  # rows of both advantage signs, one fully masked, ragged lengths
@@ -465,7 +465,7 @@ def test_clip_metrics_read_the_delta_clamped_ratio(impl):
     """TRL's clip metrics read coef_1 after the delta clamp: ratios e^0.5 with A > 0, delta = 1.1 < 1 + eps_high,
     give no high clipping, on the reference (PyTorch path) and in the Triton kernels alike."""
     import grpo_kernels as gk
-    from tests.oracles import trl_compute_loss
+    from tests.support.oracles import trl_compute_loss
 
     logits = torch.randn(2, 4, 9, generator=torch.Generator().manual_seed(0))
     ids, adv = torch.zeros(2, 4, dtype=torch.long), torch.tensor([1.0, 0.5])

@@ -11,7 +11,7 @@ from grpo_kernels import planner
 from grpo_kernels._checks import overlaps_in_memory
 from grpo_kernels.explain import plan_call
 from grpo_kernels.logits.logprobs import TORCH_LOGITS_TEMPS
-from tests.cases import CASES, make_inputs
+from tests.support.cases import CASES, make_inputs
 
 B, T, V = 3, 5, 37
 
