@@ -146,21 +146,9 @@ class GRPOPolicy(nn.Module):
 def packed_loss(hidden, weight, ids, advantages, cu_seqlens, *, mask, bias, old_logps, ref_logps,
                 num_items_in_batch, config: gk.GRPOLossConfig, impl: str):
     """``fused_linear_grpo_loss`` on packed tokens: hidden (N, H), ids / mask / old / ref (N,), advantages (S,),
-    ``cu_seqlens`` (S + 1,) (sequence s is tokens ``cu_seqlens[s]:cu_seqlens[s+1]``); same numbers as the padded
-    (S, max length) call.
-
-    TEMPORARY body, until grpo_kernels' loss takes ``cu_seqlens`` (issue 29, item 1): the per-token tensors are
-    scattered into a padded (S, max length) batch for today's padded call (one host sync for the length; exact, but
-    the padded copy of the hidden states costs S x max length x H). Replace it by the packed call."""
-    lengths = cu_seqlens.diff().long()
-    S, N = lengths.numel(), ids.shape[0]
-    seq = torch.repeat_interleave(torch.arange(S, device=ids.device), lengths, output_size=N)
-    col = torch.arange(N, device=ids.device) - cu_seqlens[:-1].long()[seq]
-    T = int(lengths.max()) if S else 0
-
-    def padded(x):
-        return None if x is None else x.new_zeros((S, T) + tuple(x.shape[1:])).index_put((seq, col), x)
-
-    return gk.fused_linear_grpo_loss(padded(hidden), weight, padded(ids), advantages, mask=padded(mask), bias=bias,
-                                     old_logps=padded(old_logps), ref_logps=padded(ref_logps),
-                                     num_items_in_batch=num_items_in_batch, config=config, impl=impl)
+    ``cu_seqlens`` (S + 1,) (sequence s is tokens ``cu_seqlens[s]:cu_seqlens[s+1]``); the same numbers as the
+    padded (S, longest) call, with no (S, longest) tensor anywhere (docs/api.md, "Packed sequences"). dr_grpo's
+    normalizer comes from ``config.max_completion_length`` (TrainConfig sets it to --max-new-tokens)."""
+    return gk.fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=mask, bias=bias, old_logps=old_logps,
+                                     ref_logps=ref_logps, num_items_in_batch=num_items_in_batch, config=config,
+                                     impl=impl, cu_seqlens=cu_seqlens)
