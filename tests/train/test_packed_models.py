@@ -151,8 +151,9 @@ CUDA_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn"
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
 def test_flash_attention_varlen_rows_on_cuda(name):
     """One packed row through flash_attention_2's varlen kernels (cu_seq_lens from grpo/packing.py), bf16: its
-    hidden states' error against float64 padded eager is at most twice the padded bf16 sdpa run's, plus 1e-2."""
-    truth_lm = tiny_model(name, "eager", torch.float64).cuda()
+    hidden states' error against float64 sdpa (each sequence alone) is at most twice that of the padded bf16 sdpa
+    batch (what --no-packing runs), plus the bf16 allowance of the three-way rule (2e-3, relative)."""
+    truth_lm = tiny_model(name, "sdpa", torch.float64).cuda()
     flash_lm = tiny_model(name, "flash_attention_2", torch.bfloat16).cuda()
     naive_lm = tiny_model(name, "sdpa", torch.bfloat16).cuda()
     assert is_varlen(flash_lm) and packing_unsupported(flash_lm) is None
@@ -160,12 +161,11 @@ def test_flash_attention_varlen_rows_on_cuda(name):
     batch = pack_rows(rollout, list(range(8)), one_row=True)
     cfg = gk.GRPOLossConfig()
     with torch.no_grad():
-        truth = GRPOPolicy(truth_lm, cfg).completion_hidden(rollout.input_ids, rollout.attention_mask,
-                                                             rollout.prompt_length)
-        truth = truth[batch.token_rows, batch.token_cols]
+        truth = alone_hidden(GRPOPolicy(truth_lm, cfg), rollout)[batch.token_rows, batch.token_cols]
         naive = GRPOPolicy(naive_lm, cfg).completion_hidden(rollout.input_ids, rollout.attention_mask,
                                                              rollout.prompt_length)
         naive = naive[batch.token_rows, batch.token_cols].double()
         flash = GRPOPolicy(flash_lm, cfg).packed_hidden(batch).double()
-    err_naive, err_flash = (naive - truth).abs().max().item(), (flash - truth).abs().max().item()
-    assert err_flash <= 2 * err_naive + 1e-2, (err_flash, err_naive)
+    scale = max(1.0, truth.abs().max().item())
+    err_naive, err_flash = [(x - truth).abs().max().item() / scale for x in (naive, flash)]
+    assert err_flash <= 2 * err_naive + 2e-3, (err_flash, err_naive)
