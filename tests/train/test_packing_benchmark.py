@@ -4,13 +4,12 @@ completion limit above 64 tokens, where grpo.train has no single pass)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 from benchmarks.packing_step import G, lengths
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ..support.train_runs import REPO, run_env
 
 
 def test_the_long_tailed_batch_is_mostly_padding():
@@ -23,8 +22,7 @@ def test_the_long_tailed_batch_is_mostly_padding():
 
 
 def test_a_tiny_run_writes_its_table(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
+    env = run_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.packing_step", "--out", str(tmp_path), "--prompts", "1",
                            "--max-len", "80", "--steps", "2"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
