@@ -1,11 +1,13 @@
 """benchmarks/packing_step.py: its documented length distribution leaves >= 70% of the padded batch as padding, and
-a tiny CPU run of all three variants writes its table (a smoke run of the code path, no timing asserted; a
-completion limit above 64 tokens, where grpo.train has no single pass)."""
+(slow, ~30 s) a tiny CPU run of all three variants writes its table (a smoke run of the code path, no timing
+asserted; a completion limit above 64 tokens, where grpo.train has no single pass)."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from benchmarks.packing_step import G, lengths
 
@@ -21,6 +23,7 @@ def test_the_long_tailed_batch_is_mostly_padding():
     assert padding >= 0.70
 
 
+@pytest.mark.slow
 def test_a_tiny_run_writes_its_table(tmp_path):
     env = run_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.packing_step", "--out", str(tmp_path), "--prompts", "1",
