@@ -4,6 +4,8 @@
 #   2. the whole test suite (slow-marked variants excepted), one pytest per test file, several at a time, no -x:
 #      every failure is listed;
 #   3. the benchmark set (pytest benchmarks/ --benchmark-only), headline cases first;
+#   3b. the logits kernel's rows in flight: the L2-sized grid against one row per SM (benchmarks/l2_grid_check.py,
+#      45 s at most);
 #   4. the end-to-end GRPO step (benchmarks/e2e_step.py: TRL's GRPOTrainer stock, with patch_trl(), and
 #      grpo.train on a random Qwen2.5-0.5B-shaped model), in the last E2E_S seconds (90 s; 0 skips it);
 #      With PACK_S > 0 (default 0: it does not fit the 6 minutes), then grpo.train's step on a long-tailed batch,
@@ -80,7 +82,8 @@ PYEOF
 ROOM=$(($(left) - 150))  # leave 150 s for the benchmarks and the report
 [ "$ROOM" -lt 30 ] && ROOM=30
 TESTS_S=$(min "${TESTS_LIMIT_S:-150}" "$ROOM")
-FILES=${TEST_FILES:-$(ls -S tests/*/test_*.py)}
+# the GPU-only files first (compiled kernels, CUDA-graph capture, the Gemma vocabulary), then the rest by size
+FILES=${TEST_FILES:-$(ls tests/*/test_gpu_*.py; ls -S tests/*/test_*.py | grep -v '/test_gpu_')}
 log "tests: $(echo $FILES | wc -w) files, ${TEST_JOBS:-6} at a time, markers '${TEST_MARKERS-not slow}', limit ${TESTS_S}s"
 export TESTS_DEADLINE=$(($(date +%s) + TESTS_S)) OUT_DIR PY TEST_MARKERS=${TEST_MARKERS-not slow}
 printf '%s\n' $FILES | xargs -P "${TEST_JOBS:-6}" -I{} sh -c '
@@ -137,6 +140,10 @@ else
     tail -n 1 "$OUT_DIR/bench.log"
 fi
 
+# 3b. the persistent logits kernel's L2-sized grid against one row per SM (Gemma bf16, Qwen fp32 and bf16)
+timeout -k 5 45 $PY -m benchmarks.l2_grid_check > "$OUT_DIR/l2_grid.md" 2>&1
+log "L2 grid check exit code $? (l2_grid.md)"
+
 # 4. packed vs padded grpo.train step on a long-tailed batch (PACK_S > 0), then the end-to-end GRPO step: three
 #    variants, one child process each, a third of what is left each
 if [ "$PACK_S" -gt 0 ]; then
@@ -174,5 +181,6 @@ if [ -s "$OUT_DIR/bench.json" ]; then
 else
     echo "no $OUT_DIR/bench.json: see $OUT_DIR/bench.log"; tail -n 40 "$OUT_DIR/bench.log"
     [ -s "$OUT_DIR/e2e_step.md" ] && { echo; cat "$OUT_DIR/e2e_step.md"; }
+    [ -s "$OUT_DIR/l2_grid.md" ] && { echo; cat "$OUT_DIR/l2_grid.md"; }
 fi
 [ -s "$OUT_DIR/packing_step.md" ] && { echo; echo "grpo.train step, padded vs packed:"; cat "$OUT_DIR/packing_step.md"; }

@@ -48,11 +48,11 @@ _LOSS_HELP = {
     "deterministic": "fused-linear Triton backward in a fixed order (bitwise reproducible) instead of fp32 atomics",
     "grad_in_forward": "Triton path: compute the loss gradient during the forward pass when the loss type allows it "
                        "(saves a second sweep over the vocabulary); --no-grad-in-forward forces separate sweeps",
-    "capturable": "no host sync inside the loss call (CUDA-graph capture): the fused head computes the padded rows "
-                  "too instead of compacting the valid ones (the trainer itself still syncs once per step)",
     "memory_budget": "bytes of transient memory the loss may allocate beyond its inputs and returned gradients "
                      "(default: 1 GiB of working memory plus the fast head path's fp32 d-weight accumulator); the "
                      "fastest path that fits runs (docs/memory.md)",
+    "capturable": "make no host sync in the loss (CUDA-graph capture): the fused head computes the padded rows too "
+                  "instead of compacting the valid ones",
 }
 # Negative numbers as flag values (``--lr -1e-3``): argparse takes any value that starts with "-" for a flag unless
 # it matches its own pattern, which knows neither exponents nor inf / nan; the value then reaches our range checks.

@@ -15,7 +15,8 @@ class Knobs:
     tail boundaries), chunk_bytes (cap on the light backward's d-logits chunk: several vocab chunks),
     dlogits_by_gemm (force (True) or forbid (False) the cuBLAS + row-epilogue route of that backward),
     interpret_sms (the SM count the interpreter pretends to have), interpret_tile (the fused-linear tile used
-    under the interpreter, a ``kernels.linear_tiles.Tile``)."""
+    under the interpreter, a ``kernels.linear_tiles.Tile``), logits_programs (the gradient-in-forward kernel's rows in
+    flight, at most one per SM: the GPU check times L2-sized grids against full ones)."""
 
     fast_path_min_rows: int | None = None
     no_grad_chunk_cap: int | None = None
@@ -24,6 +25,7 @@ class Knobs:
     dlogits_by_gemm: bool | None = None
     interpret_sms: int | None = None
     interpret_tile: object = None
+    logits_programs: int | None = None
 
 
 _CURRENT = [Knobs()]

@@ -70,7 +70,7 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
         sampling_logps=sampling_logps, inplace_backward=inplace_backward, cu_seqlens=cu_seqlens,
         config_overrides=config_overrides)
     if plan.path == LOGITS_FAST:
-        return logits_loss_in_forward(inputs, batch, cfg, inplace_backward)
+        return logits_loss_in_forward(inputs, batch, cfg, plan, inplace_backward)
     logps, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward, row_mask=batch.mask)
     return loss_from_token_logprobs(logps, entropy, batch, cfg, plan.token_stage)
 

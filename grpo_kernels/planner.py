@@ -115,6 +115,9 @@ class Plan:
     working_bytes: int | None = None
     # the light head path's backward: fixed-order GEMMs (True) or fp32 atomics
     deterministic: bool = True
+    # logits.fast: the persistent kernel's rows in flight, and the L2 they are sized against
+    rows_in_flight: int | None = None
+    l2_bytes: int | None = None
 
     @property
     def transient_bytes(self) -> int:
@@ -243,17 +246,33 @@ def _logits_torch(call: LogitsCall) -> Plan:
 
 
 def _logits_fast(call: LogitsCall) -> Plan:
-    """The float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14)."""
+    """The float mask and reduction weights (2), the kernel's 7 per-token terms and their fp64 sum (14); the rows in
+    flight of the persistent kernel sized against the device's L2 (``rows_in_flight``)."""
+    from .kernels.logits_loss_kernels import rows_in_flight  # lazy: the Triton path's geometry
     logits = call.inputs.logits
+    V, N = logits.shape[-1], _logits_rows(call)
+    flight = rows_in_flight(N, V, logits.dtype, logits.device)
     grad_copy = 0 if call.inplace else logits.numel() * logits.element_size()
-    # (no note while compiling: a symbolic size has no printed value)
-    notes = () if call.inplace or torch.compiler.is_compiling() else (
-        f"d logits ({_size(grad_copy)}) is the returned gradient; inplace_backward=True writes it into the logits "
-        "buffer",)
-    items = (("per-token terms and weights", _per_token_bytes(_logits_rows(call), 23)),)
+    notes = ()
+    if not torch.compiler.is_compiling():  # (no note while compiling: a symbolic size has no printed value)
+        notes = (_flight_note(flight),)
+        if not call.inplace:
+            notes += (f"d logits ({_size(grad_copy)}) is the returned gradient; inplace_backward=True writes it into "
+                      "the logits buffer",)
+    items = (("per-token terms and weights", _per_token_bytes(N, 23)),)
     return _logits_plan(call, LOGITS_FAST, "Triton, a token-level configuration (each token's gradient is known "
                         "once its row is swept) and a gradient wanted", items, token_stage="in the row kernel",
-                        notes=notes)
+                        notes=notes, rows_in_flight=flight.programs, l2_bytes=flight.l2_bytes)
+
+
+def _flight_note(flight) -> str:
+    """What the persistent kernel's grid expects of L2 and DRAM, in words."""
+    held = flight.programs * flight.row_bytes
+    where = ("within L2: each row's second sweep reads L2" if flight.fits else
+             "more than L2 holds with margin: the second sweep re-reads DRAM")
+    return (f"rows in flight: {flight.programs} x {_size(flight.row_bytes)} = {_size(held)} of a "
+            f"{_size(flight.l2_bytes)} L2, {where}; expected DRAM traffic {_size(flight.dram_bytes_per_row)} per "
+            "row (the row read, its d logits written" + ("" if flight.fits else ", the row read again") + ")")
 
 
 def _logits_sweep(call: LogitsCall) -> Plan:

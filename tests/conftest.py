@@ -57,12 +57,6 @@ def knobs():
 
 
 @pytest.fixture
-def kernel_overrides(knobs):
-    """The kernel modules' name for ``knobs`` (the same override object)."""
-    return knobs
-
-
-@pytest.fixture
 def plans(monkeypatch):
     """The list of ``Plan`` objects the planner returns during the test (which path each call took)."""
     from grpo_kernels import planner

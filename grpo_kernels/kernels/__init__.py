@@ -5,7 +5,9 @@
 - ``linear_forward_kernels`` / ``linear_backward_kernels``: the fused linear head (shared helpers and the tile
   table in ``linear_tiles``); ``linear_epilogue_kernels``: the row-sweep epilogues over cuBLAS fp32 logits chunks;
 - ``fp32_gemm``: the fp32-output cuBLAS GEMMs and the one decision whether this torch has them;
-- ``common``: cdiv, the GPU-generation table, the online logsumexp of every sweep, the testing override.
+- ``common``: the @triton.jit helpers every module shares (fast exp2, soft cap, the online logsumexp of every sweep);
+- ``host``: the host-side helpers every launcher shares (cdiv, the GPU-generation table, launch arguments, layouts);
+- ``scale_kernels``: the fast head's gradient hand-out (scale and cast in one pass, the scale read on the device).
 
 Design, instruction budgets and how to read the AOT report: docs/kernels.md.
 

@@ -1,9 +1,7 @@
-"""Facts every kernel module shares, defined once: ``cdiv``, the GPU-generation table, the fast ``exp2``, the one
-online logsumexp of the row sweeps, and the testing override (docs/kernels.md).
+"""The @triton.jit helpers every kernel module shares, defined once: the fast ``exp2``, the soft cap, the one
+online logsumexp of the row sweeps (docs/kernels.md). Their host-side counterparts (the GPU-generation table, launch
+arguments, tensor layouts) are in ``host.py``.
 
-- ``GENERATIONS`` / ``generation(device)``: which tile tables a GPU gets. One table for the fused-linear tiles
-  (``linear_tiles.TILES``, keyed 90 / 80) and the row-sweep tiles (``logits_rows``, same keys), so that both
-  paths agree on every GPU from sm_80 to sm_120.
 - ``exp2``: ``ex2.approx.ftz.f32`` (one MUFU instruction) in compiled code; Triton's ``tl.exp2`` lowers to the
   non-FTZ form, four instructions with its denormal rescaling. Flushing a result below 2^-126 to 0 changes no
   logsumexp (the row maximum contributes 1 to the sum).
@@ -12,100 +10,12 @@ online logsumexp of the row sweeps, and the testing override (docs/kernels.md).
 - ``lane_fold`` / ``lanes_to_row``: the online logsumexp + entropy statistics in base-2 units, kept per lane
   (one running max, sum and entropy sum per row of a ``(lanes, k)`` tile, all inside one thread) and combined
   across lanes once per row. Used by the logits sweeps, the head epilogue and the fused-linear forward's tiles.
-- ``Overrides`` / ``testing(...)`` / ``overrides()``: the package's test-only knobs (``grpo_kernels/_testing.py``:
-  small vocab blocks, forced chunking, a forced d-logits route, the interpreter's pretend SM count) under the kernel
-  modules' names. Production code reads them through ``overrides()``; no module-level flag exists for tests alone.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
-from .._testing import Knobs, knobs, override
 from .._triton import import_triton, interpreting
-from .launch import target_arch
 
 triton, tl = import_triton()
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for non-negative ints (host side; kernels use ``tl.cdiv``)."""
-    return -(-a // b)
-
-
-# ---------------------------------------------------------------------------------------------- GPU generations
-
-
-@dataclass(frozen=True)
-class Generation:
-    """A GPU generation as the kernels see it.
-
-    tiles: the key of the tile tables it uses, 90 (Hopper-class tiles: up to ~161 KiB of shared memory per block,
-    8192-wide row blocks) or 80 (Ampere-class tiles that fit ~99 KiB); sms: the SM count of a representative part,
-    assumed when recording launches for ahead-of-time compilation (a real device reports its own)."""
-
-    name: str
-    tiles: int
-    sms: int
-
-
-# Compute capability (major * 10 + minor) -> generation. Why sm_120 gets the 80 tiles: consumer Blackwell has
-# ~99 KiB of shared memory per block like sm_86 / sm_89, not Hopper's 227 KiB. sm_100 (datacenter Blackwell) has
-# Hopper's shared memory and gets its tiles. Only sm_90 and sm_80 are compiled ahead of time (tools/aot.py).
-GENERATIONS = {
-    80: Generation("A100 (sm_80)", 80, 108),
-    86: Generation("Ampere consumer (sm_86)", 80, 84),
-    87: Generation("Orin (sm_87)", 80, 16),
-    89: Generation("Ada (sm_89)", 80, 128),
-    90: Generation("H100 / H200 (sm_90)", 90, 132),
-    100: Generation("B200 (sm_100)", 90, 148),
-    103: Generation("B300 (sm_103)", 90, 148),
-    110: Generation("Thor (sm_110)", 80, 20),
-    120: Generation("Blackwell consumer (sm_120)", 80, 170),
-    121: Generation("DGX Spark (sm_121)", 80, 48),
-}
-
-
-def generation_of(capability: int) -> Generation:
-    """The table's row for ``capability`` (e.g. 90), or the nearest listed one below it (sm_80 below sm_80)."""
-    known = [c for c in GENERATIONS if c <= capability]
-    return GENERATIONS[max(known) if known else 80]
-
-
-def generation(device: torch.device) -> Generation:
-    """The generation launches on ``device`` are made for: the recorded target while compiling ahead of time,
-    the device's own capability on CUDA, sm_90 under the interpreter (any row works there)."""
-    arch = target_arch()
-    if arch is not None:
-        return generation_of(arch)
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return generation_of(10 * major + minor)
-    return GENERATIONS[90]
-
-
-def num_sms(device: torch.device) -> int:
-    """SMs of ``device`` (the table's figure while recording for AOT or interpreting)."""
-    if target_arch() is None and device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return generation(device).sms
-
-
-# ---------------------------------------------------------------------------------------------- testing override
-
-
-# The testing override is the package's one set of test-only knobs (grpo_kernels/_testing.py), under the names the
-# kernel modules use.
-Overrides = Knobs
-overrides = knobs
-testing = override
-
-
-def cap_args(softcap: float | None) -> dict:
-    """The soft cap as every kernel takes it: a runtime fp32 ``softcap`` (a new cap does not recompile; 1.0, never
-    read, when off) and the ``SOFTCAP`` constexpr that compiles the cap in (``soft_cap`` / ``soft_cap_grad``)."""
-    return dict(softcap=1.0 if softcap is None else float(softcap), SOFTCAP=softcap is not None)
 
 
 # ---------------------------------------------------------------------------------------------- Triton helpers

@@ -47,9 +47,10 @@ def target_arch() -> int | None:
 
 
 def as_cuda(device) -> bool:
-    """Whether launches for tensors on ``device`` are made as on a CUDA GPU: a CUDA device, or any device while
-    recording (the recorded routes are a GPU run's, whatever device the scenario's small tensors live on)."""
-    return _STATE["arch"] is not None or getattr(device, "type", device) == "cuda"
+    """Whether launches for tensors on ``device`` are made as on a CUDA GPU: a CUDA device, a meta one (a plan made
+    without data stands for a CUDA run: ``explain`` counts what that run allocates), or any device while recording
+    (the recorded routes are a GPU run's, whatever device the scenario's small tensors live on)."""
+    return _STATE["arch"] is not None or getattr(device, "type", device) in ("cuda", "meta")
 
 
 @contextlib.contextmanager

@@ -40,10 +40,11 @@ import torch
 
 from .._checks import alloc
 from . import linear_tiles as tiles
-from .common import cap_args, cdiv, overrides, testing
+from .._testing import knobs, override
+from .host import TRITON_DTYPES, cap_args, cdiv, check_inputs, half_view, per_token
 from .launch import as_cuda, launch
 from .fp32_gemm import addmm_f32_, logits_f32
-from .linear_epilogue_kernels import dlogits_chunk, half_view
+from .linear_epilogue_kernels import dlogits_chunk
 from .linear_tiles import dlogits_tile, grouped_tile, logits_tile, mma, to_input_dtype, tl, triton
 
 # d logits chunk of the deterministic backward when the caller gives no budget: this fraction of N x V fp32 logits.
@@ -145,14 +146,14 @@ def linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs:
     temperature, softcap = transform.temperature, transform.softcap
     need_hidden, need_weight, need_bias = needs
     lse, entropy, grad_logp, grad_entropy = stats.lse, stats.entropy, stats.grad_logp, stats.grad_entropy
-    N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
+    N, V, H = check_inputs(hidden, weight, bias, ids)
     need_bias = bool(need_bias) and bias is not None
     dev = hidden.device
     f32 = torch.float32
-    lse, grad_logp = tiles.per_token(lse, N), tiles.per_token(grad_logp, N)
+    lse, grad_logp = per_token(lse, N), per_token(grad_logp, N)
     has_ent = grad_entropy is not None
     if has_ent:
-        grad_entropy, entropy = tiles.per_token(grad_entropy, N), tiles.per_token(entropy, N)
+        grad_entropy, entropy = per_token(grad_entropy, N), per_token(entropy, N)
     if N == 0 or not (need_hidden or need_weight or need_bias):
         return (torch.zeros_like(hidden) if need_hidden else None, torch.zeros_like(weight) if need_weight else None,
                 torch.zeros_like(bias) if need_bias else None)
@@ -162,8 +163,8 @@ def linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs:
     if deterministic:
         if chunk_bytes is None:
             chunk_bytes = int(DETERMINISTIC_CHUNK_FRACTION * 4 * N * V)
-        if overrides().chunk_bytes is not None:
-            chunk_bytes = min(chunk_bytes, overrides().chunk_bytes)
+        if knobs().chunk_bytes is not None:
+            chunk_bytes = min(chunk_bytes, knobs().chunk_bytes)
         return _backward_row_blocks(common, N, V, H, need_hidden, need_weight, need_bias, chunk_bytes,
                                     N if row_block is None else max(1, min(N, row_block)))
     tile, _, dot_fp32 = tiles.launch_params("bwd", hidden.dtype, dev)
@@ -354,8 +355,8 @@ def dlogits_by_gemm(dtype: torch.dtype, device: torch.device) -> bool:
     measured on an H200); fp32 keeps the tile kernel (IEEE fp32 either way). The testing override's
     ``dlogits_by_gemm`` forces either route.
     """
-    if overrides().dlogits_by_gemm is not None:
-        return overrides().dlogits_by_gemm
+    if knobs().dlogits_by_gemm is not None:
+        return knobs().dlogits_by_gemm
     return as_cuda(device) and dtype != torch.float32
 
 
@@ -380,14 +381,14 @@ def aot_launches():
             x = torch.zeros(hidden.shape[0])
             # Why the chunk budget: two vocab chunks of 1024 columns (the variants do not depend on the chunk
             # count; the recorded route's CPU GEMMs per chunk would dominate the recording time).
-            with testing(dlogits_by_gemm=by_gemm):
+            with override(dlogits_by_gemm=by_gemm):
                 linear_logprobs_backward(hidden, weight, bias, ids, LogprobGrads(x, x, x, x if has_ent else None),
                                          LogitTransform(1.0, softcap), need, deterministic,
                                          chunk_bytes=4 * 1024 * hidden.shape[0])
         return thunk
 
     scenarios = []
-    for dtype, ty in tiles.TRITON_DTYPES.items():
+    for dtype, ty in TRITON_DTYPES.items():
         half = dtype != torch.float32
         for has_bias in (False, True):
             b = "bias" if has_bias else "nobias"
@@ -404,7 +405,7 @@ def aot_launches():
                     flags = "".join(n for n, f in zip("hwb", need) if f)
                     scenarios.append((f"linear_bwd_atomic_{ty}_{b}_{e}_{flags}",
                                       scenario(dtype, has_bias, has_ent, need, False)))
-    for dtype, ty in tiles.TRITON_DTYPES.items():
+    for dtype, ty in TRITON_DTYPES.items():
         if ty != "fp16":  # the fp16 tile kernel (testing knob only) is bf16's with another store type
             scenarios.append((f"linear_dlogits_{ty}_bias_ent_softcap",
                               scenario(dtype, True, True, (True, True, True), True, 30.0,

@@ -38,9 +38,9 @@ import torch
 from .._checks import alloc
 from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
-from .common import (LOG2E, cap_args, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy, soft_cap,
-                     soft_cap_grad)
+from .common import LOG2E, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy, soft_cap, soft_cap_grad
 from .fp32_gemm import addmm_f32_, logits_f32
+from .host import TRITON_DTYPES, cap_args, half_view
 from .launch import launch, target_arch
 from .linear_tiles import to_input_dtype
 from .token_terms import token_terms_at
@@ -287,13 +287,6 @@ def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
                  HAS_BIAS, HAS_ENTROPY_GRAD, SOFTCAP, ROUND_BY_HAND, BLOCK)
 
 
-def half_view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The (R, V) d-logits view in ``dtype`` that shares ``buf``'s (R, V) fp32 rows (row stride 2V for half)."""
-    if dtype == torch.float32:
-        return buf
-    return buf.view(dtype)[:, : buf.shape[1]]
-
-
 # ---------------------------------------------------------------------------------------------- launchers
 
 
@@ -469,7 +462,7 @@ def aot_launches():
     ``_softcap``: their cost is reported, the instruction budget is that of the cap off)."""
     from ..config import GRPOLossConfig
     from ..loss_types import POLICY_TERMS
-    from .linear_tiles import TRITON_DTYPES, aot_inputs
+    from .linear_tiles import aot_inputs
 
     def fold(dtype, has_bias, softcap=None):
         def thunk():

@@ -15,7 +15,8 @@ import torch
 
 from .._checks import alloc
 from . import linear_tiles as tiles
-from .common import GENERATIONS, LN2, LOG2E, cap_args, cdiv, lane_fold
+from .common import LN2, LOG2E, lane_fold
+from .host import GENERATIONS, TRITON_DTYPES, cap_args, cdiv, check_inputs
 from .launch import launch
 from .linear_tiles import NEG_BIG, logits_tile, tl, triton
 
@@ -131,7 +132,7 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
     hidden (N, H) and weight (V, H) of one dtype (fp32/bf16/fp16), bias (V,) or None, ids (N,) int64 in [0, V).
     lse = logsumexp(z); entropy = lse - sum softmax(z) * z. Extra memory: 16 * n_splits * N bytes.
     """
-    N, V, H = tiles.check_inputs(hidden, weight, bias, ids)
+    N, V, H = check_inputs(hidden, weight, bias, ids)
     dev = hidden.device
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
     if N == 0:
@@ -159,5 +160,5 @@ def aot_launches():
         return lambda: linear_logprobs_forward(*tiles.aot_inputs(dtype, has_bias), 1.0, softcap=softcap)
 
     return [(f"linear_fwd_{ty}_{'bias' if has_bias else 'nobias'}", scenario(dtype, has_bias))
-            for dtype, ty in tiles.TRITON_DTYPES.items() for has_bias in (False, True)] + \
-        [(f"linear_fwd_{ty}_bias_softcap", scenario(dtype, True, 30.0)) for dtype, ty in tiles.TRITON_DTYPES.items()]
+            for dtype, ty in TRITON_DTYPES.items() for has_bias in (False, True)] + \
+        [(f"linear_fwd_{ty}_bias_softcap", scenario(dtype, True, 30.0)) for dtype, ty in TRITON_DTYPES.items()]

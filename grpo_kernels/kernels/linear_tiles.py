@@ -21,7 +21,9 @@ import torch
 
 from .._precision import fp32_matmuls_use_tf32
 from .._triton import import_triton, interpreting
-from .common import generation, num_sms, overrides, soft_cap, soft_cap_grad
+from .._testing import knobs
+from .common import soft_cap, soft_cap_grad
+from .host import TRITON_DTYPES, generation, num_sms
 from .launch import as_cuda
 
 triton, tl = import_triton()
@@ -68,7 +70,6 @@ GROUP_M = 8
 # CPU interpreter: small blocks, so that small awkward test shapes cross every block boundary.
 INTERPRET_TILE = Tile(16, 32, 16, 4, 1)
 
-TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 # DOT_FP32 values: how the kernels' tl.dot multiplies (see mma).
@@ -82,7 +83,7 @@ def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[
     if not as_cuda(device):
         assert interpreting(), "CPU tensors need TRITON_INTERPRET=1 (the API layer chooses the implementation)"
         # Why DOT_IEEE for bf16 here: the interpreter's bf16 tl.dot returns garbage (docs/DESIGN.md section 6).
-        return (overrides().interpret_tile or INTERPRET_TILE, overrides().interpret_sms or INTERPRET_SMS,
+        return (knobs().interpret_tile or INTERPRET_TILE, knobs().interpret_sms or INTERPRET_SMS,
                 DOT_IEEE if dtype in (torch.float32, torch.bfloat16) else DOT_NATIVE)
     # A CUDA launch, or one recorded as a CUDA run would make it (launch.as_cuda): fp32 follows torch's fp32 matmul
     # precision (TF32 or IEEE), and the tiles are per dot class ("tf32" has its own: tensor-core dots).
@@ -93,21 +94,6 @@ def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[
     else:
         dot, cls = DOT_IEEE, "fp32"
     return TILES[(generation(device).tiles, kind, cls)], num_sms(device), dot
-
-
-def check_inputs(hidden, weight, bias, ids) -> tuple[int, int, int]:
-    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], "hidden (N,H), weight (V,H)"
-    assert hidden.dtype == weight.dtype and hidden.dtype in TRITON_DTYPES, "hidden/weight: one of fp32/bf16/fp16"
-    assert hidden.stride(1) == 1 and weight.stride(1) == 1, "hidden/weight need a unit stride on H"
-    assert ids.shape == hidden.shape[:1] and ids.dtype == torch.int64 and ids.is_contiguous(), "ids (N,) int64"
-    assert bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()), "bias (V,) contiguous"
-    return hidden.shape[0], weight.shape[0], hidden.shape[1]
-
-
-def per_token(t, n: int) -> torch.Tensor:
-    """A per-token fp32 (N,) tensor, made contiguous (autograd hands out expanded, stride-0 gradients)."""
-    assert t.shape == (n,) and t.dtype == torch.float32, "per-token tensors: fp32 (N,)"
-    return t.contiguous()
 
 
 # The value of padded tile columns and the fused-linear forward's empty running max: finite, so that a padded

@@ -15,8 +15,9 @@ import torch
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .common import cap_args, soft_cap
-from .logits_rows import RowTiles, row_logsumexp_entropy, row_tiles, vec_for, write_row_dlogits
+from .common import soft_cap
+from .host import as_btv, cap_args, dlogits_result
+from .logits_rows import row_logsumexp_entropy, tiles, vec_for, write_row_dlogits
 
 triton, tl = import_triton()
 
@@ -76,30 +77,6 @@ def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr
     write_row_dlogits(base, dlogits_ptr + b * out_stride_b + t * out_stride_t, V, active, target, z_target,
                       tl.load(lse_ptr + row), h, g, g_h, inv_temperature, softcap, SOFTCAP, HAS_ENTROPY_GRAD,
                       BLOCK_V, VEC)
-
-
-def as_btv(logits: torch.Tensor) -> torch.Tensor:
-    """A (B, T, V) view with unit vocab stride (copies only when the vocab dim is strided)."""
-    x = logits if logits.dim() == 3 else logits.unsqueeze(0)
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def dlogits_result(logits: torch.Tensor, x: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """d logits, written by a kernel into ``out`` (B, T, V), shaped like ``logits``; ``x`` is ``as_btv(logits)``.
-
-    In place, the kernel wrote into ``x``: that is ``logits`` itself for any batch / time strides (slices such as
-    ``logits[:, :-1]``, transposes), but a private copy when the vocab dim is strided; then one copy back makes
-    ``logits`` hold d logits all the same (the elements outside the view are never touched)."""
-    if inplace and x.data_ptr() != logits.data_ptr():
-        logits.copy_(out.view(logits.shape))
-        out = logits
-    return out.view(logits.shape) if out.is_contiguous() else out.reshape(logits.shape)
-
-
-def tiles(kernel: str, x: torch.Tensor, block_v: int | None = None) -> RowTiles:
-    """The tile table's launch configuration for ``kernel`` on ``x``'s device and dtype, the vocab block capped
-    by ``block_v`` (or the testing override's ``max_block_v``) when given."""
-    return row_tiles(kernel, x.dtype, x.shape[-1], x.device, block_v)
 
 
 def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float,

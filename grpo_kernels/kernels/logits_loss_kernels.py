@@ -7,8 +7,9 @@ on B x T), and so is the entropy bonus's ``g_h = -entropy_coef * mask / n_valid`
 logsumexp and entropy, evaluates the per-token terms (``token_terms``, the one Triton definition of the maths),
 then sweeps the row again writing ``d logits = (g (onehot - p) - g_h p (log p + H)) / temperature``, into the
 logits buffer itself (in place) or a new one. Three passes over HBM (read forward, read + write backward) become
-one read and one write when the second sweep hits L2: programs are persistent, one per SM (rows in flight = SMs,
-see ``logits_rows``'s table), and the second sweep runs the row backwards. Each row also writes its loss and metric
+one read and one write when the second sweep hits L2: programs are persistent, one per SM, fewer where that many
+rows would not fit the device's L2 (``rows_in_flight``: the planner's choice, stated by ``explain``), and the second
+sweep runs the row backwards. Each row also writes its loss and metric
 terms; the caller sums them in a fixed order (deterministic, no atomics). A soft cap (``transform.softcap``) is applied to
 every logit the two sweeps read and to the target's, in registers (``logits_rows``); its value is a runtime argument.
 
@@ -16,15 +17,18 @@ Layout as ``logits_kernels``: any batch/time strides, unit vocab stride, a 1-D g
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .._checks import alloc
 from .._triton import import_triton
 from .launch import launch
-from .logits_kernels import as_btv, dlogits_result, tiles
-from .common import cap_args, num_sms, soft_cap
-from .logits_rows import row_logsumexp_entropy, vec_for, write_row_dlogits
-from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO, row_col_strides
+from .._testing import knobs
+from .common import soft_cap
+from .host import as_btv, cap_args, dlogits_result, l2_bytes, num_sms, row_col_strides
+from .logits_rows import row_logsumexp_entropy, row_tiles, tiles, vec_for, write_row_dlogits
+from .token_loss_kernels import KIND_CISPO, KIND_CLIPPED, KIND_SAPO
 from .token_terms import token_terms_at
 
 # Per-row terms: w*l, m*kl, m*low, m*high, m*region, m*cispo_clipped (token_loss_kernels' sums), then m*entropy.
@@ -117,14 +121,53 @@ def scale_dlogits(dlogits_ptr, scale_ptr, mask_ptr, T, V, stride_b, stride_t, BL
             tl.store(base + v, (x * s).to(dlogits_ptr.dtype.element_ty), mask=v < V)
 
 
-def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inplace: bool):
+# Rows in flight may fill at most this fraction of L2: the margin holds what else streams through it (the d-logits
+# stores, the per-token terms) and absorbs the cache's set conflicts. Fewer programs than SMS_FLOOR of the SMs are not
+# worth it: below half the SMs a sweep loses more bandwidth than the second sweep's re-read from DRAM costs
+# (estimates: docs/kernels.md "Rows in flight", measured by benchmarks/gpu_check.sh).
+L2_FRACTION = 0.8
+SMS_FLOOR = 0.5
+
+
+@dataclass(frozen=True)
+class RowsInFlight:
+    """The persistent kernel's grid: ``programs`` rows in flight (one per program), of ``row_bytes`` each, against
+    an L2 of ``l2_bytes``; ``fits``: they stay within ``L2_FRACTION`` of it, so each row's second sweep reads L2."""
+
+    programs: int
+    row_bytes: int
+    l2_bytes: int
+    fits: bool
+
+    @property
+    def dram_bytes_per_row(self) -> int:
+        """Expected DRAM traffic per row: one read and one d-logits write when the row stays in L2 between its two
+        sweeps, one more read otherwise."""
+        return (2 if self.fits else 3) * self.row_bytes
+
+
+def rows_in_flight(N: int, V: int, dtype: torch.dtype, device: torch.device) -> RowsInFlight:
+    """How many rows the gradient-in-forward kernel keeps in flight: one program per SM (the tile table's programs
+    per SM), fewer when that many rows would not fit ``L2_FRACTION`` of the device's L2 (queried, with the
+    generation table as fallback), never fewer than ``SMS_FLOOR`` of the SMs, never more than N."""
+    t = row_tiles("grad_in_forward", dtype, V, device)
+    sms, l2, row = num_sms(device), l2_bytes(device), V * dtype.itemsize
+    full = max(1, t.programs_per_sm) * sms
+    fit = int(L2_FRACTION * l2) // max(row, 1)
+    programs = max(min(full, fit), max(1, int(SMS_FLOOR * sms)))
+    programs = min(full, knobs().logits_programs or programs)
+    return RowsInFlight(min(N, programs), row, l2, programs * row <= L2_FRACTION * l2)
+
+
+def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inplace: bool, programs: int = 0):
     """One sweep pair per row: returns (d logits shaped like ``logits`` for a loss scaled by 1, per-row terms
     (B*T, N_TERMS) fp32). ``tokens``: an ``inputs.LossTokens`` (mask, weights, advantages, old / reference
     log-probs, importance weight); ``h_scale`` a one-element fp32 tensor
     ``-entropy_coef / max(n_valid, 1)`` or None; ``cfg`` the loss options (the policy's hyper-parameters);
     ``transform`` the logits transform (``config.LogitTransform``: temperature, soft cap); ``kind`` the policy term's
     index. With ``inplace`` the d logits overwrite the logits buffer, any non-overlapping view of it (through a
-    private copy, copied back, only when the vocab dim is strided)."""
+    private copy, copied back, only when the vocab dim is strided). programs: the rows in flight the plan chose
+    (``rows_in_flight``; 0: chosen here the same way)."""
     x = as_btv(logits)
     B, T, V = x.shape
     N = B * T
@@ -137,7 +180,7 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inp
     ref = None if tokens.ref_logps is None else tokens.ref_logps.float().contiguous()
     if N:
         cfg_t = tiles("grad_in_forward", x)
-        grid = (min(N, cfg_t.programs_per_sm * num_sms(x.device)),)
+        grid = (min(N, programs or rows_in_flight(N, V, x.dtype, x.device).programs),)
         # Why a register cap at the program's share of the register file: with one resident program per SM, more
         # registers cost no occupancy, but left to itself ptxas targets 64 per thread at 16 warps and spilled there
         # (Triton 3.6, sm_80, bf16 / fp16 with every option and the soft cap: 4-8 B). The cap states the budget.

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from .._triton import import_triton
-from .common import (LOG2E, dlogits_values, generation, lane_fold, lanes_to_row, overrides, row_lse_entropy, soft_cap,
-                     soft_cap_grad)
+from .._testing import knobs
+from .common import LOG2E, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy, soft_cap, soft_cap_grad
+from .host import generation
 
 triton, tl = import_triton()
 
@@ -81,7 +82,7 @@ def row_tiles(kernel: str, dtype: torch.dtype, V: int, device: torch.device, blo
     two (a short vocabulary needs no 8192-wide block and its warps), and at ``block_v`` or the testing override's
     ``max_block_v`` when given (multi-block rows and tails at small V)."""
     tiles = _TABLE[(generation(device).tiles, kernel, 2 if dtype.itemsize <= 2 else 4)]
-    block = min(tiles.block_v, triton.next_power_of_2(V), block_v or overrides().max_block_v or tiles.block_v)
+    block = min(tiles.block_v, triton.next_power_of_2(V), block_v or knobs().max_block_v or tiles.block_v)
     # Why at least 256 values per warp: 8 per thread, one 16-byte vector of bf16 (two of fp32).
     warps = max(1, min(tiles.num_warps, block // 256))
     return RowTiles(block, warps, tiles.num_stages, tiles.programs_per_sm)
@@ -211,3 +212,9 @@ def vec_width(dtype: torch.dtype) -> int:
 def vec_for(block_v: int, dtype: torch.dtype) -> int:
     """VEC for a sweep of ``block_v`` values: a 16-byte vector, or the whole block when it is narrower."""
     return min(vec_width(dtype), block_v)
+
+
+def tiles(kernel: str, x: torch.Tensor, block_v: int | None = None) -> RowTiles:
+    """The tile table's launch configuration for ``kernel`` on ``x``'s device and dtype, the vocab block capped
+    by ``block_v`` (or the testing override's ``max_block_v``) when given."""
+    return row_tiles(kernel, x.dtype, x.shape[-1], x.device, block_v)

@@ -13,7 +13,7 @@ import torch
 
 from .._checks import alloc
 from .._triton import import_triton, interpreting
-from .common import cdiv
+from .host import cdiv
 from .launch import launch, target_arch
 from .linear_tiles import to_input_dtype
 

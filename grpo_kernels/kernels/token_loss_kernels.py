@@ -12,7 +12,7 @@ import torch
 
 from .._checks import alloc
 from .._triton import import_triton
-from .common import cdiv
+from .host import cdiv, row_col_strides
 from .launch import launch
 from .token_terms import token_terms
 
@@ -74,16 +74,6 @@ def token_loss_fwd(logp_ptr, old_ptr, ref_ptr, adv_ptr, is_ptr, mask_ptr, w_ptr,
     tl.store(base + 3, tl.sum(tl.where(keep, m * high, 0.0), axis=0))
     tl.store(base + 4, tl.sum(tl.where(keep, m * region, 0.0), axis=0))
     tl.store(base + 5, tl.sum(tl.where(keep, m * cispo_clipped, 0.0), axis=0))
-
-
-def row_col_strides(x: torch.Tensor | None, B: int, T: int):
-    """(tensor, stride over rows, stride over tokens) for (B,), (B, 1) or (B, T) inputs (zero stride broadcasts)."""
-    if x is None:
-        return None, 0, 0
-    x = x.float().contiguous()
-    if x.dim() == 1 or x.shape[-1] == 1:
-        return x, 1, 0
-    return x, T, 1
 
 
 def token_loss_forward(logps, tokens, cfg, kind: int):

@@ -26,10 +26,12 @@ from ..metrics import ENTROPY, LOSS, metrics_from_sums
 @ops.options_type
 @dataclass(frozen=True)
 class LossOptions:
-    """The non-tensor inputs of the path: the loss options and the logits transform."""
+    """The non-tensor inputs of the path: the loss options, the logits transform and the kernel's rows in flight
+    (the plan's: ``Plan.rows_in_flight``)."""
 
     cfg: GRPOLossConfig
     transform: LogitTransform
+    programs: int = 0
 
 
 def loss_in_forward(logits, ids, tokens: LossTokens, count, o: LossOptions, inplace: bool):
@@ -39,7 +41,7 @@ def loss_in_forward(logits, ids, tokens: LossTokens, count, o: LossOptions, inpl
     cfg = o.cfg
     h_scale = None if cfg.entropy_coef == 0.0 else (-cfg.entropy_coef / count).float().reshape(1)
     dlogits, terms = grad_in_forward(logits, ids, tokens, h_scale, cfg, o.transform,
-                                     LOSS_TABLE[cfg.loss_type].policy_kind, inplace)
+                                     LOSS_TABLE[cfg.loss_type].policy_kind, inplace, o.programs)
     sums = terms.sum(0, dtype=torch.float64)  # no fp64 copy of the terms; deterministic
     loss = sums[LOSS]
     if cfg.entropy_coef != 0.0:
@@ -103,12 +105,12 @@ def _fast_backward(ctx, grad_loss, _grad_sums, _grad_dlogits):
 _logits_loss_fast.register_autograd(_fast_backward, setup_context=ops.setup_saving_gradient_output)
 
 
-def logits_loss_in_forward(inputs: LogitsInputs, batch: LossInputs, cfg: GRPOLossConfig, inplace: bool):
+def logits_loss_in_forward(inputs: LogitsInputs, batch: LossInputs, cfg: GRPOLossConfig, plan, inplace: bool):
     """(loss, metrics) of ``grpo_loss`` from one kernel that also writes d logits (into the logits buffer when
-    ``inplace``: the logits hold d logits as soon as this returns)."""
+    ``inplace``: the logits hold d logits as soon as this returns), with the plan's rows in flight."""
     B, T = inputs.ids.shape
     weights = batch.token_weights(cfg, B, T, inputs.logits.device)
-    tokens, o = LossTokens.of(batch, weights), LossOptions(cfg, inputs.transform)
+    tokens, o = LossTokens.of(batch, weights), LossOptions(cfg, inputs.transform, plan.rows_in_flight or 0)
     if ops.compiling():  # the Function does not trace: its registered op does
         loss, sums, _ = _logits_loss_fast(inputs.logits, inputs.ids, tokens.as_list(), weights.count, *ops.encode(o))
     else:

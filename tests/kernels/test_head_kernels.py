@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 from grpo_kernels.kernels import linear_backward_kernels as lbk  # noqa: E402
 from grpo_kernels.kernels import linear_forward_kernels as lfk  # noqa: E402
 from grpo_kernels.kernels import linear_tiles as tiles  # noqa: E402
-from grpo_kernels.kernels.common import testing  # noqa: E402
+from grpo_kernels._testing import override  # noqa: E402
 
 from ..support.tolerances import ATOL, assert_three_way, gamma  # noqa: E402
 
@@ -184,16 +184,16 @@ def test_backward_nothing_needed():
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_deterministic_several_chunks(dtype, kernel_overrides):
+def test_deterministic_several_chunks(dtype, knobs):
     """A tiny chunk budget forces one BLOCK_V-wide vocab chunk per step: dh accumulates over 4 chunks."""
-    kernel_overrides(chunk_bytes=1)
+    knobs(chunk_bytes=1)
     check_backward(*make_inputs(37, 100, 40, dtype), deterministic=True)
 
 
 @pytest.mark.parametrize("chunks", ["one-chunk", "several-chunks"])
-def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch, kernel_overrides):
+def test_deterministic_is_bitwise_reproducible(chunks, monkeypatch, knobs):
     if chunks == "several-chunks":
-        kernel_overrides(chunk_bytes=1)
+        knobs(chunk_bytes=1)
     else:
         monkeypatch.setattr(lbk, "DETERMINISTIC_CHUNK_FRACTION", 1.0)
     h, w, b, ids = make_inputs(37, 100, 40, torch.bfloat16)
@@ -222,14 +222,14 @@ def test_swizzle_with_several_groups(monkeypatch):
 def test_one_vocab_split():
     """Many SMs per token block: the split heuristic must still cover the vocab exactly once."""
     for sms in (1, 1000):
-        with testing(interpret_sms=sms):
+        with override(interpret_sms=sms):
             check_forward(*make_inputs(37, 300, 40, torch.float32))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile only exists on CPU")
-def test_gpu_sized_tile_under_interpreter(kernel_overrides):
+def test_gpu_sized_tile_under_interpreter(knobs):
     """The sm_90 block sizes (128 x 128 x 64) on a shape smaller than one tile, forward and backward."""
-    kernel_overrides(interpret_tile=tiles.TILES[(90, "fwd", "half")])
+    knobs(interpret_tile=tiles.TILES[(90, "fwd", "half")])
     for deterministic in (False, True):
         check_backward(*make_inputs(20, 150, 72, torch.bfloat16), deterministic=deterministic)
 
@@ -251,10 +251,10 @@ def test_only_block_sizes_and_flags_are_constexpr():
 
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy-grad", "no-entropy-grad"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_deterministic_dlogits_by_gemm_several_chunks(dtype, entropy, kernel_overrides):
+def test_deterministic_dlogits_by_gemm_several_chunks(dtype, entropy, knobs):
     """The deterministic backward with d logits from fp32 GEMM logits + the row-sweep epilogue (the CUDA bf16/fp16
     choice), forced here on CPU: 4 vocab chunks, written in place as half-precision rows; bitwise reproducible."""
-    kernel_overrides(dlogits_by_gemm=True, chunk_bytes=1)
+    knobs(dlogits_by_gemm=True, chunk_bytes=1)
     h, w, b, ids = make_inputs(37, 100, 40, dtype)
     first = check_backward(h, w, b, ids, entropy=entropy, deterministic=True)
     _, lse, ent = lfk.linear_logprobs_forward(h, w, b, ids, TEMPERATURE)

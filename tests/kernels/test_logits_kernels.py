@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels.kernels.common import testing
+from grpo_kernels._testing import override
 from grpo_kernels.reference import logprobs_and_entropy
 
 from ..support.cases import CASES, make_inputs, optional_inputs
@@ -23,7 +23,7 @@ SHAPES = {
 
 
 def _ours(logits, ids, temperature, a, b, impl, block_v=None):
-    with testing(max_block_v=block_v):
+    with override(max_block_v=block_v):
         x = logits.clone().requires_grad_(True)
         logp, entropy = gk.token_logprobs(x, ids, temperature, return_entropy=True, impl=impl)
         (grad,) = torch.autograd.grad((a * logp + b * entropy).sum(), x)
@@ -87,7 +87,7 @@ def test_backward_row_without_gradient_is_zero_despite_nan_statistics(entropy_gr
     logits = torch.randn(1, 3, 100, generator=g)
     logits[0, 1, 7] = float("nan")
     ids = torch.tensor([[3, 5, 99]])
-    with testing(max_block_v=32):
+    with override(max_block_v=32):
         logp, lse, entropy = logits_logprobs_forward(logits, ids, 0.9)
         assert torch.isnan(lse[1]) and torch.isnan(entropy[1])
         grad_logp = torch.tensor([0.5, 0.0, -1.5])

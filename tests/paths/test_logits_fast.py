@@ -68,10 +68,10 @@ BF16_CASES = [c for c in TOKEN_CASES if c.id.endswith("-token") or c.id in ("ent
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: c.id)
-def test_both_modes_three_way_bf16(case, mode, monkeypatch, kernel_overrides):
+def test_both_modes_three_way_bf16(case, mode, monkeypatch, knobs):
     """bf16 logits, V = 300 swept in blocks of 128 (two full blocks and a tail): loss and d logits against float64,
     no worse than plain PyTorch in bf16 (DESIGN.md's three-way rule)."""
-    kernel_overrides(max_block_v=128)
+    knobs(max_block_v=128)
     inputs = make_inputs(case, B=3, T=4, V=300, dtype=torch.bfloat16, seed=7)
     loss64, grad64, loss_d, grad_d = loss_truth_and_same_dtype(inputs, case.config)
     loss, grad, _ = _ours(inputs, case.config, mode, monkeypatch)
@@ -111,13 +111,13 @@ SHAPES = {"T1-V37": (3, 1, 37, None), "V1000-blocks256": (2, 5, 1000, 256), "V25
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_awkward_shapes_and_fully_masked_rows(shape, mode, monkeypatch, kernel_overrides):
+def test_awkward_shapes_and_fully_masked_rows(shape, mode, monkeypatch, knobs):
     """T = 1, V not a multiple of 16, multi-block rows with and without a tail, a fully masked sequence
     (make_inputs masks row 1): equal to the torch path, padded tokens get an exactly zero gradient, NaN logits there
     change nothing."""
     B, T, V, block = shape
     if block:
-        kernel_overrides(max_block_v=block)
+        knobs(max_block_v=block)
     case = next(c for c in CASES if c.id == "everything")
     config = case.config.replace(top_entropy_quantile=1.0, off_policy_mask_threshold=None)  # token-local
     inputs = make_inputs(case, B=B, T=T, V=V, seed=B * T + V)
@@ -141,10 +141,10 @@ def test_awkward_shapes_and_fully_masked_rows(shape, mode, monkeypatch, kernel_o
             assert_three_way(m[k], metrics_d[k], metrics64[k], torch.float32, f"{path} metric {k}")
 
 
-def test_in_place_writes_d_logits_in_the_forward(monkeypatch, kernel_overrides):
+def test_in_place_writes_d_logits_in_the_forward(monkeypatch, knobs):
     """inplace_backward with grad_in_forward: the logits buffer holds d logits when grpo_loss returns, the
     gradient is that buffer (same storage), scaled by grad_output, and equal to the new-buffer mode's."""
-    kernel_overrides(max_block_v=64)
+    knobs(max_block_v=64)
     case = next(c for c in CASES if c.id == "grpo-beta-kl")
     inputs = make_inputs(case, B=3, T=4, V=150, dtype=torch.bfloat16, seed=5)
     expected = _ours(inputs, case.config, "grad_in_forward", monkeypatch, scale=2.0)[1]

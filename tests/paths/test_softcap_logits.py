@@ -49,10 +49,10 @@ def _token_ours(logits, ids, a, b, impl, softcap=CAP, inplace=False):
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_token_logprobs_three_way(shape, dtype, impl, kernel_overrides):
+def test_token_logprobs_three_way(shape, dtype, impl, knobs):
     """logp, entropy and d logits (log-prob and entropy gradients) against float64 with the cap."""
     B, T, V, block = shape
-    kernel_overrides(max_block_v=block)
+    knobs(max_block_v=block)
     logits, ids, g = _logits(B, T, V, dtype, seed=V + B)
     a, b = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
     truth, naive = token_truth_and_same_dtype(logits, ids, TEMPERATURE, a, b, CAP)
@@ -64,10 +64,10 @@ def test_token_logprobs_three_way(shape, dtype, impl, kernel_overrides):
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp-grad", "logp+entropy-grad"])
-def test_inplace_backward_reads_the_target_before_overwriting_it(impl, entropy_grad, kernel_overrides):
+def test_inplace_backward_reads_the_target_before_overwriting_it(impl, entropy_grad, knobs):
     """inplace_backward with the cap: the gradient is the logits buffer itself and equals the out-of-place one bit for
     bit (the target's capped value comes from the logit read before the sweep rewrote it)."""
-    kernel_overrides(max_block_v=64)
+    knobs(max_block_v=64)
     logits, ids, g = _logits(2, 3, 160, torch.bfloat16, seed=4)
     a = torch.randn(2, 3, generator=g)
     b = torch.randn(2, 3, generator=g) if entropy_grad else torch.zeros(2, 3)
@@ -78,10 +78,10 @@ def test_inplace_backward_reads_the_target_before_overwriting_it(impl, entropy_g
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_logits_far_beyond_the_cap(impl, kernel_overrides):
+def test_logits_far_beyond_the_cap(impl, knobs):
     """|x| >> softcap (x ~ +-200 with softcap 30, +-inf included): the capped logits saturate at +-30 (a real -inf
     becomes -30, as torch.tanh), the derivative is ~0 there; everything finite and equal to float64."""
-    kernel_overrides(max_block_v=32)
+    knobs(max_block_v=32)
     logits, ids, g = _logits(2, 3, 80, torch.float32, seed=9, scale=200.0)
     logits[0, 0, :5] = float("-inf")
     logits[1, 2, 7] = float("inf")
@@ -155,13 +155,13 @@ def _loss_ours(inputs, impl, config, logits=None, **kwargs):
 @pytest.mark.parametrize("shape,dtype", [((3, 4, 37, None), torch.float32), ((3, 4, 160, 64), torch.bfloat16)],
                          ids=["V37-fp32", "V160-blocks64-bf16"])
 @pytest.mark.parametrize("path", LOSS_PATHS)
-def test_grpo_loss_three_way(path, shape, dtype, kernel_overrides, plans):
+def test_grpo_loss_three_way(path, shape, dtype, knobs, plans):
     """Loss and d logits of every logits path with the cap, the KL term and the entropy bonus (its gradient runs
     through the cap), against float64; a fully masked row and ragged lengths (make_inputs). (Multi-block fp32 rows
     are in test_grpo_loss_padded_rows_get_exact_zeros, against the unpadded run.)"""
     impl, config, expected_path = LOSS_PATHS[path]
     B, T, V, block = shape
-    kernel_overrides(max_block_v=block)
+    knobs(max_block_v=block)
     inputs = make_inputs(_CASE, B=B, T=T, V=V, dtype=dtype, seed=V)
     inputs["logits"] = inputs["logits"] * CAP  # |x| ~ 2c: well inside the bend of the cap
     loss64, grad64, metrics64, loss_d, grad_d, metrics_d = loss_truth_and_same_dtype(inputs, config,
@@ -175,11 +175,11 @@ def test_grpo_loss_three_way(path, shape, dtype, kernel_overrides, plans):
 
 
 @pytest.mark.parametrize("path", LOSS_PATHS)
-def test_grpo_loss_padded_rows_get_exact_zeros(path, kernel_overrides):
+def test_grpo_loss_padded_rows_get_exact_zeros(path, knobs):
     """Padded tokens whose logits are NaN / +-inf: an exactly zero gradient there (poisoned output buffers), valid
     rows as with clean logits, also when d logits is written into the logits buffer."""
     impl, config, _ = LOSS_PATHS[path]
-    kernel_overrides(max_block_v=64)
+    knobs(max_block_v=64)
     inputs = make_inputs(_CASE, B=3, T=4, V=160, seed=2)
     mask = inputs["mask"]
     dirty = inputs["logits"].clone()
@@ -252,11 +252,11 @@ def test_torch_path_keeps_two_temporaries_per_chunk(dtype):
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_softcap_none_is_bitwise_the_uncapped_call(impl, kernel_overrides):
+def test_softcap_none_is_bitwise_the_uncapped_call(impl, knobs):
     """softcap=None is the default: the same bits as no softcap argument on every path, and a cap changes the
     result (the argument reaches the kernels). That the cap compiles to nothing when off is checked on the compiled
     code: the AOT report's SASS of every cap-off config is unchanged by the feature (docs/kernels.md)."""
-    kernel_overrides(max_block_v=32)
+    knobs(max_block_v=32)
     inputs = make_inputs(_CASE, B=2, T=3, V=80, dtype=torch.bfloat16, seed=6)
     a = torch.randn(2, 3)
     uncapped = GRPOLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.05, temperature=TEMPERATURE)
