@@ -8,6 +8,9 @@
 #      45 s at most);
 #   4. the end-to-end GRPO step (benchmarks/e2e_step.py: TRL's GRPOTrainer stock, with patch_trl(), and
 #      grpo.train on a random Qwen2.5-0.5B-shaped model), in the last E2E_S seconds (90 s; 0 skips it);
+#      With PACK_S > 0 (default 0: it does not fit the 6 minutes), then grpo.train's step on a long-tailed batch,
+#      padded vs packed (benchmarks/packing_step.py on the Qwen2.5-0.5B shape), in PACK_S seconds taken before
+#      the end-to-end step: PACK_S=240 TOTAL_S=600 bash benchmarks/gpu_check.sh;
 #   5. the report: all tables into the output folder (with the trainer and end-to-end tables); the summary table
 #      printed last, after one line saying whether the fp32-output GEMM path of the fused head was taken.
 #
@@ -31,9 +34,9 @@
 # as timed out, and SIGINT at the hard limit still writes the JSON of the finished benchmarks. Without CUDA the
 # same steps run on the CPU (the CPU benchmark set; Triton tests under the interpreter).
 #
-# Knobs (environment): PY (python3), WHL_DIR (.whl), TOTAL_S, TESTS_LIMIT_S, E2E_S, TEST_JOBS (6 parallel test files),
-# TEST_FILES (default: every tests/*/test_*.py), TEST_MARKERS ("not slow"; "" runs the slow variants too),
-# WARMUP_LIMIT_S, GRPO_BENCH_GRID=full (far longer than this budget), GRPO_BENCH_ROUNDS.
+# Knobs (environment): PY (python3), WHL_DIR (.whl), TOTAL_S, TESTS_LIMIT_S, E2E_S, PACK_S (0), TEST_JOBS (6
+# parallel test files), TEST_FILES (default: every tests/*/test_*.py), TEST_MARKERS ("not slow"; "" runs the slow
+# variants too), WARMUP_LIMIT_S, GRPO_BENCH_GRID=full (far longer than this budget), GRPO_BENCH_ROUNDS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -119,9 +122,11 @@ for line in stopped:
     print("  not finished: " + line)
 PYEOF
 
-# 3. benchmarks: budget, warm-up limit and hard limit from what is left (25 s kept for the report, E2E_S for step 4)
+# 3. benchmarks: budget, warm-up limit and hard limit from what is left (25 s kept for the report, E2E_S and PACK_S
+#    for step 4)
 E2E_S=${E2E_S:-90}
-BENCH_HARD_S=$(($(left) - 25 - E2E_S))
+PACK_S=${PACK_S:-0}
+BENCH_HARD_S=$(($(left) - 25 - E2E_S - PACK_S))
 BENCH_BUDGET_S=$((BENCH_HARD_S - 45))
 if [ "$BENCH_HARD_S" -lt 30 ]; then
     log "benchmarks not run: only $(left)s left of ${TOTAL_S}s"
@@ -139,7 +144,14 @@ fi
 timeout -k 5 45 $PY -m benchmarks.l2_grid_check > "$OUT_DIR/l2_grid.md" 2>&1
 log "L2 grid check exit code $? (l2_grid.md)"
 
-# 4. end-to-end GRPO step: three variants, one child process each, a third of what is left each
+# 4. packed vs padded grpo.train step on a long-tailed batch (PACK_S > 0), then the end-to-end GRPO step: three
+#    variants, one child process each, a third of what is left each
+if [ "$PACK_S" -gt 0 ]; then
+    log "packing step: ${PACK_S}s (packing_step.md)"
+    timeout -k 5 "$PACK_S" $PY -m benchmarks.packing_step --out "$OUT_DIR" --device cuda --shape qwen2.5-0.5b \
+        --prompts 8 --max-len 512 --steps 5 --timeout-s $((PACK_S / 2)) > "$OUT_DIR/packing_step.log" 2>&1
+    log "packing step exit code $? (packing_step.md, packing_step.log)"
+fi
 E2E_LEFT=$(($(left) - 20))
 if [ "$E2E_S" -gt 0 ] && [ "$E2E_LEFT" -ge 30 ]; then
     log "end-to-end step: ${E2E_LEFT}s for three variants"
@@ -171,3 +183,4 @@ else
     [ -s "$OUT_DIR/e2e_step.md" ] && { echo; cat "$OUT_DIR/e2e_step.md"; }
     [ -s "$OUT_DIR/l2_grid.md" ] && { echo; cat "$OUT_DIR/l2_grid.md"; }
 fi
+[ -s "$OUT_DIR/packing_step.md" ] && { echo; echo "grpo.train step, padded vs packed:"; cat "$OUT_DIR/packing_step.md"; }

@@ -119,6 +119,52 @@ def _add_loss_arguments(group) -> None:
                                metavar="N" if kind is int else "X", help=help_text)
 
 
+def _add_generation_arguments(gen) -> None:
+    gen.add_argument("--num-generations", "-G", dest="num_generations", type=int, metavar="N",
+                     default=DEFAULTS["num_generations"], help="completions sampled per prompt: the group size (>= 2)")
+    _add(gen, "prompts_per_step", "prompts per rollout, per process (a rollout is N x -G completions)", type=int)
+    _add(gen, "max_new_tokens", "completion length limit in tokens (default: 6 for the built-in model, 256 with "
+         "--model)", type=int)
+    _add(gen, "temperature", "softmax temperature of sampling, and of the loss, which must score tokens as they "
+         "were sampled (> 0)", type=float)
+    _add(gen, "top_p", "nucleus sampling: draw from the smallest set of tokens holding this probability (in (0, 1]; "
+         "1.0: off)", type=float)
+    _add(gen, "top_k", "draw only from the N most likely tokens (0: off)", type=int)
+    _add(gen, "completion_chars", "sample only tokens made of these characters, and EOS (action masking, applied "
+         "alike in sampling and in the loss); default: any text, the answer alphabet for a built-in --task",
+         metavar="CHARS")
+    _add(gen, "mask_truncated_completions", "leave completions that hit --max-new-tokens without EOS out of the "
+         "loss", action="store_true")
+
+
+def _add_optimization_arguments(opt) -> None:
+    _add(opt, "lr", "peak AdamW learning rate (> 0; default: 1e-3 for the built-in model, 1e-6 with --model)",
+         type=float)
+    _add(opt, "weight_decay", "AdamW decoupled weight decay: each step multiplies the weights by 1 - lr x X (>= 0)",
+         type=float)
+    _add(opt, "adam_beta1", "AdamW decay rate of the gradient's running mean (in [0, 1))", type=float)
+    _add(opt, "adam_beta2", "AdamW decay rate of the squared gradient's running mean (in [0, 1))", type=float)
+    _add(opt, "warmup_steps", "optimizer steps of linear learning-rate warmup from 0", type=int)
+    _add(opt, "lr_scheduler", "learning-rate decay after warmup, down to --min-lr-ratio at --max-steps")
+    _add(opt, "min_lr_ratio", "final learning rate / peak learning rate, for cosine and linear (in [0, 1])",
+         type=float)
+    _add(opt, "max_grad_norm", "clip the global gradient L2 norm to this (0: no clipping)", type=float)
+    _add(opt, "num_iterations", "optimizer passes over each rollout (PPO epochs)", type=int)
+    _add(opt, "mini_batch_size", "completions per optimizer step, per process; must divide the rollout (default: "
+         "the whole rollout)", type=int)
+    _add(opt, "micro_batch_size", "completions per forward/backward pass; gradients accumulate over the "
+         "mini-batch (default: the whole mini-batch; with packing, the most completions in one packed "
+         "micro-batch)", type=int)
+    _add(opt, "packing", "padding-free training: each completion with its prompt laid end to end in packed rows, "
+         "position ids restarting per sequence, no pad tokens (flash-attn varlen on CUDA, else transformers' "
+         "packed-sequence masks); on where the model's attention supports it; --no-packing: padded rows",
+         action=argparse.BooleanOptionalAction)
+    _add(opt, "max_tokens_per_micro_batch", "packed micro-batches hold whole sequences up to this many tokens "
+         "(a sequence's prompt and completion less its last token, whose prediction is never scored); a longer "
+         "sequence gets a micro-batch of its own (default: no token limit)",
+         type=int)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m grpo.train",
@@ -189,41 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
          "(left: drop their beginning, right: their end); default: refuse such a prompt, naming its row",
          choices=("left", "right"))
 
-    gen = p.add_argument_group("generation")
-    gen.add_argument("--num-generations", "-G", dest="num_generations", type=int, metavar="N",
-                     default=DEFAULTS["num_generations"], help="completions sampled per prompt: the group size (>= 2)")
-    _add(gen, "prompts_per_step", "prompts per rollout, per process (a rollout is N x -G completions)", type=int)
-    _add(gen, "max_new_tokens", "completion length limit in tokens (default: 6 for the built-in model, 256 with "
-         "--model)", type=int)
-    _add(gen, "temperature", "softmax temperature of sampling, and of the loss, which must score tokens as they "
-         "were sampled (> 0)", type=float)
-    _add(gen, "top_p", "nucleus sampling: draw from the smallest set of tokens holding this probability (in (0, 1]; "
-         "1.0: off)", type=float)
-    _add(gen, "top_k", "draw only from the N most likely tokens (0: off)", type=int)
-    _add(gen, "completion_chars", "sample only tokens made of these characters, and EOS (action masking, applied "
-         "alike in sampling and in the loss); default: any text, the answer alphabet for a built-in --task",
-         metavar="CHARS")
-    _add(gen, "mask_truncated_completions", "leave completions that hit --max-new-tokens without EOS out of the "
-         "loss", action="store_true")
-
-    opt = p.add_argument_group("optimization")
-    _add(opt, "lr", "peak AdamW learning rate (> 0; default: 1e-3 for the built-in model, 1e-6 with --model)",
-         type=float)
-    _add(opt, "weight_decay", "AdamW decoupled weight decay: each step multiplies the weights by 1 - lr x X (>= 0)",
-         type=float)
-    _add(opt, "adam_beta1", "AdamW decay rate of the gradient's running mean (in [0, 1))", type=float)
-    _add(opt, "adam_beta2", "AdamW decay rate of the squared gradient's running mean (in [0, 1))", type=float)
-    _add(opt, "warmup_steps", "optimizer steps of linear learning-rate warmup from 0", type=int)
-    _add(opt, "lr_scheduler", "learning-rate decay after warmup, down to --min-lr-ratio at --max-steps")
-    _add(opt, "min_lr_ratio", "final learning rate / peak learning rate, for cosine and linear (in [0, 1])",
-         type=float)
-    _add(opt, "max_grad_norm", "clip the global gradient L2 norm to this (0: no clipping)", type=float)
-    _add(opt, "num_iterations", "optimizer passes over each rollout (PPO epochs)", type=int)
-    _add(opt, "mini_batch_size", "completions per optimizer step, per process; must divide the rollout (default: "
-         "the whole rollout)", type=int)
-    _add(opt, "micro_batch_size", "completions per forward/backward pass; gradients accumulate over the "
-         "mini-batch (default: the whole mini-batch)", type=int)
-
+    _add_generation_arguments(p.add_argument_group("generation"))
+    _add_optimization_arguments(p.add_argument_group("optimization"))
     loss = p.add_argument_group("loss (grpo_kernels.GRPOLossConfig)")
     _add_loss_arguments(loss)
     return p

@@ -104,6 +104,8 @@ class TrainConfig:
     num_iterations: int = 1
     mini_batch_size: int | None = None
     micro_batch_size: int | None = None
+    packing: bool = True               # padding-free micro-batches where the model's attention supports them
+    max_tokens_per_micro_batch: int | None = None  # packed micro-batches: token budget (None: no budget)
     loss: GRPOLossConfig = DEFAULT_LOSS
     reward_specs: tuple[RewardSpec, ...] = field(init=False, repr=False, compare=False, default=())
 
@@ -141,6 +143,10 @@ class TrainConfig:
                f"--resume {self.resume!r}: no such checkpoint directory")
         _check(not (self.resume is not None and self.overwrite), "--resume and --overwrite exclude each other")
         _check(isinstance(self.fsdp, bool), f"--fsdp is a switch (True / False), got {self.fsdp!r}")
+        _check(isinstance(self.packing, bool), f"--packing is a switch (True / False), got {self.packing!r}")
+        _check(self.packing or self.max_tokens_per_micro_batch is None,
+               "--max-tokens-per-micro-batch cuts packed micro-batches: drop --no-packing, or bound padded "
+               "micro-batches with --micro-batch-size")
         _check(self.fsdp or self.fsdp_grad_sync == "micro_batch",
                f"--fsdp-grad-sync {self.fsdp_grad_sync} only applies to --fsdp runs: add --fsdp (or drop "
                "--fsdp-grad-sync; DDP reduces gradients once per optimizer step)")
@@ -159,7 +165,8 @@ class TrainConfig:
         ints = {"seed": 0, "max_steps": 1, "save_steps": 0, "save_total_limit": 0, "hidden_size": 1, "num_layers": 1,
                 "num_heads": 1, "eval_every": 1, "num_generations": 2, "prompts_per_step": 1, "max_new_tokens": 1,
                 "top_k": 0, "warmup_steps": 0, "num_iterations": 1}
-        optional_ints = {"eval_size": 0, "max_prompt_length": 1, "mini_batch_size": 1, "micro_batch_size": 1}
+        optional_ints = {"eval_size": 0, "max_prompt_length": 1, "mini_batch_size": 1, "micro_batch_size": 1,
+                         "max_tokens_per_micro_batch": 1}
         why = {"num_generations": " (GRPO compares completions within a group)",
                "save_total_limit": " (0 keeps every checkpoint)", "seed": ""}
         for name, low in list(ints.items()) + list(optional_ints.items()):

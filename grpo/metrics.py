@@ -10,7 +10,8 @@ from .errors import OutputError
 from .run_folder import describe_os_error, warn, write_atomic
 
 PROGRESS_KEYS = (("reward", "reward_mean", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("clip", "clip_ratio", "{:.3f}"),
-                 ("tok/s", "tokens_per_s", "{:.0f}"))
+                 ("tok/s", "tokens_per_s", "{:.0f}"), ("tok/step", "tokens_per_step", "{:.0f}"),
+                 ("pad-saved", "padding_saved", "{:.0%}"))
 
 
 class MetricsLog:

@@ -92,9 +92,22 @@ class GRPOPolicy(nn.Module):
                                      position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         return out.last_hidden_state[:, prompt_length - 1:-1]
 
+    def packed_hidden(self, packed) -> torch.Tensor:
+        """(N, H) final hidden states predicting a packed micro-batch's completion tokens (``grpo/packing.py``), in
+        sequence order: the backbone runs on the packed rows with ``position_ids`` restarting per sequence and no
+        attention mask, so transformers keeps each sequence to itself (varlen flash-attn gets ``cu_seq_lens``)."""
+        with self._autocast(packed.input_ids.device):
+            out = self.lm.base_model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                     use_cache=False, **packed.attention_kwargs)
+        hidden = out.last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.token_index)
+
     def _hidden_and_head(self, batch, hidden: torch.Tensor | None = None):
         if hidden is None:
-            hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
+            if "packed" in batch:
+                hidden = self.packed_hidden(batch["packed"])
+            else:
+                hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
         head = get_lm_head(self.lm)
         bias = head.bias
         if self.suppress_bias is not None:
@@ -103,18 +116,39 @@ class GRPOPolicy(nn.Module):
 
     def forward(self, batch: dict, num_items_in_batch=None, hidden: torch.Tensor | None = None):
         """(loss, metrics). ``hidden``: the completion hidden states when the caller already has them (the
-        sampling forward kept with its graph: no second forward of the backbone)."""
+        sampling forward kept with its graph: no second forward of the backbone). A packed batch
+        (``{"packed": PackedBatch, "advantages": (S,), "old_logps" / "ref_logps": (N,)}``) takes the packed loss."""
         hidden, weight, bias = self._hidden_and_head(batch, hidden)
+        if "packed" in batch:
+            packed = batch["packed"]
+            return packed_loss(hidden, weight, packed.completion_ids, batch["advantages"], packed.cu_seqlens,
+                               mask=packed.completion_mask, bias=bias, old_logps=batch.get("old_logps"),
+                               ref_logps=batch.get("ref_logps"), num_items_in_batch=num_items_in_batch,
+                               config=self.loss_config, impl=self.impl)
         return gk.fused_linear_grpo_loss(
             hidden, weight, batch["completion_ids"], batch["advantages"], mask=batch["completion_mask"], bias=bias,
             old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),
             num_items_in_batch=num_items_in_batch, config=self.loss_config, impl=self.impl)
 
     @torch.no_grad()
-    def token_logprobs(self, batch: dict) -> torch.Tensor:
+    def token_logprobs(self, batch: dict, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) fp32 log-probs of the completion tokens at the loss temperature and soft cap (old / reference
-        policy)."""
-        hidden, weight, bias = self._hidden_and_head(batch)
-        return gk.linear_token_logprobs(hidden, weight, batch["completion_ids"], bias=bias,
-                                        temperature=self.loss_config.temperature, softcap=self.loss_config.softcap,
-                                        impl=self.impl, mask=batch["completion_mask"])
+        policy); (N,) for a packed batch, in its token order. ``hidden``: the completion hidden states, when the
+        caller has them (as for ``forward``)."""
+        packed = batch.get("packed")
+        ids = batch["completion_ids"] if packed is None else packed.completion_ids
+        mask = batch["completion_mask"] if packed is None else packed.completion_mask
+        hidden, weight, bias = self._hidden_and_head(batch, hidden)
+        return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=self.loss_config.temperature,
+                                        softcap=self.loss_config.softcap, impl=self.impl, mask=mask)
+
+
+def packed_loss(hidden, weight, ids, advantages, cu_seqlens, *, mask, bias, old_logps, ref_logps,
+                num_items_in_batch, config: gk.GRPOLossConfig, impl: str):
+    """``fused_linear_grpo_loss`` on packed tokens: hidden (N, H), ids / mask / old / ref (N,), advantages (S,),
+    ``cu_seqlens`` (S + 1,) (sequence s is tokens ``cu_seqlens[s]:cu_seqlens[s+1]``); the same numbers as the
+    padded (S, longest) call, with no (S, longest) tensor anywhere (docs/api.md, "Packed sequences"). dr_grpo's
+    normalizer comes from ``config.max_completion_length`` (TrainConfig sets it to --max-new-tokens)."""
+    return gk.fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=mask, bias=bias, old_logps=old_logps,
+                                     ref_logps=ref_logps, num_items_in_batch=num_items_in_batch, config=config,
+                                     impl=impl, cu_seqlens=cu_seqlens)

@@ -16,6 +16,7 @@ sampler's (with a soft-capped head the bias goes in before the cap: about 1e-13 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,13 @@ class Rollout:
     @property
     def batch_size(self) -> int:
         return self.completion_ids.shape[0]
+
+    @functools.cached_property
+    def sequence_lengths(self) -> tuple[list[int], list[int]]:
+        """(prompt tokens, completion tokens) per row, host ints read once (``grpo/packing.py``)."""
+        from .packing import sequence_lengths
+
+        return sequence_lengths(self.attention_mask, self.completion_mask, self.prompt_length)
 
     def batch(self, rows: torch.Tensor | slice | None = None, **extra) -> dict:
         """The tensors GRPOPolicy needs for ``rows`` (all rows when None) plus per-row extras."""

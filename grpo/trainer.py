@@ -28,10 +28,11 @@ from .evaluation import Evaluator, describe_evals, step_span, summary_fields
 from .metrics import MetricsLog, Progress, plot_curves, plot_curves_best_effort, read_metrics
 from .modeling import (DTYPES, apply_liger_layers, build_char_tokenizer, build_tiny_model,
                        choose_attn_implementation, disable_dropout, eos_token_ids, load_pretrained)
+from .packing import choose_packing
 from .policy import GRPOPolicy
 from .run_folder import write_json
 from .rollout import GenerationSettings, Rollout, Sampler, suppressed_token_ids
-from .update import optimizer_step, rollout_logprobs
+from .update import StepOptions, optimizer_step, rollout_logprobs
 
 NEEDS_ANSWER = {"copy", "math", "boxed", "hash", "last_number"}
 SINGLE_PASS_MAX_NEW_TOKENS = 64
@@ -106,15 +107,7 @@ class Trainer:
             self.evaluator = Evaluator(self.sampler, eval_rows, eval_texts,
                                        overlap=training_overlap(train_rows, eval_rows))
         self.prompts = PromptSampler(len(train_rows), cfg.seed, env.rank, env.world_size)
-        # Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
-        # backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead
-        # of running the backbone a second time. Short completions only: the KV cache's saved tensors grow with
-        # the square of the length. Off under DDP and FSDP (their hooks need the forward to go through the
-        # wrapper / root).
-        rollout_size = cfg.prompts_per_step * cfg.num_generations
-        self.single_pass = (cfg.num_iterations == 1 and cfg.micro_batch_size == rollout_size
-                            and not env.enabled and not cfg.fsdp and not cfg.gradient_checkpointing
-                            and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
+        self._plan_steps()
         # Sampling streams differ per rank (each rank generates its own groups); restored on resume.
         torch.manual_seed(cfg.seed * 7919 + 104729 * (env.rank + 1))
         self.step, self.rollout_index, self.resumed_from, self.changed_on_resume = 0, 0, None, {}
@@ -127,6 +120,28 @@ class Trainer:
                                             scheduler=self.scheduler, sampler=self.prompts, env=env,
                                             fsdp_root=self.policy if cfg.fsdp else None)
             self.step, self.rollout_index = counters["step"], counters["rollout"]
+
+    def _plan_steps(self) -> None:
+        """How optimizer steps run: single pass or not, packed or padded (sets single_pass, packing, step_options).
+
+        Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
+        backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead of
+        running the backbone a second time. Short completions only: the KV cache's saved tensors grow with the
+        square of the length. Off under DDP and FSDP (their hooks need the forward to go through the wrapper /
+        root). Otherwise micro-batches are packed (grpo/packing.py) where the model's attention supports it; a
+        single-pass step has no forward of its own to pack (its reference / old-policy passes still are)."""
+        cfg, env = self.cfg, self.env
+        rollout_size = cfg.prompts_per_step * cfg.num_generations
+        self.single_pass = (cfg.num_iterations == 1 and cfg.micro_batch_size == rollout_size
+                            and not env.enabled and not cfg.fsdp and not cfg.gradient_checkpointing
+                            and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
+        self.packing, note = choose_packing(cfg.packing, cfg.max_tokens_per_micro_batch, self.lm, env,
+                                            self.single_pass)
+        if note is not None and env.is_main:
+            print(f"[grpo.train] {note}", flush=True)
+        self.step_options = StepOptions(micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                                        env=env, fsdp_grad_sync=cfg.fsdp_grad_sync,
+                                        packing=None if self.single_pass else self.packing)
 
     # ------------------------------------------------------------------------------------------- setup
     def _load_rows(self) -> tuple[list[dict], list[dict]]:
@@ -241,15 +256,14 @@ class Trainer:
             old_logps = ref_logps = None
             if off_policy:
                 with sharding.gathered(self.policy):
-                    old_logps = rollout_logprobs(self.policy, rollout, cfg.micro_batch_size)
+                    old_logps = rollout_logprobs(self.policy, rollout, cfg.micro_batch_size, self.packing)
             if self.ref is not None:
                 with sharding.gathered(self.ref):
-                    ref_logps = rollout_logprobs(self.ref, rollout, cfg.micro_batch_size)
+                    ref_logps = rollout_logprobs(self.ref, rollout, cfg.micro_batch_size, self.packing)
             rollout_stats = self._rollout_stats(rollout, time.time() - t0)
             for rows in self.minibatches()[:cfg.max_steps - self.step]:
                 stats = optimizer_step(self.model, self.policy, self.optimizer, self.scheduler, rollout, rows,
-                                       advantages, old_logps, ref_logps, micro_batch_size=cfg.micro_batch_size,
-                                       max_grad_norm=cfg.max_grad_norm, env=env, fsdp_grad_sync=cfg.fsdp_grad_sync)
+                                       advantages, old_logps, ref_logps, self.step_options)
                 self.step += 1
                 record = self._record(stats, rollout_stats, t0, start_time)
                 if self.evaluator is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
@@ -315,12 +329,15 @@ class Trainer:
         merged.update(stats)
         merged = reduce_mean_dict(merged, self.env)
         tokens = merged.pop("_gen_tokens") * self.env.world_size  # mean over ranks x ranks = global count
+        positions = merged.pop("positions") * self.env.world_size  # what the loss's forwards ran on, all ranks
+        padded = merged.pop("padded_positions") * self.env.world_size  # the same sequences as padded rows
         now = time.time()
         record = {"step": self.step, "rollout": self.rollout_index, "reward_mean": merged.pop("reward_mean"),
                   "kl": merged.pop("kl", 0.0), "loss": merged.pop("loss"),
                   "clip_ratio": merged.pop("clip_ratio/region_mean", 0.0)}
         record.update(merged)
         record.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / max(now - t0, 1e-9),
+                      tokens_per_step=positions, padding_saved=1.0 - positions / padded if padded else 0.0,
                       elapsed_s=now - start)
         return record
 

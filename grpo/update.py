@@ -1,18 +1,36 @@
 """One optimizer step on a rollout's rows, and the no-grad log-probs (old policy, reference) it may need.
 
-``trim`` drops, per micro-batch, the columns no row needs (shared left padding, completion tail), which is exact
-under causal attention and saves most of the padding cost of short completions.
+Two layouts of a micro-batch: packed (``grpo/packing.py``: whole sequences end to end in rows, no padding, cut by a
+token budget) and padded rows, where ``trim`` drops, per micro-batch, the columns no row needs (shared left padding,
+completion tail), which is exact under causal attention and saves part of the padding cost of short completions.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from grpo_kernels.loss_types import LOSS_TABLE
 
 from .distributed import DistEnv, all_reduce_sum
+from .packing import Packing, micro_batch_share, packed_micro_batches, padded_positions
 from .policy import GRPOPolicy
 from .rollout import Rollout
 from .sharding import clip_grad_norm, gradient_sync, is_fsdp
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How an optimizer step runs. ``packing``: packed micro-batches (None: padded rows of ``micro_batch_size``;
+    with packing, ``micro_batch_size`` caps the sequences per micro-batch). ``fsdp_grad_sync`` (FSDP2 only):
+    ``"micro_batch"`` reduce-scatters every micro-batch's gradients (they stay sharded), ``"step"`` only the last
+    one's (fewer collectives, but each rank holds the full unsharded fp32 gradient in between)."""
+
+    micro_batch_size: int
+    max_grad_norm: float
+    env: DistEnv
+    fsdp_grad_sync: str = "micro_batch"
+    packing: Packing | None = None
 
 
 def trim(batch: dict) -> dict:
@@ -34,65 +52,130 @@ def trim(batch: dict) -> dict:
 
 
 @torch.no_grad()
-def rollout_logprobs(policy: GRPOPolicy, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
-    """(B, T) fp32 log-probs of every completion token under ``policy`` (0 past each row's mask)."""
+def rollout_logprobs(policy: GRPOPolicy, rollout: Rollout, micro_batch_size: int,
+                     packing: Packing | None = None) -> torch.Tensor:
+    """(B, T) fp32 log-probs of every completion token under ``policy`` (0 past each row's mask), over padded
+    micro-batches of ``micro_batch_size`` rows, or packed ones (``packing``; at most ``micro_batch_size`` sequences
+    each)."""
     device = rollout.completion_ids.device
     out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
+    if packing is not None:
+        for packed in packed_micro_batches(rollout, list(range(rollout.batch_size)), packing, micro_batch_size):
+            out[packed.token_rows, packed.token_cols] = policy.token_logprobs({"packed": packed}).to(out.dtype)
+        return out
     for rows in torch.arange(rollout.batch_size, device=device).split(micro_batch_size):
         batch = trim(rollout.batch(rows))
-        out[rows, :batch["completion_ids"].shape[1]] = policy.token_logprobs(batch)
+        out[rows, :batch["completion_ids"].shape[1]] = policy.token_logprobs(batch).to(out.dtype)
+    return out
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """A micro-batch ready for ``model(batch, ...)``; its loss enters the step's loss as ``loss * share /
+    divisor`` (a float or a device tensor; padded micro-batches divide by their number, as before packing existed);
+    ``positions``: the positions its forward runs on."""
+
+    batch: dict
+    share: float | torch.Tensor
+    positions: int
+    hidden: torch.Tensor | None = None
+    divisor: int = 1
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.divisor != 1:
+            loss = loss / self.divisor
+        if isinstance(self.share, torch.Tensor):
+            return loss * self.share.to(loss.dtype)
+        return loss if self.share == 1.0 else loss * self.share
+
+
+def _padded_micro_batches(rollout: Rollout, rows: torch.Tensor, extra: dict, micro_batch_size: int,
+                          global_norm: bool) -> list[MicroBatch]:
+    micro_rows = rows.split(micro_batch_size)
+    out = []
+    for mrows in micro_rows:
+        batch = trim(rollout.batch(mrows, **extra))
+        hidden = None
+        if rollout.hidden is not None:
+            in_order = torch.equal(mrows, torch.arange(len(mrows), device=mrows.device))
+            if mrows.numel() != rollout.batch_size or not in_order:
+                raise RuntimeError("a rollout sampled with its graph must be used as one micro-batch, in order")
+            hidden = rollout.hidden[:, :batch["completion_ids"].shape[1]]
+        positions = batch["input_ids"].numel()
+        out.append(MicroBatch(batch, 1.0, positions, hidden, 1 if global_norm else len(micro_rows)))
+    return out
+
+
+def _packed_micro_batches(rollout: Rollout, rows: torch.Tensor, order: list[int], extra: dict,
+                          options: StepOptions, reduction: str) -> list[MicroBatch]:
+    if rollout.hidden is not None:
+        raise RuntimeError("a rollout sampled with its graph (single pass) trains on padded rows, not packed ones")
+    total_scored = rollout.completion_mask[rows].sum()
+    out = []
+    for packed in packed_micro_batches(rollout, order, options.packing, options.micro_batch_size):
+        batch = {"packed": packed, "advantages": extra["advantages"][packed.rows]}
+        for key in ("old_logps", "ref_logps"):
+            if extra.get(key) is not None:
+                batch[key] = packed.gather(extra[key])
+        share = micro_batch_share(reduction, packed.num_sequences, len(order), packed.completion_mask.sum(),
+                                  total_scored)
+        out.append(MicroBatch(batch, share, packed.positions))
     return out
 
 
 def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rollout, rows: torch.Tensor,
-                   advantages: torch.Tensor, old_logps, ref_logps, *, micro_batch_size: int, max_grad_norm: float,
-                   env: DistEnv, fsdp_grad_sync: str = "micro_batch") -> dict:
+                   advantages: torch.Tensor, old_logps, ref_logps, options: StepOptions) -> dict:
     """Gradient-accumulated loss over ``rows`` in micro-batches, clipping, one optimizer and scheduler step.
 
     ``model`` is ``policy``, its DDP wrapper, or ``policy`` itself sharded with FSDP2 (grpo/sharding.py). When
     the rollout kept its sampling forward's hidden states (``rollout.hidden``, single-pass mode: the whole rollout
-    is one micro-batch of one on-policy step), the loss backpropagates through them instead of running the
-    backbone again. Returns the token-weighted means of the loss metrics plus ``loss`` and ``grad_norm`` (floats:
-    one host sync per micro-batch, for the metrics). ``fsdp_grad_sync`` (FSDP2 only):
-    ``"micro_batch"`` reduce-scatters every micro-batch's gradients (they stay sharded), ``"step"`` only the last
-    one's (fewer collectives, but each rank holds the full unsharded fp32 gradient in between).
+    is one padded micro-batch of one on-policy step), the loss backpropagates through them instead of running the
+    backbone again. Micro-batch losses are weighted so that the step's loss is that of the whole mini-batch in one
+    call (``packing.micro_batch_share``; padded micro-batches are equal, so each weighs 1 / their number). Returns
+    the token-weighted means of the loss metrics plus ``loss``, ``grad_norm``, the positions the forwards ran on
+    (``positions``) and those a padded run would (``padded_positions``, see ``packing.padded_positions``) as
+    floats: one host sync per step (two when packed: the rows' order).
     """
     optimizer.zero_grad(set_to_none=True)
+    env = options.env
     sharded = is_fsdp(model)
-    micro_rows = rows.split(micro_batch_size)
+    reduction = LOSS_TABLE[policy.loss_config.loss_type].reduction
     # Loss types normalized by num_items_in_batch divide by the token count of the whole optimizer step (all
-    # ranks); the others normalize inside each micro-batch, so their micro-batch losses are averaged.
-    global_norm = LOSS_TABLE[policy.loss_config.loss_type].uses_num_items_in_batch
+    # ranks); the others normalize inside each micro-batch, and the micro-batch losses are weighted.
+    global_norm = reduction == "num_items"
     num_items = None
     if global_norm:
         n_tokens = rollout.completion_mask[rows].sum().to(torch.float64)
         all_reduce_sum(n_tokens, env)
         # at least 1 (the loss divides by max(num_items_in_batch, 1); the library refuses a count of 0)
         num_items = (n_tokens / env.world_size).clamp(min=1).to(torch.float32)
+    extra = dict(advantages=advantages, old_logps=old_logps, ref_logps=ref_logps)
+    if options.packing is None:
+        micro = _padded_micro_batches(rollout, rows, extra, options.micro_batch_size, global_norm)
+        padded = sum(mb.positions for mb in micro)
+    else:
+        order = rows.tolist()
+        micro = _packed_micro_batches(rollout, rows, order, extra, options, reduction)
+        padded = padded_positions(rollout, order, options.micro_batch_size)
     totals: dict[str, torch.Tensor] = {}
     loss_total = torch.zeros((), dtype=torch.float32, device=rows.device)
     token_total = torch.zeros((), dtype=torch.float32, device=rows.device)
-    for i, mrows in enumerate(micro_rows):
-        batch = trim(rollout.batch(mrows, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps))
-        last = i == len(micro_rows) - 1
-        sync = gradient_sync(model, last or (sharded and fsdp_grad_sync == "micro_batch"), env)
-        hidden = None
-        if rollout.hidden is not None:
-            if mrows.numel() != rollout.batch_size or not torch.equal(mrows, torch.arange(len(mrows), device=mrows.device)):
-                raise RuntimeError("a rollout sampled with its graph must be used as one micro-batch, in order")
-            hidden = rollout.hidden[:, :batch["completion_ids"].shape[1]]
+    for i, mb in enumerate(micro):
+        last = i == len(micro) - 1
+        sync = gradient_sync(model, last or (sharded and options.fsdp_grad_sync == "micro_batch"), env)
         with sync:
-            loss, metrics = model(batch, num_items_in_batch=num_items, hidden=hidden)
-            scaled = loss if global_norm else loss / len(micro_rows)
+            loss, metrics = model(mb.batch, num_items_in_batch=num_items, hidden=mb.hidden)
+            scaled = mb.scale(loss)
             scaled.backward()
-        weight = batch["completion_mask"].sum().float()
+        mask = mb.batch["packed"].completion_mask if "packed" in mb.batch else mb.batch["completion_mask"]
+        weight = mask.sum().float()
         loss_total += scaled.detach().float()
         token_total += weight
         for k, v in metrics.items():  # summed on the device; read once at the end
             totals[k] = totals.get(k, 0.0) + v.detach().float() * weight
     rollout.hidden = None  # its graph is consumed
     params = [p for p in policy.parameters() if p.requires_grad]
-    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+    max_norm = options.max_grad_norm if options.max_grad_norm > 0 else float("inf")
     if sharded:  # gradients are DTensor shards: the norm of the full gradient
         grad_norm = clip_grad_norm(params, max_norm)
     else:
@@ -103,5 +186,6 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
     values = torch.stack([totals[k] / token_total.clamp(min=1.0) for k in names]
                          + [loss_total, grad_norm.float()]).tolist()  # one host sync for every metric
     out = dict(zip(names, values[:len(names)]))
-    out.update(loss=values[-2], grad_norm=values[-1])
+    out.update(loss=values[-2], grad_norm=values[-1], positions=float(sum(mb.positions for mb in micro)),
+               padded_positions=float(padded))
     return out

@@ -28,7 +28,7 @@ from grpo.distributed import DistEnv
 from grpo.modeling import build_char_tokenizer, build_tiny_model, disable_dropout
 from grpo.policy import GRPOPolicy
 from grpo.rollout import Rollout
-from grpo.update import optimizer_step, rollout_logprobs
+from grpo.update import StepOptions, optimizer_step, rollout_logprobs
 
 CONFIGS = [
     {"name": "grpo-adamw", "loss_type": "grpo", "optimizer": "adamw", "broken": None},
@@ -170,8 +170,8 @@ def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_
     norms = []
     for _ in range(STEPS):
         stats = optimizer_step(model, policy, optimizer, scheduler, rollout, rows, advantages, old_logps, ref_logps,
-                               micro_batch_size=MICRO, max_grad_norm=max_grad_norm, env=env,
-                               fsdp_grad_sync=sync)
+                               StepOptions(micro_batch_size=MICRO, max_grad_norm=max_grad_norm, env=env,
+                                           fsdp_grad_sync=sync))
         norms.append(stats["grad_norm"])
     return norms
 
