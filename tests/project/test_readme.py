@@ -129,12 +129,13 @@ def test_explain_output_is_what_explain_prints():
     assert "\n".join(lines) == shown
     # the sentence after it: the same call under a 512 MiB budget
     assert "With `memory_budget=512 << 20` the same call takes the memory-light recompute path (`head.light`, 8NHV,\n" \
-           "511 MiB)" in section
+           "510 MiB)" in section
     printed.clear()
     exec(compile("import torch\nimport grpo_kernels as gk\n" + code.replace("adv))", "adv, memory_budget=512 << 20))"),
                  "README.md:explain", "exec"), {"print": lambda *a: printed.append(" ".join(map(str, a)))})
     assert "path head.light" in printed[0] and "matmul FLOPs: 8 N H V" in printed[0], printed[0]
-    assert "transient memory: 511.25 MiB of a 512.00 MiB budget" in printed[0], printed[0]
+    # (510.25: the d-logits chunk counts 4 bytes an element on bf16, what a CUDA run's cuBLAS route allocates)
+    assert "transient memory: 510.25 MiB of a 512.00 MiB budget" in printed[0], printed[0]
 
 
 def test_benchmark_commands_are_the_documented_ones():
