@@ -69,8 +69,16 @@ def holds(ok: torch.Tensor, message: str, detail=None) -> None:
     By default ``torch._assert_async``: on a GPU the verdict stays in the stream (no sync; a failure is a device-side
     assert, which ends the process's CUDA context), on a CPU it is read at once and raised as the ValueError. With
     ``GRPO_KERNELS_CHECK_VALUES=1`` the verdict is read on the host (one sync per check), so a GPU run raises the
-    ValueError too. detail: a zero-argument callable giving the values for the message, called only on failure."""
+    ValueError too. Under torch.compile the same check is traced into the graph (a RuntimeError naming the argument
+    when the compiled call runs). detail: a zero-argument callable giving the values for the message, called only on
+    failure (never under torch.compile)."""
     if ok.device.type == "meta":  # meta tensors (planning) carry no values
+        return
+    if torch.compiler.is_compiling():
+        # Why traced, never skipped: a compiled call must refuse what eager refuses (an out-of-range id would read
+        # the next row). The check becomes the graph's own aten._assert_async: it fails as a RuntimeError with this
+        # message when the compiled graph runs (on a GPU, a device-side assert), never as a silent number.
+        torch._assert_async(ok, message)
         return
     if host_value_checks():
         failed = not bool(ok)
@@ -114,6 +122,14 @@ def overlaps_in_memory(t: torch.Tensor) -> bool:
     return False
 
 
+def rows_flatten(t: torch.Tensor) -> bool:
+    """Whether ``t.view(-1, t.shape[-1])`` exists (its leading dims flatten without a copy), decided from sizes and
+    strides alone (no try / except: a fake tensor under torch.compile raises another error type)."""
+    dims = [(size, stride) for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1]
+    return all(outer_stride == inner_size * inner_stride
+               for (_, outer_stride), (inner_size, inner_stride) in zip(dims[:-1], dims[1:]))
+
+
 def cu_seqlens(cu, n_tokens: int, n_seq: int, device) -> None:
     """``cu_seqlens`` of S = n_seq sequences over n_tokens packed tokens (flash-attn's convention): an int32 / int64
     (S + 1,) tensor on ``device``, starting at 0, non-decreasing, ending at n_tokens (the values on the device)."""
@@ -125,7 +141,7 @@ def cu_seqlens(cu, n_tokens: int, n_seq: int, device) -> None:
                          f"advantages (one per sequence), got {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"cu_seqlens must be on the device of the logits / hidden states {device}, got {cu.device}")
-    if cu.device.type == "meta" or torch.compiler.is_compiling():
+    if cu.device.type == "meta":
         return
     holds(cu[0] == 0, "cu_seqlens must start at 0", lambda: f", got {int(cu[0])}")
     holds((cu[1:] >= cu[:-1]).all(), "cu_seqlens must be non-decreasing (sequence s is tokens "

@@ -21,6 +21,7 @@ import torch
 from . import _checks
 from ._triton import resolve_impl
 from .config import GRPOLossConfig, LogitTransform
+from .inplace_views import root_at_base
 from .loss_types import LOSS_TABLE, reduction_weights
 from .sequences import Sequences
 
@@ -54,11 +55,12 @@ class LogitsInputs:
         if logits.shape[-1] == 0:
             raise ValueError("logits must have a non-empty vocabulary dimension V")
         _checks.same_device(logits=logits, ids=ids)
-        if not torch.compiler.is_compiling():  # a host sync: checked in eager only (docs/api.md, torch.compile)
-            _checks.token_ids(ids, logits.shape[-1])
+        _checks.token_ids(ids, logits.shape[-1])  # on the device, eager and compiled alike (``_checks.holds``)
         impl = resolve_impl(impl, logits, ids)
         if impl == "triton":
             _checks.kernel_dtype("logits", logits)
+        if inplace_backward:  # a sliced view's d logits land in its base's buffer (inplace_views.py)
+            logits = root_at_base(logits)
         return cls(logits, ids, transform, impl)
 
 
@@ -116,7 +118,7 @@ class HeadInputs:
         if bias is not None and bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
         _checks.same_device(hidden=hidden, weight=weight, ids=ids, bias=bias)
-        if check_ids and not torch.compiler.is_compiling():  # a host sync: checked in eager only
+        if check_ids:  # on the device, eager and compiled alike (``_checks.holds``)
             _checks.token_ids(ids, weight.shape[0])
         impl = resolve_impl(impl, hidden, weight, bias)
         hidden2d = hidden.reshape(N, H)
@@ -196,8 +198,7 @@ class LossInputs:
             if is_ratio is not None and is_ratio.shape[0] != seqs.n_seq:
                 is_ratio = to_grid(is_ratio)
         batch = cls(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch, seqs)
-        if not torch.compiler.is_compiling():  # value checks, on the device (docs/api.md, "Host syncs")
-            batch._check_values()
+        batch._check_values()  # on the device, eager and compiled alike (docs/api.md, "Host syncs")
         return batch
 
     def _check_values(self) -> None:

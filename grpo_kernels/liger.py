@@ -52,8 +52,10 @@ def _num_items(num_items_in_batch, mask, loss_type: str, like: torch.Tensor):
         count = torch.ones(like.shape[:2], device=like.device) if mask is None else mask.float()
         num_items_in_batch = count.sum()
         dist.all_reduce(num_items_in_batch)
-    n = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=like.device)
-    return (n / dist.get_world_size()).clamp(min=1.0)
+    world = dist.get_world_size()
+    if not isinstance(num_items_in_batch, torch.Tensor):  # a number stays a number: no host-to-device copy
+        return max(float(num_items_in_batch) / world, 1.0)
+    return (num_items_in_batch.float() / world).clamp(min=1.0)
 
 
 class LigerFusedLinearGRPOLoss(nn.Module):
@@ -126,35 +128,10 @@ class LigerFusedLinearGRPOLoss(nn.Module):
         return loss, tuple(out)
 
 
-class _ShiftedLogits(torch.autograd.Function):
-    """(B, L + 1, V) logits -> the (B, L, V) view ``logits[:, :-1]`` whose gradient is handed back as the whole
-    buffer. In place, as Liger's kernel does, that buffer is the logits themselves (d logits in the first L
-    positions, written there by the in-place paths; 0 in the last), so no second B x (L + 1) x V tensor exists."""
-
-    @staticmethod
-    def forward(ctx, logits, inplace: bool):
-        ctx.inplace = inplace
-        # Why not save_for_backward: the in-place paths overwrite these logits on purpose (a version bump that
-        # saved tensors would refuse); only the buffer is needed (in place) or its shape
-        ctx.buffer = logits.detach() if inplace else None
-        ctx.shape = logits.shape
-        return logits[:, :-1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.inplace:
-            full, ctx.buffer = ctx.buffer, None
-            if grad.data_ptr() != full.data_ptr() or grad.stride() != full[:, :-1].stride():
-                full[:, :-1].copy_(grad)
-        else:
-            full = grad.new_empty(ctx.shape)
-            full[:, :-1].copy_(grad)
-        full[:, -1].zero_()
-        return full, None
-
-
-def _shifted_view(logits, completion_ids, inplace: bool) -> torch.Tensor:
-    """``logits[:, :-1]`` aligned with ``completion_ids`` (Liger's ``logits`` are (B, L + 1, V))."""
+def _shifted_view(logits, completion_ids) -> torch.Tensor:
+    """``logits[:, :-1]`` aligned with ``completion_ids`` (Liger's ``logits`` are (B, L + 1, V)). In place, the public
+    functions hand the whole buffer back as its gradient (``inplace_views.py``: d logits in the first L positions,
+    0 in the last), so no second B x (L + 1) x V tensor exists, at every batch size."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise ValueError(f"logits must be a (B, L + 1, V) tensor, got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
@@ -164,8 +141,6 @@ def _shifted_view(logits, completion_ids, inplace: bool) -> torch.Tensor:
         raise ValueError(f"completion_ids must have shape (B, L) = ({logits.shape[0]}, {logits.shape[1] - 1}) for "
                          f"logits of shape {tuple(logits.shape)} (the last position predicts no completion token), "
                          f"got {got}")
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _ShiftedLogits.apply(logits, bool(inplace))
     return logits[:, :-1]
 
 
@@ -188,7 +163,7 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     Liger's) and the clip indicator as floats. reduce=True returns ``(loss, metrics)`` with the loss reduced by
     ``loss_type`` and metrics the list ``[kl_mean, clip_ratio]`` (``[clip_ratio]`` when beta == 0).
     """
-    view = _shifted_view(logits, completion_ids, inplace)
+    view = _shifted_view(logits, completion_ids)
     cfg = _config(dict(locals(), epsilon_low=eps_low, epsilon_high=eps_high))
     num_items = _num_items(num_items_in_batch, completion_mask, loss_type, completion_ids)
     if reduce:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 POLICY_TERMS = ("clipped", "cispo", "sapo", "vespo")
-REDUCTIONS = ("row_mean", "token_mean", "fixed_length", "num_items", "row_sum")
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def reduction_weights(mask: torch.Tensor, loss_type: str, num_items_in_batch=Non
     """Per-token weights ``w`` (B, T), zero at padded positions, with ``loss = sum(w * per_token_loss)``.
 
     mask: (B, T) float (0/1) in the dtype of the result; num_items_in_batch: None, a number or a one-element tensor
-    (moved to the mask's device); sequences: how the tokens group into sequences (``sequences.Sequences``; None: one
+    (``_items_divisor``: never a host-to-device copy in eager); sequences: how the tokens group into sequences (``sequences.Sequences``; None: one
     per row). Packed sequences need ``max_completion_length`` for ``fixed_length`` (there is no row length). Empty
     batches give empty weights (the loss is then 0).
     """
@@ -103,6 +102,20 @@ def reduction_weights(mask: torch.Tensor, loss_type: str, num_items_in_batch=Non
         return mask / (max(S, 1) * (max_completion_length or max(T, 1)))
     if reduction == "row_sum":
         return mask / max(S, 1)
-    items = mask.sum() if num_items_in_batch is None else \
-        torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device).reshape(())
-    return mask / items.clamp(min=1)
+    if num_items_in_batch is None:
+        return mask / mask.sum().clamp(min=1)
+    return mask / _items_divisor(num_items_in_batch, mask)
+
+
+def _items_divisor(n, mask: torch.Tensor):
+    """``max(num_items_in_batch, 1)`` without a host-to-device copy: a Python number stays a number (a kernel
+    argument); a tensor on the mask's device is used there; a CPU tensor beside device inputs (TRL passes one) is
+    read on the host in eager (host memory: no transfer, no sync) and moved by the graph under torch.compile. With
+    ``capturable`` (a CUDA graph) a number is a constant of the graph: pass a device tensor when it changes."""
+    if not isinstance(n, torch.Tensor):
+        return max(float(n), 1.0)
+    if n.device != mask.device:
+        if n.device.type == "cpu" and not torch.compiler.is_compiling():
+            return max(float(n), 1.0)
+        n = n.to(mask.device)
+    return n.to(mask.dtype).reshape(()).clamp(min=1)

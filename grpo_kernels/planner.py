@@ -223,24 +223,18 @@ def _logits_plan(call: LogitsCall, path: str, reason: str, items: tuple, **kw) -
 
 
 def _logits_torch(call: LogitsCall) -> Plan:
-    """Chunks of rows whose two fp32 temporaries fit the budget beside the per-token values (and a flat copy of
-    logits that cannot be viewed as (N, V), e.g. logits[:, :-1], made once per pass)."""
+    """Chunks of rows whose two fp32 temporaries fit the budget beside the per-token values (any layout of the logits
+    is read in place: ``logits.logprobs.row_blocks``)."""
     logits = call.inputs.logits
     V, N = logits.shape[-1], _logits_rows(call)
-    try:
-        logits.view(-1, V)
-        flat_copy = 0
-    except RuntimeError:
-        flat_copy = N * V * logits.element_size()
     acc = 8 if logits.dtype == torch.float64 else 4
     need_row = TORCH_LOGITS_TEMPS * acc * V
-    small = _per_token_bytes(N, 4) + flat_copy
+    small = _per_token_bytes(N, 4)
     budget = call.budget.working()
     if budget < need_row + small:
         raise call.budget.error(call.op, LOGITS_TORCH, need_row + small)
     rows = max(1, min(N, (budget - small) // need_row))
-    items = (("fp32 temporaries of one row chunk", rows * need_row),
-             ("a contiguous copy of non-contiguous logits", flat_copy), ("per-token values", _per_token_bytes(N, 4)))
+    items = (("fp32 temporaries of one row chunk", rows * need_row), ("per-token values", _per_token_bytes(N, 4)))
     return _logits_plan(call, LOGITS_TORCH, "impl torch (CPU tensors, or impl='torch')", items, chunk_rows=rows,
                         token_stage=None if call.cfg is None else "reference")
 

@@ -33,6 +33,7 @@ a mismatched N or an error on one rank raises the same ValueError on every rank 
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, replace
 
 import torch
@@ -176,7 +177,8 @@ def add_rows_by_id(out, ids, values, scratch_at: int) -> None:
         run = torch.cumsum(starts.to(torch.int64), 0) - 1  # integer: exact, and the same on every run
         slots = torch.arange(R, device=c.device)
         member = torch.zeros((R, R), dtype=v.dtype, device=v.device)
-        member[run, slots] = 1.0  # distinct (run, slot) pairs
+        # distinct (run, slot) pairs; a device scalar (``= 1.0`` would make a host tensor and copy it)
+        member.index_put_((run, slots), torch.ones((), dtype=v.dtype, device=v.device))
         run_sums = member @ v[order]
         # the id of run j, or a scratch row for the runs this block has fewer of (distinct destinations)
         # run starts write their id at slot ``run`` (< R), the other rows past R: distinct destinations
@@ -187,8 +189,10 @@ def add_rows_by_id(out, ids, values, scratch_at: int) -> None:
 
 # ---------------------------------------------------------------------------------------------------- validation
 
-_FIELDS = ("ok", "size", "start", "n", "n_valid", "h", "id_min", "id_max", "ids_sum", "mask_sum", "bias",
-           "temperature", "softcap", "hidden_grad", "msg_len")
+# The table's fields: first those computed on the device (from ids and mask), then the host's own numbers.
+_DEVICE_FIELDS = ("n_valid", "id_min", "id_max", "ids_sum", "mask_sum")
+_FIELDS = _DEVICE_FIELDS + ("ok", "size", "start", "n", "h", "bias", "temperature", "softcap", "hidden_grad",
+                            "msg_len")
 
 
 # Fields sent as the int64 view of a float64 (softcap: 0.0 for None).
@@ -196,11 +200,11 @@ _FLOAT_FIELDS = ("temperature", "softcap")
 
 
 def _to_bits(value: float) -> int:
-    return int(torch.tensor(value, dtype=torch.float64).view(torch.int64))
+    return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
 def _from_bits(bits: int):
-    value = torch.tensor(bits, dtype=torch.int64).view(torch.float64).item()
+    value = struct.unpack("<d", struct.pack("<q", bits))[0]
     return value if value != 0.0 else None
 
 
@@ -212,7 +216,9 @@ def _checksum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None, device) -> torch.Tensor:
-    """This rank's row of the validation table (int64 on ``device``), formed without a host sync."""
+    """This rank's row of the validation table (int64 on ``device``), formed without a host sync: the values read
+    from ids and mask stay on their device (one copy to ``device`` if it is another, e.g. gloo's CPU table), the
+    host's numbers and the message bytes make one host-to-device copy."""
     encoded = list((message or "").encode()[:MESSAGE_BYTES])
     text = encoded + [0] * (MESSAGE_BYTES - len(encoded))
     if inputs is None:
@@ -222,16 +228,16 @@ def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None
     ids = inputs.ids
     valid = None if mask is None else (mask.reshape(-1) != 0)
     lo, hi = torch.aminmax(ids) if ids.numel() else (ids.new_zeros(()), ids.new_zeros(()))
-    row = {"ok": 1, "size": inputs.weight.shape[0], "start": -1 if vocab_start is None else vocab_start,
-           "n": ids.numel(), "n_valid": ids.numel() if valid is None else valid.sum(),
-           "h": inputs.hidden.shape[-1], "id_min": lo, "id_max": hi, "ids_sum": _checksum(ids),
-           "mask_sum": 0 if valid is None else _checksum(valid), "bias": int(inputs.bias is not None),
-           "temperature": _to_bits(inputs.transform.temperature),
-           "softcap": _to_bits(inputs.transform.softcap or 0.0),
-           "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad), "msg_len": 0}
-    values = [v.to(device=device, dtype=torch.int64).reshape(1) if isinstance(v, torch.Tensor)
-              else torch.tensor([v], dtype=torch.int64, device=device) for v in (row[f] for f in _FIELDS)]
-    return torch.cat(values + [torch.tensor(text, dtype=torch.int64, device=device)])
+    on_device = torch.stack([ids.new_full((), ids.numel()) if valid is None else valid.sum(), lo, hi, _checksum(ids),
+                             ids.new_zeros(()) if valid is None else _checksum(valid)]).to(torch.int64)
+    host = {"ok": 1, "size": inputs.weight.shape[0], "start": -1 if vocab_start is None else vocab_start,
+            "n": ids.numel(), "h": inputs.hidden.shape[-1], "bias": int(inputs.bias is not None),
+            "temperature": _to_bits(inputs.transform.temperature),
+            "softcap": _to_bits(inputs.transform.softcap or 0.0),
+            "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad), "msg_len": 0}
+    host_part = torch.tensor([host[f] for f in _FIELDS[len(_DEVICE_FIELDS):]] + text, dtype=torch.int64,
+                             device=device)
+    return torch.cat([on_device.to(device), host_part])
 
 
 def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | None]:

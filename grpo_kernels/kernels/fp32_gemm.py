@@ -5,7 +5,8 @@ accumulators), and the one decision whether this torch can do them (docs/kernels
 (torch >= 2.11) multiply half-precision operands with fp32 accumulation and fp32 output: no bf16 rounding of the
 logits, and dW accumulates across chunks in fp32 with cuBLAS beta = 1 and no temporary.
 
-The decision is made once per device and GEMM kind, on a small real CUDA call at first use (``_probe``), never
+The decision is made once per device and GEMM kind, on a small real CUDA call at first use (``_probe``: no host
+sync, no value read), never
 from a traced call: under a FakeTensor / meta trace or ``torch.compile`` tracing (where torch 2.11's
 ``addmm.dtype_out`` decomposition raises TypeError although the CUDA kernel exists) the out_dtype call is tried,
 its failure falls back for that call only and nothing is cached. When the probe says no, a RuntimeWarning is
@@ -69,7 +70,11 @@ def _call(kind: str, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None)
 
 
 def _probe(kind: str, device: torch.device) -> tuple[bool, str]:
-    """Run the out_dtype GEMM once on small real tensors of ``device`` and check its value."""
+    """Run the out_dtype GEMM once on small real tensors of ``device``: whether this torch has the variant.
+
+    Why no check of its value: reading it would be a host sync (and would fail inside CUDA graph capture) at the
+    first call of a training step; the variant either exists or raises here, and the GPU check
+    (benchmarks/gpu_check.sh, tests/kernels/test_gpu_kernels.py) compares its logits with float64 ones."""
     a = torch.full((16, 32), 0.5, dtype=torch.bfloat16, device=device)
     b = torch.full((32, 16), 0.25, dtype=torch.bfloat16, device=device)
     out = torch.ones((16, 16), dtype=torch.float32, device=device)
@@ -79,9 +84,6 @@ def _probe(kind: str, device: torch.device) -> tuple[bool, str]:
         if not _unsupported(err):
             raise
         return False, f"torch.{kind}(out_dtype=float32) raised {type(err).__name__}: {str(err).splitlines()[0]}"
-    expected = 4.0 if kind == "mm" else 5.0
-    if not bool((out == expected).all()):
-        return False, f"torch.{kind}(out_dtype=float32) returned a wrong value on a probe"
     return True, f"torch.{kind}(out_dtype=float32) works on {device}"
 
 

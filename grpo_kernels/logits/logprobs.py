@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.library import custom_op
 
-from .. import ops
+from .. import _checks, ops
 from ..config import LogitTransform
 from ..inputs import LogitsInputs
 from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
@@ -28,67 +28,75 @@ from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
 TORCH_LOGITS_TEMPS = 2
 
 
-def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, transform: LogitTransform, chunk_rows: int):
-    """Chunked eager path: fp32 out (fp64 for fp64 logits); two chunk_rows x V temporaries at a time. With a soft
-    cap the logits are capped in the chunk's buffer before the temperature."""
+def row_blocks(logits: torch.Tensor):
+    """(first row, (rows, V) view) pieces covering the rows of ``logits`` in their flat order, each a view (never a
+    copy): the whole tensor when its leading dims flatten, else one piece per batch row (``logits[:, :-1]`` and
+    other sliced or transposed (B, T, V) views: each ``logits[b]`` is a (T, V) view)."""
     V = logits.shape[-1]
-    x = logits.reshape(-1, V)
+    if logits.dim() == 2 or _checks.rows_flatten(logits):
+        return [(0, logits.view(-1, V))]
+    T = logits.shape[1]
+    return [(b * T, logits[b]) for b in range(logits.shape[0])]
+
+
+def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, transform: LogitTransform, chunk_rows: int):
+    """Chunked eager path: fp32 out (fp64 for fp64 logits); two chunk_rows x V temporaries at a time, read from the
+    logits in place whatever their layout (``row_blocks``). With a soft cap the logits are capped in the chunk's
+    buffer before the temperature."""
     flat_ids = ids.reshape(-1)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    N = x.shape[0]
-    logp, lse, entropy = (torch.empty(N, dtype=acc, device=x.device) for _ in range(3))
-    for start in range(0, N, chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        z = soft_cap_(x[rows].to(acc, copy=True), transform.softcap).mul_(transform.inv_temperature)
-        m = z.amax(-1, keepdim=True)
-        m = torch.where(torch.isinf(m), 0.0, m)
-        logp[rows] = z.gather(-1, flat_ids[rows].unsqueeze(-1)).squeeze(-1)
-        z.sub_(m)  # z - max: the entropy as log s - sum e (z - m) / s, no cancellation of two large numbers
-        e = z.exp()
-        s = e.sum(-1)
-        log_s = torch.log(s)
-        chunk_lse = m.squeeze(-1) + log_s
-        lse[rows] = chunk_lse
-        entropy[rows] = log_s - e.mul_(z.clamp_(min=NEG_BIG)).sum(-1) / s
-        logp[rows] -= chunk_lse
-        del z, e
+    N = flat_ids.numel()
+    logp, lse, entropy = (torch.empty(N, dtype=acc, device=logits.device) for _ in range(3))
+    for first, x in row_blocks(logits):
+        for start in range(0, x.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            tok = slice(first + start, first + min(start + chunk_rows, x.shape[0]))
+            z = soft_cap_(x[rows].to(acc, copy=True), transform.softcap).mul_(transform.inv_temperature)
+            m = z.amax(-1, keepdim=True)
+            m = torch.where(torch.isinf(m), 0.0, m)
+            logp[tok] = z.gather(-1, flat_ids[tok].unsqueeze(-1)).squeeze(-1)
+            z.sub_(m)  # z - max: the entropy as log s - sum e (z - m) / s, no cancellation of two large numbers
+            e = z.exp()
+            s = e.sum(-1)
+            log_s = torch.log(s)
+            chunk_lse = m.squeeze(-1) + log_s
+            lse[tok] = chunk_lse
+            entropy[tok] = log_s - e.mul_(z.clamp_(min=NEG_BIG)).sum(-1) / s
+            logp[tok] -= chunk_lse
+            del z, e
     return logp, lse, entropy
 
 
 def _torch_backward(logits, ids, lse, entropy, grads, transform: LogitTransform, inplace: bool, chunk_rows: int):
     """d logits, chunk by chunk, formed in place: two chunk_rows x V temporaries at a time (with or without a soft
     cap). grads: (d loss / d logp, d loss / d entropy or None), flat in the accumulation dtype. ``inplace``:
-    ``logits`` itself holds d logits on return, for any non-overlapping view."""
+    ``logits`` itself holds d logits on return, for any non-overlapping view (written piece by piece through
+    ``row_blocks``: no copy of a view that does not flatten)."""
     grad_logp, grad_entropy = grads
-    V = logits.shape[-1]
-    x = logits.reshape(-1, V)
-    # Why a copy can be the output: reshape copies views that cannot be flattened (logits[:, :-1], transposes) and
-    # that copy is private; each chunk reads its rows before writing them, as in place. In place, it is copied back.
-    private = x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
-    out = x if inplace or private else torch.empty_like(x)
+    out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     flat_ids = ids.reshape(-1)
     acc = lse.dtype
     inv_t = transform.inv_temperature
-    for start in range(0, x.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        g = grad_logp[rows].to(acc).unsqueeze(-1)
-        active = g != 0
-        h = g_h = None
-        if grad_entropy is not None:
-            h = entropy[rows].unsqueeze(-1)
-            g_h = grad_entropy[rows].to(acc).unsqueeze(-1)
-            active = active | (g_h != 0)
-        dz = dlogits_(x[rows].to(acc, copy=True), lse[rows].unsqueeze(-1), h, g, g_h, inv_t, transform.softcap,
-                      flat_ids[rows].unsqueeze(-1))
-        # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits hold
-        # NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
-        dz.masked_fill_(~active, 0.0)
-        out[rows].copy_(dz)
-        del dz
-    if inplace and private:
-        logits.copy_(out.view(logits.shape))
-        return logits.view(logits.shape)
-    return out.view(logits.shape)
+    for first, x in row_blocks(logits):
+        out_rows = x if inplace else out.view(-1, x.shape[-1])[first:first + x.shape[0]]
+        for start in range(0, x.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            tok = slice(first + start, first + min(start + chunk_rows, x.shape[0]))
+            g = grad_logp[tok].to(acc).unsqueeze(-1)
+            active = g != 0
+            h = g_h = None
+            if grad_entropy is not None:
+                h = entropy[tok].unsqueeze(-1)
+                g_h = grad_entropy[tok].to(acc).unsqueeze(-1)
+                active = active | (g_h != 0)
+            dz = dlogits_(x[rows].to(acc, copy=True), lse[tok].unsqueeze(-1), h, g, g_h, inv_t, transform.softcap,
+                          flat_ids[tok].unsqueeze(-1))
+            # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits
+            # hold NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
+            dz.masked_fill_(~active, 0.0)
+            out_rows[rows].copy_(dz)
+            del dz
+    return out
 
 
 @ops.options_type(choices={"impl": ("triton", "torch")})

@@ -1,8 +1,12 @@
-"""inplace_backward=True on non-overlapping views of a larger logits buffer (issue 30): ``logits[:, :-1]`` (the
-shifted sequence every causal-LM caller scores), transposed, step-sliced and vocab-strided views, on every logits
-path. The gradient equals the out-of-place call's, the view holds d logits afterwards, and the elements of the
-buffer outside the view are untouched. Overlap is decided from sizes and strides (``_checks.overlaps_in_memory``):
-only real overlap (expand, as_strided onto itself) is refused."""
+"""inplace_backward=True on non-overlapping views of a larger logits buffer: ``logits[:, :-1]`` (the shifted
+sequence every causal-LM caller scores), transposed, step-sliced and vocab-strided views, on every logits path.
+The gradient equals the out-of-place call's and the view holds d logits afterwards. A box view (slices, also
+transposed or permuted: ``grpo_kernels/inplace_views.py``) is rooted at its buffer, which becomes the buffer's
+gradient: 0 outside the view, and no tensor of the buffer's size is allocated in the backward (traced below, for
+every entry point that takes ``inplace_backward``, at batch sizes 1 and 3). Any other view (a step) keeps the
+elements outside it untouched, and autograd's slice backward allocates the buffer's gradient. Overlap is decided
+from sizes and strides (``_checks.overlaps_in_memory``): only real overlap (expand, as_strided onto itself) is
+refused."""
 import pytest
 import torch
 
@@ -45,6 +49,7 @@ def _view(kind: str, raw: torch.Tensor):
 
 
 KINDS = ["shifted", "transposed", "step", "vocab-strided"]
+ROOTED = ("shifted", "transposed", "vocab-strided")  # box views: the buffer becomes its own gradient
 # (function, impl, grad_in_forward, importance_sampling_level) -> the path the planner picks
 PATHS = {
     "token_logprobs-torch": ("token_logprobs", "torch", True, "token", planner.LOGITS_TORCH),
@@ -97,18 +102,21 @@ def test_inplace_on_a_view_matches_out_of_place(path, kind, knobs, plans):
     expected, untouched, _, _ = _run(path, kind, raw, inputs, False, knobs, plans)
     grad, after, index, make = _run(path, kind, raw, inputs, True, knobs, plans)
     assert torch.equal(grad, expected), (grad - expected).abs().max()
-    # the view holds d logits (the gradient of the view), the rest of the buffer is as it was
+    # the view holds d logits (the gradient of the view); the rest of the buffer is its gradient too (0) when the
+    # view was rooted at it, else as it was
     assert torch.equal(make(after), make(expected))
     outside = torch.ones_like(after, dtype=torch.bool)
     make(outside).fill_(False)
-    assert outside.any() and torch.equal(after[outside], untouched[outside])
+    rest = torch.zeros_like(untouched) if kind in ROOTED else untouched
+    assert outside.any() and torch.equal(after[outside], rest[outside])
     # the out-of-place call left the whole buffer alone
     assert torch.equal(make(untouched), raw)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_token_logprobs_on_a_row_slice_of_2d_logits(impl):
-    """(N, V) logits sliced out of a wider, taller buffer: written in place, the rest untouched."""
+    """(N, V) logits sliced out of a wider, taller buffer: written in place, the rest of the buffer 0 (its
+    gradient)."""
     g = torch.Generator().manual_seed(2)
     leaf = torch.randn(9, V + 4, generator=g, requires_grad=True)
     ids = torch.randint(0, V, (7,), generator=g)
@@ -116,9 +124,7 @@ def test_token_logprobs_on_a_row_slice_of_2d_logits(impl):
     buffer = leaf * 1.0
     gk.token_logprobs(buffer[1:8, 2:V + 2], ids, impl=impl, inplace_backward=True).sum().backward()
     assert torch.equal(leaf.grad, expected)
-    assert torch.equal(buffer.detach()[1:8, 2:V + 2], expected[1:8, 2:V + 2])
-    assert torch.equal(buffer.detach()[0], leaf.detach()[0]) and torch.equal(buffer.detach()[:, :2],
-                                                                             leaf.detach()[:, :2])
+    assert torch.equal(buffer.detach(), expected)
 
 
 def test_overlap_is_decided_from_sizes_and_strides():
@@ -143,3 +149,77 @@ def test_real_overlap_is_refused(make, impl):
         gk.grpo_loss(logits, ids, torch.ones(2), inplace_backward=True, impl=impl)
     with pytest.raises(ValueError, match="inplace_backward"):
         gk.token_logprobs(logits, ids, inplace_backward=True, impl=impl)
+
+
+def _shifted_loss(entry: str, impl: str, logits, ids, adv, mask):
+    """A scalar to backpropagate from ``entry`` called on the shifted view ``logits[:, :-1]`` with in-place d logits
+    (Liger's ``triton_grpo_loss`` takes the whole (B, T + 1, V) buffer and slices it itself)."""
+    from grpo_kernels import liger
+
+    view = logits[:, :-1]
+    if entry == "token_logprobs":
+        logp, ent = gk.token_logprobs(view, ids, impl=impl, return_entropy=True, inplace_backward=True)
+        return (logp * adv[:, None]).sum() + 0.1 * ent.sum()
+    if entry.startswith("grpo_loss"):
+        return gk.grpo_loss(view, ids, adv, mask, impl=impl, inplace_backward=True, beta=0.0,
+                            grad_in_forward=entry == "grpo_loss")[0]
+    if entry == "GRPOLoss":
+        return gk.GRPOLoss(impl=impl)(view, ids, adv, mask, inplace_backward=True)[0]
+    # Liger's own entry point: its default inplace=True, the impl GRPO_KERNELS_IMPL names
+    loss = liger.triton_grpo_loss(logits, None, None, ids, adv, mask, beta=0.0, reduce=entry.endswith("reduce"))[0]
+    return loss if loss.dim() == 0 else loss.sum()
+
+
+ENTRIES = ["token_logprobs", "grpo_loss", "grpo_loss-sweep", "GRPOLoss", "liger.triton_grpo_loss",
+           "liger.triton_grpo_loss-reduce"]
+
+
+@pytest.mark.parametrize("B_", [1, 3], ids=["B1", "B3"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_shifted_logits_in_place_allocate_no_logits_sized_tensor(entry, impl, B_, monkeypatch):
+    """Every entry point taking in-place d logits, on ``logits[:, :-1]`` of a model-like (B, T + 1, V) buffer (the
+    output of ``hidden @ W.T``): the gradients equal the out-of-place call's, and no single allocation during the
+    forward and backward is as large as B x T x V logits (the slice backward's fresh B x (T + 1) x V gradient, or a
+    contiguous copy of the view, would be)."""
+    from tests.support.memory_trace import memory_events
+
+    if entry.startswith("liger"):
+        monkeypatch.setenv("GRPO_KERNELS_IMPL", impl)
+    # a default budget small enough that the PyTorch path's row chunks (fp32 temporaries) stay below the logits' size
+    monkeypatch.setattr(planner, "DEFAULT_WORKING_BYTES", 1 << 14)
+    Tn, Vn, Hn = 16, 512, 2  # the weight gradient (V x H) and the torch path's chunks stay below the logits
+    g = torch.Generator().manual_seed(B_)
+    hidden0 = torch.randn(B_, Tn + 1, Hn, generator=g)
+    weight0 = torch.randn(Vn, Hn, generator=g) / 2
+    ids = torch.randint(0, Vn, (B_, Tn), generator=g)
+    adv, mask = torch.randn(B_, generator=g), torch.ones(B_, Tn)
+    grads = []
+    for inplace in (False, True):
+        hidden, weight = hidden0.clone().requires_grad_(True), weight0.clone().requires_grad_(True)
+        logits = hidden @ weight.T
+        if not inplace:  # the reference: the same call out of place (a clone: nothing is written back)
+            loss = _shifted_loss_out_of_place(entry, impl, logits, ids, adv, mask)
+            loss.backward()
+        else:
+            events = memory_events(lambda: _shifted_loss(entry, impl, logits, ids, adv, mask).backward())
+            largest = max((n for _, n in events if n > 0), default=0)
+            assert largest < B_ * Tn * Vn * logits.element_size(), \
+                f"{entry}: an allocation of {largest} B, the logits are {B_ * Tn * Vn * logits.element_size()} B"
+        grads.append((hidden.grad, weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(b, a), (b - a).abs().max()
+
+
+def _shifted_loss_out_of_place(entry, impl, logits, ids, adv, mask):
+    from grpo_kernels import liger
+
+    view = logits[:, :-1]
+    if entry == "token_logprobs":
+        logp, ent = gk.token_logprobs(view, ids, impl=impl, return_entropy=True)
+        return (logp * adv[:, None]).sum() + 0.1 * ent.sum()
+    if entry.startswith("grpo_loss") or entry == "GRPOLoss":
+        return gk.grpo_loss(view, ids, adv, mask, impl=impl, beta=0.0, grad_in_forward=entry != "grpo_loss-sweep")[0]
+    loss = liger.triton_grpo_loss(logits, None, None, ids, adv, mask, beta=0.0, reduce=entry.endswith("reduce"),
+                                  inplace=False)[0]
+    return loss if loss.dim() == 0 else loss.sum()
