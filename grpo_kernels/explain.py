@@ -10,8 +10,8 @@ import inspect
 
 import torch
 
-from .config import GRPOLossConfig, LogitTransform
-from .inputs import LogitsInputs
+from .config import GRPOLossConfig, LogitTransform, resolve_config
+from .inputs import LogitsInputs, LossArguments
 from .paths import HEAD_GEMM_PATHS
 from .logprobs import validate_head_logprobs, linear_token_logprobs, plan_linear_token_logprobs, plan_token_logprobs, \
     token_logprobs
@@ -48,10 +48,13 @@ def plan_call(*args, **kwargs):
     else:
         fn = _infer(args, kwargs)
     a = _bind(fn, args, kwargs)
-    if fn is grpo_loss:
-        return validate_logits_loss(**_split_overrides(a))[3]
-    if fn is fused_linear_grpo_loss:
-        inputs, batch, cfg, rows, shard = validate_head_loss(**_split_overrides(a))
+    if fn in (grpo_loss, fused_linear_grpo_loss):
+        cfg = _config(a)
+        loss_args = LossArguments.of(a)
+        if fn is grpo_loss:
+            return validate_logits_loss(a["logits"], a["ids"], loss_args, cfg, a["impl"], a["inplace_backward"])[2]
+        inputs, batch, rows, shard = validate_head_loss(a["hidden"], a["weight"], a["ids"], a["bias"], loss_args,
+                                                        cfg, a["impl"], a["process_group"], a["vocab_start"])
         return plan_head_loss(inputs, batch, cfg, rows, shard)
     if fn is token_logprobs:
         inputs = LogitsInputs.validate(a["logits"], a["ids"], LogitTransform(a["temperature"], a["softcap"]),
@@ -61,12 +64,10 @@ def plan_call(*args, **kwargs):
     return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"])
 
 
-def _split_overrides(arguments: dict) -> dict:
-    """The bound arguments with every GRPOLossConfig field moved into ``config_overrides``."""
+def _config(arguments: dict) -> GRPOLossConfig:
+    """The call's resolved config: ``config`` with every GRPOLossConfig field among the bound arguments on top."""
     known = {f.name for f in dataclasses.fields(GRPOLossConfig)}
-    out = {k: v for k, v in arguments.items() if k not in known}
-    out["config_overrides"] = {k: v for k, v in arguments.items() if k in known}
-    return out
+    return resolve_config(arguments.get("config"), {k: v for k, v in arguments.items() if k in known})
 
 
 def explain(*args, **kwargs) -> str:

@@ -14,7 +14,7 @@ Each ``validate`` raises a ValueError naming the argument (a wrong id would read
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -144,6 +144,26 @@ class HeadInputs:
 
 
 @dataclass(frozen=True)
+class LossArguments:
+    """The loss's per-token arguments exactly as the caller passed them (``grpo_loss`` / ``fused_linear_grpo_loss``,
+    their modules, ``explain``), before validation: ``LossInputs.validate`` checks them."""
+
+    advantages: object
+    mask: object = None
+    old_logps: object = None
+    ref_logps: object = None
+    is_ratio: object = None
+    sampling_logps: object = None
+    num_items_in_batch: object = None
+    cu_seqlens: object = None
+
+    @classmethod
+    def of(cls, named: dict) -> "LossArguments":
+        """From a call's bound arguments (other names are ignored)."""
+        return cls(**{f.name: named.get(f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
 class LossInputs:
     """The per-token inputs of the loss on the (B, T) grid, validated; ``num_items_in_batch`` as given; ``seqs`` how
     the tokens group into sequences (packed: a (1, N) grid; advantages and a per-sequence is_ratio stay (S,))."""
@@ -158,11 +178,13 @@ class LossInputs:
     seqs: Sequences | None = None
 
     @classmethod
-    def validate(cls, B: int, T: int, device: torch.device, config: GRPOLossConfig, advantages, mask=None,
-                 old_logps=None, ref_logps=None, is_ratio=None, sampling_logps=None,
-                 num_items_in_batch=None, cu_seqlens=None) -> "LossInputs":
-        """Padded: the (B, T) grid. Packed (``cu_seqlens``; the caller's grid is (1, N)): per-token tensors (N,),
-        advantages (S,), is_ratio (S,) or (N,), with S + 1 = len(cu_seqlens)."""
+    def validate(cls, B: int, T: int, device: torch.device, config: GRPOLossConfig,
+                 args: LossArguments) -> "LossInputs":
+        """Padded: the (B, T) grid. Packed (``args.cu_seqlens``; the caller's grid is (1, N)): per-token tensors
+        (N,), advantages (S,), is_ratio (S,) or (N,), with S + 1 = len(cu_seqlens)."""
+        advantages, mask, old_logps, ref_logps = args.advantages, args.mask, args.old_logps, args.ref_logps
+        is_ratio, sampling_logps, num_items_in_batch = args.is_ratio, args.sampling_logps, args.num_items_in_batch
+        cu_seqlens = args.cu_seqlens
         packed = cu_seqlens is not None
         _checks.tensor("advantages", advantages, floating=True)
         shapes = _Shapes.packed_of(T, advantages) if packed else _Shapes.padded(B, T)

@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import GRPOLossConfig
 from .logprobs import token_logprobs
+from .inputs import LossArguments
 from .loss import FusedLinearGRPOLoss, grpo_loss, validate_logits_loss
 from .loss_types import LOSS_TABLE
 from .reference import per_token_loss
@@ -173,10 +174,9 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
         out = [metrics["kl"]] if beta != 0.0 else []
         return loss, out + [_clip_metric(metrics, loss_type)]
     # the loss's own validation (the same messages as grpo_loss), then one log-prob sweep and the per-token maths
-    _, batch, _, _ = validate_logits_loss(logits=view, ids=completion_ids, advantages=advantages,
-                                          mask=completion_mask, old_logps=old_logp, ref_logps=ref_logp,
-                                          is_ratio=vllm_is_ratio, num_items_in_batch=num_items, config=cfg,
-                                          inplace_backward=bool(inplace))
+    args = LossArguments(advantages, completion_mask, old_logp, ref_logp, vllm_is_ratio,
+                         num_items_in_batch=num_items)
+    _, batch, _ = validate_logits_loss(view, completion_ids, args, cfg, inplace_backward=bool(inplace))
     logp = token_logprobs(view, completion_ids, temperature, inplace_backward=bool(inplace))
     terms = per_token_loss(logp, batch.advantages, batch.mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
                            is_ratio=batch.is_ratio, config=cfg)

@@ -19,7 +19,7 @@ from .config import GRPOLossConfig, resolve_config
 from .distributed import sharded_head, vocab_parallel
 from .head.fast import head_loss_in_forward, head_sequence_loss_in_forward
 from .head.light import head_token_logprobs
-from .inputs import HeadInputs, LogitsInputs, LossInputs, ValidRows
+from .inputs import HeadInputs, LogitsInputs, LossArguments, LossInputs, ValidRows
 from .logits.fast import logits_loss_in_forward
 from .logits.logprobs import logits_token_logprobs
 from .logprobs import linear_token_logprobs
@@ -27,24 +27,21 @@ from .paths import HEAD_FAST, HEAD_FAST_SEQUENCE, HEAD_FAST_VOCAB_PARALLEL, LOGI
 from .token_stage import loss_from_token_logprobs
 
 
-def validate_logits_loss(*, logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
-                         num_items_in_batch=None, config=None, impl="auto", sampling_logps=None,
-                         inplace_backward=False, cu_seqlens=None, config_overrides=None, **_ignored):
-    """(inputs, batch, cfg, plan) of one ``grpo_loss`` call (also what ``explain`` shows). Packed (``cu_seqlens``):
-    the (N, V) logits and (N,) ids become a (1, N) grid (views)."""
-    cfg = resolve_config(config, config_overrides or {})
-    packed = cu_seqlens is not None
+def validate_logits_loss(logits, ids, args: LossArguments, cfg: GRPOLossConfig, impl="auto",
+                         inplace_backward=False):
+    """(inputs, batch, plan) of one ``grpo_loss`` call (also what ``explain`` shows), for the resolved config.
+    Packed (``args.cu_seqlens``): the (N, V) logits and (N,) ids become a (1, N) grid (views)."""
+    packed = args.cu_seqlens is not None
     inputs = LogitsInputs.validate(logits, ids, cfg.transform, impl, dims=(2,) if packed else (3,),
                                    inplace_backward=inplace_backward)
     if packed:
         inputs = replace(inputs, logits=inputs.logits.unsqueeze(0), ids=inputs.ids.unsqueeze(0))
     B, T = inputs.ids.shape
-    batch = LossInputs.validate(B, T, logits.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
-                                sampling_logps, num_items_in_batch, cu_seqlens)
+    batch = LossInputs.validate(B, T, logits.device, cfg, args)
     wants_grad = torch.is_grad_enabled() and logits.requires_grad
     call = planner.LogitsCall("grpo_loss", inputs, cfg, planner.Budget.of(cfg.memory_budget), wants_grad,
                               bool(inplace_backward))
-    return inputs, batch, cfg, planner.with_sequences_note(planner.plan_logits(call), batch.seqs)
+    return inputs, batch, planner.with_sequences_note(planner.plan_logits(call), batch.seqs)
 
 
 def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None, is_ratio=None,
@@ -64,25 +61,22 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     the buffer holds d logits as soon as this returns. Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a
     dict of detached 0-dim metrics.
     """
-    inputs, batch, cfg, plan = validate_logits_loss(
-        logits=logits, ids=ids, advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
-        is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, impl=impl,
-        sampling_logps=sampling_logps, inplace_backward=inplace_backward, cu_seqlens=cu_seqlens,
-        config_overrides=config_overrides)
+    cfg = resolve_config(config, config_overrides)
+    args = LossArguments(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch,
+                         cu_seqlens)
+    inputs, batch, plan = validate_logits_loss(logits, ids, args, cfg, impl, inplace_backward)
     if plan.path == LOGITS_FAST:
         return logits_loss_in_forward(inputs, batch, cfg, plan, inplace_backward)
     logps, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward, row_mask=batch.mask)
     return loss_from_token_logprobs(logps, entropy, batch, cfg, plan.token_stage)
 
 
-def validate_head_loss(*, hidden, weight, ids, advantages, mask=None, bias=None, old_logps=None, ref_logps=None,
-                       is_ratio=None, num_items_in_batch=None, config=None, impl="auto", sampling_logps=None,
-                       process_group=None, vocab_start=None, cu_seqlens=None, config_overrides=None, **_ignored):
-    """(inputs, batch, cfg, rows, shard | None): validated on this rank, or agreed by the whole vocab-parallel
-    group (``distributed/vocab_parallel.validate``: every rank raises the same error). Packed (``cu_seqlens``):
-    hidden (N, H) and ids (N,) on a (1, N) grid."""
-    cfg = resolve_config(config, config_overrides or {})
-    packed = cu_seqlens is not None
+def validate_head_loss(hidden, weight, ids, bias, args: LossArguments, cfg: GRPOLossConfig, impl="auto",
+                       process_group=None, vocab_start=None):
+    """(inputs, batch, rows, shard | None) for the resolved config: validated on this rank, or agreed by the whole
+    vocab-parallel group (``distributed/vocab_parallel.validate``: every rank raises the same error). Packed
+    (``args.cu_seqlens``): hidden (N, H) and ids (N,) on a (1, N) grid."""
+    packed = args.cu_seqlens is not None
 
     def local():
         inputs = HeadInputs.validate(hidden, weight, ids, bias, cfg.transform, impl, ids_dims=(1,) if packed else (2,),
@@ -93,16 +87,15 @@ def validate_head_loss(*, hidden, weight, ids, advantages, mask=None, bias=None,
                                  f"{tuple(hidden.shape)}")
             inputs = replace(inputs, shape=torch.Size((1, inputs.ids.numel())))
         B, T = inputs.shape
-        batch = LossInputs.validate(B, T, hidden.device, cfg, advantages, mask, old_logps, ref_logps, is_ratio,
-                                    sampling_logps, num_items_in_batch, cu_seqlens)
+        batch = LossInputs.validate(B, T, hidden.device, cfg, args)
         return inputs, batch.mask, batch
 
     if process_group is None:
         inputs, _, batch = local()
         rows = ValidRows.of(batch.mask, inputs.ids.numel(), cfg.capturable, batch.seqs)
-        return inputs, batch, cfg, rows, None
+        return inputs, batch, rows, None
     inputs, _, batch, shard, rows = vocab_parallel.validate(process_group, vocab_start, hidden, local, cfg.capturable)
-    return inputs, batch, cfg, rows, shard
+    return inputs, batch, rows, shard
 
 
 def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, rows: ValidRows,
@@ -159,11 +152,11 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     ops.check_head_compilable(process_group, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
-        inputs, batch, cfg, rows, shard = validate_head_loss(
-            hidden=hidden, weight=weight, ids=ids, advantages=advantages, mask=mask, bias=bias, old_logps=old_logps,
-            ref_logps=ref_logps, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, impl=impl,
-            sampling_logps=sampling_logps, process_group=process_group, vocab_start=vocab_start,
-            cu_seqlens=cu_seqlens, config_overrides=config_overrides)
+        cfg = resolve_config(config, config_overrides)
+        args = LossArguments(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch,
+                             cu_seqlens)
+        inputs, batch, rows, shard = validate_head_loss(hidden, weight, ids, bias, args, cfg, impl, process_group,
+                                                        vocab_start)
         plan = plan_head_loss(inputs, batch, cfg, rows, shard)
         # the fast paths read weight / bias only here: their backward hands out stored gradients
         if plan.path == HEAD_FAST:

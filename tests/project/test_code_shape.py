@@ -1,7 +1,8 @@
 """The package's functions stay small (docs/DESIGN.md section 4, "One body per path"): no internal function of
 grpo_kernels/ takes more than 12 parameters or spans more than 80 lines. Exempt: the public functions (the names
-in ``grpo_kernels.__all__``), their ``validate_*`` mirrors, and ``@triton.jit`` kernels (a kernel takes its
-pointers, strides and flags one by one), and the Liger drop-in's signatures (``PEER_SIGNATURES``)."""
+in ``grpo_kernels.__all__``), ``@triton.jit`` kernels (a kernel takes its pointers, strides and flags one by one),
+and the Liger drop-in's signatures (``PEER_SIGNATURES``). The validators are not exempt: they take the inputs and
+config objects (``inputs.LossArguments``, ``GRPOLossConfig``), not the public signatures' arguments one by one."""
 from __future__ import annotations
 
 import ast
@@ -28,7 +29,7 @@ PEER_SIGNATURES = {"liger.py": ("__init__", "forward", "triton_grpo_loss")}
 def _exempt(fn: ast.FunctionDef, path: Path | None = None) -> bool:
     jit = any("jit" in ast.unparse(d) for d in fn.decorator_list)
     peer = path is not None and fn.name in PEER_SIGNATURES.get(path.name, ())
-    return jit or peer or fn.name in grpo_kernels.__all__ or fn.name.startswith("validate_")
+    return jit or peer or fn.name in grpo_kernels.__all__
 
 
 def oversized() -> list[str]:
