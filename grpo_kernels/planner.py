@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ._checks import rows_flatten
 from ._testing import knobs
 from .config import GRPOLossConfig
 from .head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
@@ -224,7 +225,8 @@ def _logits_plan(call: LogitsCall, path: str, reason: str, items: tuple, **kw) -
 
 def _logits_torch(call: LogitsCall) -> Plan:
     """Chunks of rows whose two fp32 temporaries fit the budget beside the per-token values (any layout of the logits
-    is read in place: ``logits.logprobs.row_blocks``)."""
+    is read in place, a (B, T, V) view that does not flatten one batch row at a time: ``logits.logprobs.row_blocks``,
+    so its chunks hold at most T rows)."""
     logits = call.inputs.logits
     V, N = logits.shape[-1], _logits_rows(call)
     acc = 8 if logits.dtype == torch.float64 else 4
@@ -234,6 +236,8 @@ def _logits_torch(call: LogitsCall) -> Plan:
     if budget < need_row + small:
         raise call.budget.error(call.op, LOGITS_TORCH, need_row + small)
     rows = max(1, min(N, (budget - small) // need_row))
+    if logits.dim() == 3 and not rows_flatten(logits):  # read per batch row (row_blocks): chunks within a row
+        rows = min(rows, logits.shape[1])
     items = (("fp32 temporaries of one row chunk", rows * need_row), ("per-token values", _per_token_bytes(N, 4)))
     return _logits_plan(call, LOGITS_TORCH, "impl torch (CPU tensors, or impl='torch')", items, chunk_rows=rows,
                         token_stage=None if call.cfg is None else "reference")

@@ -120,7 +120,8 @@ def test_light_path_within_one_percent_of_the_logits_traced_at_a_scaled_shape():
 def test_planned_memory_counts_casts_and_copies(case):
     """What a call allocates because of how its inputs arrive is in the plan too: under autocast with fp32 master
     weights, the compute-dtype gradients before autograd's cast (PyTorch head path); logits that cannot be viewed as
-    (N, V) (a time slice), their contiguous copy (PyTorch logits path). Traced within 10%."""
+    (N, V) (a time slice): no copy, read one batch row at a time, so the row chunks hold at most T rows (PyTorch
+    logits path). Traced within 10%."""
     g = torch.Generator().manual_seed(3)
     if case == "sliced-logits":
         x = torch.randn(4, 65, 2048, generator=g)[:, :-1].requires_grad_(True)
