@@ -22,6 +22,9 @@ from .errors import UsageError
 SHARED_WITH_SAMPLING = {"temperature"}
 # Loss options that are properties of the model, read from its config (softcap: final_logit_softcapping), not flags.
 FROM_MODEL = {"softcap"}
+# Loss options for callers that capture the loss in a CUDA graph (capturable: no host sync, the padded rows computed
+# too); grpo.train captures none, so such a flag would only add work. TrainConfig refuses them from Python.
+NOT_FOR_TRAINING = {"capturable"}
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
 
 _LOSS_HELP = {
@@ -51,8 +54,6 @@ _LOSS_HELP = {
     "memory_budget": "bytes of transient memory the loss may allocate beyond its inputs and returned gradients "
                      "(default: 1 GiB of working memory plus the fast head path's fp32 d-weight accumulator); the "
                      "fastest path that fits runs (docs/memory.md)",
-    "capturable": "make no host sync in the loss (CUDA-graph capture): the fused head computes the padded rows too "
-                  "instead of compacting the valid ones",
 }
 # Negative numbers as flag values (``--lr -1e-3``): argparse takes any value that starts with "-" for a flag unless
 # it matches its own pattern, which knows neither exponents nor inf / nan; the value then reaches our range checks.
@@ -98,7 +99,7 @@ def _add(group, name: str, help_text: str, **kwargs) -> None:
 def _add_loss_arguments(group) -> None:
     hints = typing.get_type_hints(GRPOLossConfig)
     for field in dataclasses.fields(GRPOLossConfig):
-        if field.name in SHARED_WITH_SAMPLING or field.name in FROM_MODEL:
+        if field.name in SHARED_WITH_SAMPLING | FROM_MODEL | NOT_FOR_TRAINING:
             continue
         default = getattr(DEFAULT_LOSS, field.name)
         hint = hints[field.name]

@@ -150,6 +150,7 @@ class TrainConfig:
         _check(self.fsdp or self.fsdp_grad_sync == "micro_batch",
                f"--fsdp-grad-sync {self.fsdp_grad_sync} only applies to --fsdp runs: add --fsdp (or drop "
                "--fsdp-grad-sync; DDP reduces gradients once per optimizer step)")
+        self._check_attention()
         _check(self.completion_chars is None or len(self.completion_chars) > 0,
                "--completion-chars must name at least one character")
         if self.completion_chars is None and self.dataset is None:
@@ -191,9 +192,29 @@ class TrainConfig:
         _check(isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 0,
                f"--beta must be >= 0 (the KL penalty's coefficient; 0 turns it off), got {beta}")
 
+    def _check_attention(self) -> None:
+        """A flash-attn implementation named for a run whose forwards are float32 (flash-attn has no float32
+        kernels): refused here, not deep inside the first forward. ``--device auto`` resolves as the run will."""
+        from .modeling import HALF_ONLY_ATTENTION, run_dtypes
+
+        if self.attn_implementation not in HALF_ONLY_ATTENTION:
+            return
+        import torch
+
+        cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        param, autocast = run_dtypes(self.dtype, self.autocast, "cuda" if cuda else "cpu")
+        _check((autocast or param) != torch.float32,
+               f"--attn-implementation {self.attn_implementation} runs only in bfloat16 or float16 (flash-attn has "
+               f"no float32 kernels), but this run's forwards are float32 (--dtype {self.dtype}, --autocast "
+               f"{self.autocast}{'' if cuda else ', no CUDA device'}): pass --dtype bfloat16 or, on CUDA, "
+               "--autocast bfloat16, or another --attn-implementation")
+
     def _loss_config(self) -> GRPOLossConfig:
         loss = self.loss
         _check(isinstance(loss, GRPOLossConfig), f"loss must be a GRPOLossConfig, got {type(loss).__name__}")
+        _check(not loss.capturable,
+               "loss.capturable=True prepares the loss for CUDA-graph capture, which grpo.train does not do: it would "
+               "only compute the padded rows too; leave it False")
         _check(loss.temperature in (1.0, self.temperature),
                f"loss.temperature={loss.temperature} differs from --temperature {self.temperature}: the loss must "
                "score tokens at the temperature they were sampled with; set TrainConfig.temperature only")

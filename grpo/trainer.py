@@ -26,8 +26,8 @@ from .distributed import DistEnv, barrier, reduce_mean_dict
 from .errors import UsageError
 from .evaluation import Evaluator, describe_evals, step_span, summary_fields
 from .metrics import MetricsLog, Progress, plot_curves, plot_curves_best_effort, read_metrics
-from .modeling import (DTYPES, apply_liger_layers, build_char_tokenizer, build_tiny_model,
-                       choose_attn_implementation, disable_dropout, eos_token_ids, load_pretrained)
+from .modeling import (apply_liger_layers, build_char_tokenizer, build_tiny_model,
+                       choose_attn_implementation, disable_dropout, eos_token_ids, load_pretrained, run_dtypes)
 from .packing import choose_packing
 from .policy import GRPOPolicy
 from .run_folder import write_json
@@ -63,10 +63,7 @@ class Trainer:
                                banned, builtin=cfg.model is None)
         use_chat = self._use_chat_template()
 
-        param_dtype = next(self.lm.parameters()).dtype
-        autocast = None if cfg.autocast == "none" else DTYPES.get(cfg.autocast)
-        if cfg.autocast == "auto":
-            autocast = torch.bfloat16 if self.device.type == "cuda" and param_dtype == torch.float32 else None
+        param_dtype, autocast = run_dtypes(cfg.dtype, cfg.autocast, self.device.type)
         compute_dtype = autocast or param_dtype
         self.policy = GRPOPolicy(self.lm, cfg.loss, cfg.impl, compute_dtype, autocast, banned)
         self.ref = None
@@ -158,7 +155,7 @@ class Trainer:
 
     def _build_model(self, rows: list[dict]):
         cfg = self.cfg
-        dtype = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        dtype, autocast = run_dtypes(cfg.dtype, cfg.autocast, self.device.type)
         if cfg.model is None:
             # A prompt with characters outside the built-in tokenizer would be fed <unk>: refuse it up front.
             unknown = sorted({c for r in rows for c in _prompt_text(r["prompt"]) if c not in PRINTABLE_ASCII})
@@ -169,11 +166,11 @@ class Trainer:
             tokenizer = build_char_tokenizer(PRINTABLE_ASCII)
             lm = build_tiny_model(tokenizer, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
                                   max_positions=max(128, 8 + cfg.max_new_tokens + (cfg.max_prompt_length or 64)))
-            attn = choose_attn_implementation(cfg.attn_implementation, self.device)
+            attn = choose_attn_implementation(cfg.attn_implementation, self.device, autocast or dtype)
             lm.config._attn_implementation = "sdpa" if attn in (None, "flash_attention_2") else attn
             lm = lm.to(dtype)
         else:
-            attn = choose_attn_implementation(cfg.attn_implementation, self.device)
+            attn = choose_attn_implementation(cfg.attn_implementation, self.device, autocast or dtype)
             lm, tokenizer = load_pretrained(cfg.model, dtype, attn, cfg.trust_remote_code)
         self._initial_weights = run_settings.weights_fingerprint(lm)  # the run's identity, see run_settings.py
         disable_dropout(lm)
