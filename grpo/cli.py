@@ -16,7 +16,7 @@ import typing
 
 from grpo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOLossConfig
 
-from .config import CHOICES, DEFAULT_LOSS, TrainConfig, loss_option_error
+from .config import CHOICES, DEFAULT_LOSS, SINGLE_PASS_MAX_NEW_TOKENS, TrainConfig, loss_option_error
 from .errors import UsageError
 
 SHARED_WITH_SAMPLING = {"temperature"}
@@ -160,6 +160,10 @@ def _add_optimization_arguments(opt) -> None:
          "position ids restarting per sequence, no pad tokens (flash-attn varlen on CUDA, else transformers' "
          "packed-sequence masks); on where the model's attention supports it; --no-packing: padded rows",
          action=argparse.BooleanOptionalAction)
+    _add(opt, "single_pass", "backpropagate the loss through the sampling forward instead of running the model "
+         "again: one forward fewer, but the loss's forward and backward on the sampling forward's padded rows; needs "
+         f"--num-iterations 1, the whole rollout in one micro-batch, --max-new-tokens <= {SINGLE_PASS_MAX_NEW_TOKENS}, "
+         "one process, no --fsdp or --gradient-checkpointing", action="store_true")
     _add(opt, "max_tokens_per_micro_batch", "packed micro-batches hold whole sequences up to this many tokens "
          "(a sequence's prompt and completion less its last token, whose prediction is never scored); a longer "
          "sequence gets a micro-batch of its own (default: no token limit)",

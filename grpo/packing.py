@@ -284,6 +284,6 @@ def choose_packing(enabled: bool, max_tokens: int | None, lm, env: DistEnv,
         return None, f"packing off: {why}; training on padded rows (--no-packing silences this line)"
     packing = Packing(max_tokens=max_tokens, one_row=is_varlen(lm), env=env)
     if single_pass:
-        return packing, ("packing: single pass, the loss backpropagates through the sampling forward (padded rows); "
-                         "the reference and old-policy passes run packed")
+        return packing, ("packing: --single-pass, the loss backpropagates through the sampling forward (padded rows); "
+                         "the reference pass runs packed")
     return packing, None
