@@ -203,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(model, "dtype", "parameter dtype (auto: float32 master weights)")
     _add(model, "autocast", "mixed precision of forward passes (auto: bfloat16 on CUDA, none on CPU)")
     _add(model, "attn_implementation", "attention kernel passed to transformers (auto: flash_attention_2 when "
-         "flash_attn is installed and on CUDA, else transformers' default for the model: sdpa, or eager where "
-         "the model has no sdpa kernel, e.g. Gemma 2)", metavar="NAME")
+         "flash_attn is installed, on CUDA, for bfloat16 / float16 forwards, else transformers' default for the "
+         "model: sdpa, or eager where the model has no sdpa kernel, e.g. Gemma 2); flash_attention_2 / 3 for a "
+         "float32 run is refused (flash-attn has no float32 kernels)", metavar="NAME")
     _add(model, "liger_layers", "replace RMSNorm / SwiGLU / RoPE with Liger-Kernel's Triton kernels (CUDA)",
          action="store_true")
     _add(model, "gradient_checkpointing", "recompute activations in the backward pass (less activation memory, "
