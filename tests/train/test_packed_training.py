@@ -214,9 +214,15 @@ def test_single_pass_refuses_what_it_cannot_run(argv, needs):
     assert str(info.value) == f"--single-pass backpropagates through the sampling forward of one on-policy step: " \
                               f"it needs {needs}"
     assert not config_from_argv(argv).single_pass  # fine without it
+
+
+def test_single_pass_under_ddp_is_refused_before_anything_loads(tmp_path):
+    """The one condition a TrainConfig cannot see: the number of processes (torchrun's), checked by the Trainer."""
     with pytest.raises(UsageError, match="--single-pass backpropagates through the sampling forward, which DDP's "
                                          "hooks do not see: run it in one process"):
-        Trainer(config_from_argv(["--single-pass"]), DistEnv(rank=0, world_size=2))
+        Trainer(config_from_argv(["--single-pass", "--output-dir", str(tmp_path / "run")]),
+                DistEnv(rank=0, world_size=2))
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_model_that_cannot_be_packed_trains_padded_with_a_log_line(tmp_path, monkeypatch, capsys):
