@@ -47,9 +47,10 @@ def test_a_tiny_run_writes_its_table(tmp_path, flags, variants):
     assert "| packed |" in (tmp_path / "packing_step.md").read_text()
 
 
-def test_sampling_needs_a_single_pass_length(capsys):
+def test_sampling_needs_a_single_pass_length(capsys, monkeypatch):
     from benchmarks.packing_step import main
 
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # main() would set it for the rest of the session otherwise
     with pytest.raises(SystemExit):
         main(["--out", "unused", "--sampling", "--max-len", "65"])
     assert "--sampling: --max-len must be <= 64 (grpo.train's --single-pass limit)" in capsys.readouterr().err
