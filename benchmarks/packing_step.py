@@ -1,6 +1,7 @@
 """``grpo.train`` training step on a long-tailed batch: padded rows (``--no-packing``) against packed rows, in one run.
 
     python -m benchmarks.packing_step --out DIR [--device cpu|cuda] [--shape cpu|qwen2.5-0.5b] [--steps 8]
+    python -m benchmarks.packing_step --out DIR --sampling --max-len 64     # + the sampling forward, --single-pass
 
 The batch: ``--prompts`` prompts x G = 8 completions, lengths drawn from a fixed, documented distribution (seeded):
 - prompt lengths uniform in [8, 32] tokens;
@@ -14,8 +15,16 @@ A step is what ``grpo.train`` runs after sampling: the reference pass (beta = 0.
 backward, clipping and AdamW (``Trainer``'s own ``rollout_logprobs`` and ``optimizer_step`` with its step options; the
 rollout is injected in place of sampling, which does not change with packing: it decodes with a KV cache on padded
 rows). Variants: ``padded`` (``--no-packing``), ``packed`` (the default), ``packed_budget``
-(``--max-tokens-per-micro-batch`` a quarter of the packed batch's tokens: several micro-batches). Step time: the
-three trainers in one process, their steps alternating (the order rotating), so that a busy machine slows all
+(``--max-tokens-per-micro-batch`` a quarter of the packed batch's tokens: several micro-batches).
+
+``--sampling`` (completion limit <= 64 tokens, grpo.train's ``--single-pass`` limit): every step starts with the
+sampling forward, grpo.train's own decode loop (``grpo.rollout.sample_completions``: the prompts' forward, then one
+token per row and step with a KV cache, padded rows) with each draw replaced by the batch's token (so the lengths
+stay the documented ones; the loop runs to the limit, since one row per group does), and a fourth variant runs,
+``single_pass`` (``--single-pass``: that forward runs with autograd on and the loss backpropagates through it, on
+its padded rows; the reference pass packed), against which the others pay a forward of their own for the loss. The
+decode loop runs each row's own prompt (the batch's prompt lengths differ within a group; grpo.train runs a group's
+prompt once and repeats its cache). Step time: the trainers in one process, their steps alternating (the order rotating), so that a busy machine slows all
 alike; the first step of each is warm-up, the median of the others is reported. Peak memory: each variant in a
 process of its own, over two steps; on CUDA ``torch.cuda.max_memory_allocated`` (weights, reference and optimizer
 state included), on the CPU the peak resident memory above the resident memory before the steps (VmHWM - VmRSS,
@@ -38,6 +47,7 @@ import sys
 from .e2e_step import QWEN25_05B, build_model_dir
 
 VARIANTS = ("padded", "packed", "packed_budget")
+SAMPLING_VARIANTS = VARIANTS + ("single_pass",)
 CPU_SHAPE = dict(QWEN25_05B, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=2048)
 SHAPES = {"cpu": CPU_SHAPE, "qwen2.5-0.5b": QWEN25_05B}
@@ -109,7 +119,8 @@ def build_trainer(variant: str, model_dir: str, work: str, a):
                       max_steps=a.steps, progress=False, save_steps=0, eval_size=0, device=a.device,
                       prompts_per_step=a.prompts, num_generations=G, max_new_tokens=a.max_len, lr=1e-6,
                       warmup_steps=0, chat_template="off", rewards=("benchmarks.e2e_step:length_reward",),
-                      loss=GRPOLossConfig(beta=0.04), packing=variant != "padded", max_tokens_per_micro_batch=budget)
+                      loss=GRPOLossConfig(beta=0.04), packing=variant != "padded", max_tokens_per_micro_batch=budget,
+                      single_pass=variant == "single_pass")
     os.makedirs(cfg.output_dir, exist_ok=True)
     trainer = Trainer(cfg, DistEnv(device=torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")))
     vocab = trainer.lm.get_output_embeddings().weight.shape[0]
@@ -117,9 +128,37 @@ def build_trainer(variant: str, model_dir: str, work: str, a):
     return trainer, batches, budget
 
 
-def train_step(trainer, rollout, advantages) -> tuple[float, dict]:
-    """(seconds, stats) of one step as ``Trainer._train_loop`` runs it after sampling: the reference pass, then
-    ``optimizer_step`` over the whole rollout (one mini-batch)."""
+def sampling_forward(trainer, rollout) -> None:
+    """grpo.train's decode loop on ``rollout``'s prompts, each draw replaced by the rollout's own token (module
+    docstring); with ``--single-pass`` its hidden states are kept with their graph in ``rollout.hidden``, as
+    ``Sampler.rollout(keep_graph=True)`` keeps them."""
+    import contextlib
+
+    import torch
+
+    import grpo.rollout as sampling
+
+    P, T = rollout.prompt_length, rollout.completion_ids.shape[1]
+    forced = iter(rollout.completion_ids.t())
+    draw, sampling.next_tokens = sampling.next_tokens, lambda *args, **kwargs: next(forced)
+    autocast = trainer.sampler.autocast_dtype
+    trainer.lm.eval()
+    try:
+        with torch.autocast(trainer.device.type, dtype=autocast) if autocast else contextlib.nullcontext():
+            ids, hidden = sampling.sample_completions(
+                trainer.lm, rollout.input_ids[:, :P], rollout.attention_mask[:, :P], repeats=1, max_new_tokens=T,
+                eos_ids=[EOS], pad_id=PAD, banned=trainer.sampler.banned, keep_graph=trainer.single_pass)
+    finally:
+        sampling.next_tokens = draw
+        trainer.lm.train()
+    if not torch.equal(ids, rollout.completion_ids):
+        raise RuntimeError("the teacher-forced decode loop did not reproduce the batch's tokens")
+    rollout.hidden = hidden
+
+
+def train_step(trainer, rollout, advantages, sampling: bool = False) -> tuple[float, dict]:
+    """(seconds, stats) of one step as ``Trainer._train_loop`` runs it after sampling (``sampling``: from the
+    sampling forward on): the reference pass, then ``optimizer_step`` over the whole rollout (one mini-batch)."""
     import time
 
     import torch
@@ -128,6 +167,8 @@ def train_step(trainer, rollout, advantages) -> tuple[float, dict]:
 
     cuda = trainer.device.type == "cuda"
     t0 = time.perf_counter()
+    if sampling:
+        sampling_forward(trainer, rollout)
     ref = rollout_logprobs(trainer.ref, rollout, trainer.cfg.micro_batch_size, trainer.packing)
     rows = torch.arange(rollout.batch_size, device=trainer.device)
     stats = optimizer_step(trainer.model, trainer.policy, trainer.optimizer, trainer.scheduler, rollout, rows,
@@ -140,13 +181,14 @@ def train_step(trainer, rollout, advantages) -> tuple[float, dict]:
 def time_variants(model_dir: str, work: str, a) -> dict:
     """Every variant's trainer in this one process, their steps alternating (the order rotating each step), so
     that the machine's load falls on all alike: {variant: step seconds, tokens_per_step, padding_saved, budget}."""
-    built = {v: build_trainer(v, model_dir, work, a) for v in VARIANTS}
-    out = {v: {"step_s": [], "budget": built[v][2]} for v in VARIANTS}
+    variants = SAMPLING_VARIANTS if a.sampling else VARIANTS
+    built = {v: build_trainer(v, model_dir, work, a) for v in variants}
+    out = {v: {"step_s": [], "budget": built[v][2]} for v in variants}
     for i in range(a.steps):
-        order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]
+        order = variants[i % len(variants):] + variants[:i % len(variants)]
         for v in order:
             trainer, batches, _ = built[v]
-            seconds, stats = train_step(trainer, *batches[i])
+            seconds, stats = train_step(trainer, *batches[i], sampling=a.sampling)
             out[v]["step_s"].append(seconds)
             out[v]["tokens_per_step"] = stats["positions"]
             out[v]["padding_saved"] = 1.0 - stats["positions"] / stats["padded_positions"]
@@ -165,7 +207,7 @@ def peak_memory(variant: str, model_dir: str, work: str, a) -> dict:
         torch.cuda.reset_peak_memory_stats()
     before = _status("VmRSS")
     for rollout, advantages in batches[:2]:
-        train_step(trainer, rollout, advantages)
+        train_step(trainer, rollout, advantages, sampling=a.sampling)
     return {"peak_bytes": float(torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") - before)}
 
 
@@ -175,6 +217,8 @@ def _child(mode: str, variant: str | None, model_dir: str, a) -> dict:
            str(a.max_len), "--steps", str(a.steps), "--seed", str(a.seed), "--threads", str(a.threads)]
     if variant is not None:
         cmd += ["--variant", variant]
+    if a.sampling:
+        cmd.append("--sampling")
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads)) if a.device == "cpu" else None
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, env=env)
@@ -188,8 +232,9 @@ def _child(mode: str, variant: str | None, model_dir: str, a) -> dict:
 
 def report(results: dict, setup: dict, out: str) -> str:
     base = results.get("padded", {})
+    step = "from the sampling forward (teacher-forced) on" if setup.get("sampling") else "after sampling"
     lines = [f"{setup['model']}, {setup['rows']} completions (G = {G}), completion limit {setup['max_len']}, "
-             f"{setup['padding']:.1%} of the padded batch is padding, {setup['precision']}", "",
+             f"{setup['padding']:.1%} of the padded batch is padding, {setup['precision']}, the step {step}", "",
              "| variant | step (s) | vs padded | peak memory (MiB) | vs padded | tokens per step | padding saved |",
              "|---|---|---|---|---|---|---|"]
     for variant, r in results.items():
@@ -210,6 +255,8 @@ def report(results: dict, setup: dict, out: str) -> str:
 
 
 def main(argv=None) -> int:
+    from grpo.config import SINGLE_PASS_MAX_NEW_TOKENS, quiet_unused_deepspeed
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.packing_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for packing_step.json and packing_step.md")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -220,17 +267,16 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--timeout-s", type=int, default=1200, help="per child process")
+    p.add_argument("--sampling", action="store_true",
+                   help=f"time each step from the sampling forward on and add the single_pass variant (--max-len <= "
+                        f"{SINGLE_PASS_MAX_NEW_TOKENS})")
     p.add_argument("--mode", choices=("time", "memory"), help=argparse.SUPPRESS)  # internal: JSON on stdout
-    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=SAMPLING_VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    from grpo.config import quiet_unused_deepspeed
-    from grpo.trainer import SINGLE_PASS_MAX_NEW_TOKENS
-
     quiet_unused_deepspeed()  # saving the model imports DeepSpeed where installed, which warns on a CPU machine
-    if a.max_len <= SINGLE_PASS_MAX_NEW_TOKENS:  # the step would backpropagate through sampling: nothing to pack
-        p.error(f"--max-len must be > {SINGLE_PASS_MAX_NEW_TOKENS} (shorter completions train in grpo.train's single "
-                "pass, on the sampling forward's padded rows)")
+    if a.sampling and a.max_len > SINGLE_PASS_MAX_NEW_TOKENS:
+        p.error(f"--sampling: --max-len must be <= {SINGLE_PASS_MAX_NEW_TOKENS} (grpo.train's --single-pass limit)")
     os.makedirs(a.out, exist_ok=True)
     if a.mode is not None:
         import torch
@@ -246,7 +292,7 @@ def main(argv=None) -> int:
         build_model_dir(model_dir, SHAPES[a.shape])
     timed = _child("time", None, model_dir, a)
     results = {}
-    for variant in VARIANTS:
+    for variant in SAMPLING_VARIANTS if a.sampling else VARIANTS:
         r = timed if "skipped" in timed else dict(timed[variant])
         if "step_s" in r:
             r["steps"], r["step_s"] = r["step_s"], statistics.median(r["step_s"][1:] or r["step_s"])
@@ -257,7 +303,7 @@ def main(argv=None) -> int:
     setup = {"model": f"{a.shape}-shaped Qwen2, random init", "rows": len(prompt), "max_len": a.max_len,
              "padding": 1 - real / (len(prompt) * (max(prompt) + a.max_len)), "steps": a.steps, "device": a.device,
              "threads": a.threads if a.device == "cpu" else None,
-             "precision": "bf16 autocast" if a.device == "cuda" else "fp32",
+             "precision": "bf16 autocast" if a.device == "cuda" else "fp32", "sampling": a.sampling,
              "lengths": {"prompt": prompt, "completion": completion}}
     print(report(results, setup, a.out))
     return 0

@@ -16,12 +16,15 @@ import typing
 
 from grpo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOLossConfig
 
-from .config import CHOICES, DEFAULT_LOSS, TrainConfig, loss_option_error
+from .config import CHOICES, DEFAULT_LOSS, SINGLE_PASS_MAX_NEW_TOKENS, TrainConfig, loss_option_error
 from .errors import UsageError
 
 SHARED_WITH_SAMPLING = {"temperature"}
 # Loss options that are properties of the model, read from its config (softcap: final_logit_softcapping), not flags.
 FROM_MODEL = {"softcap"}
+# Loss options for callers that capture the loss in a CUDA graph (capturable: no host sync, the padded rows computed
+# too); grpo.train captures none, so such a flag would only add work. TrainConfig refuses them from Python.
+NOT_FOR_TRAINING = {"capturable"}
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
 
 _LOSS_HELP = {
@@ -51,8 +54,6 @@ _LOSS_HELP = {
     "memory_budget": "bytes of transient memory the loss may allocate beyond its inputs and returned gradients "
                      "(default: 1 GiB of working memory plus the fast head path's fp32 d-weight accumulator); the "
                      "fastest path that fits runs (docs/memory.md)",
-    "capturable": "make no host sync in the loss (CUDA-graph capture): the fused head computes the padded rows too "
-                  "instead of compacting the valid ones",
 }
 # Negative numbers as flag values (``--lr -1e-3``): argparse takes any value that starts with "-" for a flag unless
 # it matches its own pattern, which knows neither exponents nor inf / nan; the value then reaches our range checks.
@@ -98,7 +99,7 @@ def _add(group, name: str, help_text: str, **kwargs) -> None:
 def _add_loss_arguments(group) -> None:
     hints = typing.get_type_hints(GRPOLossConfig)
     for field in dataclasses.fields(GRPOLossConfig):
-        if field.name in SHARED_WITH_SAMPLING or field.name in FROM_MODEL:
+        if field.name in SHARED_WITH_SAMPLING | FROM_MODEL | NOT_FOR_TRAINING:
             continue
         default = getattr(DEFAULT_LOSS, field.name)
         hint = hints[field.name]
@@ -159,6 +160,10 @@ def _add_optimization_arguments(opt) -> None:
          "position ids restarting per sequence, no pad tokens (flash-attn varlen on CUDA, else transformers' "
          "packed-sequence masks); on where the model's attention supports it; --no-packing: padded rows",
          action=argparse.BooleanOptionalAction)
+    _add(opt, "single_pass", "backpropagate the loss through the sampling forward instead of running the model "
+         "again: one forward fewer, but the loss's forward and backward on the sampling forward's padded rows; needs "
+         f"--num-iterations 1, the whole rollout in one micro-batch, --max-new-tokens <= {SINGLE_PASS_MAX_NEW_TOKENS}, "
+         "one process, no --fsdp or --gradient-checkpointing", action="store_true")
     _add(opt, "max_tokens_per_micro_batch", "packed micro-batches hold whole sequences up to this many tokens "
          "(a sequence's prompt and completion less its last token, whose prediction is never scored); a longer "
          "sequence gets a micro-batch of its own (default: no token limit)",
@@ -198,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(model, "dtype", "parameter dtype (auto: float32 master weights)")
     _add(model, "autocast", "mixed precision of forward passes (auto: bfloat16 on CUDA, none on CPU)")
     _add(model, "attn_implementation", "attention kernel passed to transformers (auto: flash_attention_2 when "
-         "flash_attn is installed and on CUDA, else transformers' default for the model: sdpa, or eager where "
-         "the model has no sdpa kernel, e.g. Gemma 2)", metavar="NAME")
+         "flash_attn is installed, on CUDA, for bfloat16 / float16 forwards, else transformers' default for the "
+         "model: sdpa, or eager where the model has no sdpa kernel, e.g. Gemma 2); flash_attention_2 / 3 for a "
+         "float32 run is refused (flash-attn has no float32 kernels)", metavar="NAME")
     _add(model, "liger_layers", "replace RMSNorm / SwiGLU / RoPE with Liger-Kernel's Triton kernels (CUDA)",
          action="store_true")
     _add(model, "gradient_checkpointing", "recompute activations in the backward pass (less activation memory, "

@@ -24,6 +24,8 @@ from .data import BUILTIN_TASKS, TASK_COMPLETION_CHARS
 from .errors import UsageError
 from .rewards import RewardSpec, parse_reward_spec
 
+# --single-pass keeps the sampling forward's graph: its KV cache's saved tensors grow with the square of the length.
+SINGLE_PASS_MAX_NEW_TOKENS = 64
 # The train-time loss default that differs from GRPOLossConfig's (TRL's): a small KL penalty, so that the KL column
 # of the progress bar and of the plot means something on the built-in task.
 DEFAULT_LOSS = GRPOLossConfig(beta=0.02)
@@ -105,6 +107,7 @@ class TrainConfig:
     mini_batch_size: int | None = None
     micro_batch_size: int | None = None
     packing: bool = True               # padding-free micro-batches where the model's attention supports them
+    single_pass: bool = False          # the loss backpropagates through the sampling forward (padded rows)
     max_tokens_per_micro_batch: int | None = None  # packed micro-batches: token budget (None: no budget)
     loss: GRPOLossConfig = DEFAULT_LOSS
     reward_specs: tuple[RewardSpec, ...] = field(init=False, repr=False, compare=False, default=())
@@ -150,6 +153,8 @@ class TrainConfig:
         _check(self.fsdp or self.fsdp_grad_sync == "micro_batch",
                f"--fsdp-grad-sync {self.fsdp_grad_sync} only applies to --fsdp runs: add --fsdp (or drop "
                "--fsdp-grad-sync; DDP reduces gradients once per optimizer step)")
+        self._check_attention()
+        self._check_single_pass(rollout)
         _check(self.completion_chars is None or len(self.completion_chars) > 0,
                "--completion-chars must name at least one character")
         if self.completion_chars is None and self.dataset is None:
@@ -191,9 +196,51 @@ class TrainConfig:
         _check(isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 0,
                f"--beta must be >= 0 (the KL penalty's coefficient; 0 turns it off), got {beta}")
 
+    def _check_single_pass(self, rollout: int) -> None:
+        """--single-pass: the rollout feeds one on-policy optimizer step in one micro-batch, completions are short,
+        and nothing must re-run the forward (gradient checkpointing) or hook it (FSDP; DDP: ``Trainer``)."""
+        _check(isinstance(self.single_pass, bool),
+               f"--single-pass is a switch (True / False), got {self.single_pass!r}")
+        if not self.single_pass:
+            return
+        needs = [
+            (self.num_iterations == 1, f"--num-iterations 1 (got {self.num_iterations})"),
+            (self.micro_batch_size == rollout, f"the whole rollout ({rollout}) as one mini-batch and one micro-batch "
+                                               f"(got --mini-batch-size {self.mini_batch_size}, --micro-batch-size "
+                                               f"{self.micro_batch_size})"),
+            (self.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS,
+             f"--max-new-tokens <= {SINGLE_PASS_MAX_NEW_TOKENS} (got {self.max_new_tokens}; the sampling forward's "
+             "saved tensors grow with the square of the length)"),
+            (not self.fsdp, "no --fsdp (its hooks need the forward to go through the root)"),
+            (not self.gradient_checkpointing, "no --gradient-checkpointing (the sampling forward is not re-run)"),
+        ]
+        for ok, what in needs:
+            _check(ok, f"--single-pass backpropagates through the sampling forward of one on-policy step: it needs "
+                       f"{what}")
+
+    def _check_attention(self) -> None:
+        """A flash-attn implementation named for a run whose forwards are float32 (flash-attn has no float32
+        kernels): refused here, not deep inside the first forward. ``--device auto`` resolves as the run will."""
+        from .modeling import HALF_ONLY_ATTENTION, run_dtypes
+
+        if self.attn_implementation not in HALF_ONLY_ATTENTION:
+            return
+        import torch
+
+        cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        param, autocast = run_dtypes(self.dtype, self.autocast, "cuda" if cuda else "cpu")
+        _check((autocast or param) != torch.float32,
+               f"--attn-implementation {self.attn_implementation} runs only in bfloat16 or float16 (flash-attn has "
+               f"no float32 kernels), but this run's forwards are float32 (--dtype {self.dtype}, --autocast "
+               f"{self.autocast}{'' if cuda else ', no CUDA device'}): pass --dtype bfloat16 or, on CUDA, "
+               "--autocast bfloat16, or another --attn-implementation")
+
     def _loss_config(self) -> GRPOLossConfig:
         loss = self.loss
         _check(isinstance(loss, GRPOLossConfig), f"loss must be a GRPOLossConfig, got {type(loss).__name__}")
+        _check(not loss.capturable,
+               "loss.capturable=True prepares the loss for CUDA-graph capture, which grpo.train does not do: it would "
+               "only compute the padded rows too; leave it False")
         _check(loss.temperature in (1.0, self.temperature),
                f"loss.temperature={loss.temperature} differs from --temperature {self.temperature}: the loss must "
                "score tokens at the temperature they were sampled with; set TrainConfig.temperature only")

@@ -15,6 +15,9 @@ from .errors import UsageError
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Attention implementations whose kernels (flash-attn) run only in bfloat16 / float16.
+HALF_ONLY_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 def build_char_tokenizer(alphabet: str):
@@ -53,13 +56,24 @@ def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_
     return LlamaForCausalLM(config)
 
 
-def choose_attn_implementation(requested: str, device: torch.device) -> str | None:
-    """'auto' -> flash_attention_2 when flash_attn is installed and the run is on CUDA, else None: transformers'
-    default for the model (sdpa where the architecture supports it, eager otherwise; Gemma 2's soft-capped
-    attention has no sdpa kernel)."""
+def run_dtypes(dtype: str, autocast: str, device_type: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None) of a run from ``--dtype`` / ``--autocast`` on ``device_type``:
+    dtype auto is float32 master weights; autocast auto is bfloat16 on CUDA for float32 weights, else none."""
+    param = torch.float32 if dtype == "auto" else DTYPES[dtype]
+    if autocast == "auto":
+        return param, torch.bfloat16 if device_type == "cuda" and param == torch.float32 else None
+    return param, None if autocast == "none" else DTYPES[autocast]
+
+
+def choose_attn_implementation(requested: str, device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """'auto' -> flash_attention_2 when flash_attn is installed, the run is on CUDA and its forwards run in
+    bfloat16 or float16 (``compute_dtype``: the autocast dtype, else the parameter dtype; flash-attn has no float32
+    kernels), else None: transformers' default for the model (sdpa where the architecture supports it, eager
+    otherwise; Gemma 2's soft-capped attention has no sdpa kernel). An explicit name is returned as given
+    (``TrainConfig`` refuses a flash-attn name for a float32 run)."""
     if requested != "auto":
         return requested
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device.type == "cuda" and compute_dtype in HALF_DTYPES and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return None
 

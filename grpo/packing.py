@@ -112,7 +112,7 @@ def plan_micro_batches(fed: list[int], packing: Packing, max_rows: int) -> list[
     if env is not None and env.enabled:
         import torch.distributed as dist
 
-        count = torch.tensor([len(parts)], dtype=torch.int64, device=env.device)
+        count = torch.full((1,), len(parts), dtype=torch.int64, device=env.device)  # a fill: no host transfer
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         parts = split_to_count(parts, fed, int(count.item()))
     return parts
@@ -168,8 +168,15 @@ class PackedBatch:
         return None if per_token is None else per_token[self.token_rows, self.token_cols]
 
 
-def _ints(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+def host_to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Int lists as int64 tensors on ``device`` in one host-to-device transfer: the lists laid end to end in one host
+    buffer (pinned on CUDA, so the copy is asynchronous and the host goes on building the next micro-batch), moved
+    at once and split into views on the device."""
+    host = torch.tensor([v for values in lists for v in values], dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=host.is_pinned())
+    return list(flat.split([len(values) for values in lists]))
 
 
 def _segments(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,15 +193,17 @@ def pack_rows(rollout, rows: list[int], one_row: bool) -> PackedBatch:
     fed = [p + c - 1 for p, c in zip(prompt, completion)]
     row_of, offset_of, used = layout_rows(fed, one_row)
     width, device, P = max(used), rollout.input_ids.device, rollout.prompt_length
-    b, p, c, n_fed = _ints(rows, device), _ints(prompt, device), _ints(completion, device), _ints(fed, device)
-    base = _ints(row_of, device) * width + _ints(offset_of, device)  # flat index of each sequence's first token
+    # every index this micro-batch needs from the host, in one transfer
+    b, p, c, n_fed, row, offset, row_used = host_to_device([rows, prompt, completion, fed, row_of, offset_of, used],
+                                                            device)
+    base = row * width + offset  # flat index of each sequence's first token
     # fed tokens: the contiguous slice [P - p, P + c - 1) of each sequence's padded row
     seg, local = _segments(n_fed, sum(fed))
     dest = base[seg] + local
     input_ids = torch.zeros(len(used) * width, dtype=rollout.input_ids.dtype, device=device)
     input_ids[dest] = rollout.input_ids[b[seg], P - p[seg] + local]
     # filler after a row's end counts 0, 1, ... (its own segment); the sequences' positions overwrite the rest
-    position_ids = (torch.arange(width, device=device)[None, :] - _ints(used, device)[:, None]).reshape(-1)
+    position_ids = (torch.arange(width, device=device)[None, :] - row_used[:, None]).reshape(-1)
     position_ids[dest] = local
     # completion tokens: token j of sequence s is predicted by its fed token p - 1 + j
     seg_c, j = _segments(c, sum(completion))
@@ -275,6 +284,6 @@ def choose_packing(enabled: bool, max_tokens: int | None, lm, env: DistEnv,
         return None, f"packing off: {why}; training on padded rows (--no-packing silences this line)"
     packing = Packing(max_tokens=max_tokens, one_row=is_varlen(lm), env=env)
     if single_pass:
-        return packing, ("packing: single pass, the loss backpropagates through the sampling forward (padded rows); "
-                         "the reference and old-policy passes run packed")
+        return packing, ("packing: --single-pass, the loss backpropagates through the sampling forward (padded rows); "
+                         "the reference pass runs packed")
     return packing, None

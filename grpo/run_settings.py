@@ -30,7 +30,10 @@ SAFE_TO_CHANGE = frozenset({
     "output_dir", "resume", "overwrite", "model", "dataset", "eval_dataset", "trust_remote_code",
     # execution of the same computation (the checkpoint's own checks refuse an --fsdp mismatch)
     "device", "impl", "attn_implementation", "liger_layers", "gradient_checkpointing", "micro_batch_size", "fsdp",
-    "fsdp_grad_sync", "packing", "max_tokens_per_micro_batch",
+    "fsdp_grad_sync", "packing", "max_tokens_per_micro_batch", "single_pass",
+    # a loss option earlier versions of grpo.train exposed (--capturable, now refused): the same loss, computed
+    # over the padded rows too; a run saved with it resumes without it, and the resume line says so
+    "capturable",
 })
 SAMPLE = 4096  # elements hashed per tensor: spread over the whole tensor, cheap for any model size
 

@@ -26,8 +26,8 @@ from .distributed import DistEnv, barrier, reduce_mean_dict
 from .errors import UsageError
 from .evaluation import Evaluator, describe_evals, step_span, summary_fields
 from .metrics import MetricsLog, Progress, plot_curves, plot_curves_best_effort, read_metrics
-from .modeling import (DTYPES, apply_liger_layers, build_char_tokenizer, build_tiny_model,
-                       choose_attn_implementation, disable_dropout, eos_token_ids, load_pretrained)
+from .modeling import (apply_liger_layers, build_char_tokenizer, build_tiny_model,
+                       choose_attn_implementation, disable_dropout, eos_token_ids, load_pretrained, run_dtypes)
 from .packing import choose_packing
 from .policy import GRPOPolicy
 from .run_folder import write_json
@@ -35,7 +35,6 @@ from .rollout import GenerationSettings, Rollout, Sampler, suppressed_token_ids
 from .update import StepOptions, optimizer_step, rollout_logprobs
 
 NEEDS_ANSWER = {"copy", "math", "boxed", "hash", "last_number"}
-SINGLE_PASS_MAX_NEW_TOKENS = 64
 SCHEDULERS = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 
 
@@ -44,6 +43,9 @@ class Trainer:
         from transformers import get_scheduler, set_seed
 
         self.cfg, self.env, self.device = cfg, env, env.device
+        if cfg.single_pass and env.enabled:  # the one condition TrainConfig cannot check: known under torchrun only
+            raise UsageError("--single-pass backpropagates through the sampling forward, which DDP's hooks do not see: "
+                             "run it in one process, or drop --single-pass")
         if self.device.type == "cpu" and cfg.model is None and "OMP_NUM_THREADS" not in os.environ:
             # The built-in model's matmuls are too small to gain from more threads, and on a busy machine extra
             # OpenMP threads spin against other processes (steps 5-10x slower); OMP_NUM_THREADS overrides.
@@ -63,10 +65,7 @@ class Trainer:
                                banned, builtin=cfg.model is None)
         use_chat = self._use_chat_template()
 
-        param_dtype = next(self.lm.parameters()).dtype
-        autocast = None if cfg.autocast == "none" else DTYPES.get(cfg.autocast)
-        if cfg.autocast == "auto":
-            autocast = torch.bfloat16 if self.device.type == "cuda" and param_dtype == torch.float32 else None
+        param_dtype, autocast = run_dtypes(cfg.dtype, cfg.autocast, self.device.type)
         compute_dtype = autocast or param_dtype
         self.policy = GRPOPolicy(self.lm, cfg.loss, cfg.impl, compute_dtype, autocast, banned)
         self.ref = None
@@ -124,17 +123,15 @@ class Trainer:
     def _plan_steps(self) -> None:
         """How optimizer steps run: single pass or not, packed or padded (sets single_pass, packing, step_options).
 
-        Single pass: when a rollout feeds exactly one on-policy optimizer step in one micro-batch, the loss
-        backpropagates through the sampling forward itself (its hidden states are kept with their graph) instead of
-        running the backbone a second time. Short completions only: the KV cache's saved tensors grow with the
-        square of the length. Off under DDP and FSDP (their hooks need the forward to go through the wrapper /
-        root). Otherwise micro-batches are packed (grpo/packing.py) where the model's attention supports it; a
-        single-pass step has no forward of its own to pack (its reference / old-policy passes still are)."""
+        By default every forward that trains or scores runs on packed micro-batches (grpo/packing.py) where the
+        model's attention supports it: the loss's forward and backward, the reference and the old-policy passes;
+        sampling decodes on padded rows. ``--single-pass`` (one on-policy step in one micro-batch, short
+        completions: checked by TrainConfig) instead backpropagates the loss through the sampling forward itself
+        (its hidden states kept with their graph): no second forward of the backbone, but the loss's forward and
+        backward then run on the sampling forward's padded rows; its reference pass is still packed. Not under DDP,
+        whose hooks need the forward to go through the wrapper (refused in ``__init__``)."""
         cfg, env = self.cfg, self.env
-        rollout_size = cfg.prompts_per_step * cfg.num_generations
-        self.single_pass = (cfg.num_iterations == 1 and cfg.micro_batch_size == rollout_size
-                            and not env.enabled and not cfg.fsdp and not cfg.gradient_checkpointing
-                            and cfg.max_new_tokens <= SINGLE_PASS_MAX_NEW_TOKENS)
+        self.single_pass = cfg.single_pass
         self.packing, note = choose_packing(cfg.packing, cfg.max_tokens_per_micro_batch, self.lm, env,
                                             self.single_pass)
         if note is not None and env.is_main:
@@ -158,7 +155,7 @@ class Trainer:
 
     def _build_model(self, rows: list[dict]):
         cfg = self.cfg
-        dtype = torch.float32 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        dtype, autocast = run_dtypes(cfg.dtype, cfg.autocast, self.device.type)
         if cfg.model is None:
             # A prompt with characters outside the built-in tokenizer would be fed <unk>: refuse it up front.
             unknown = sorted({c for r in rows for c in _prompt_text(r["prompt"]) if c not in PRINTABLE_ASCII})
@@ -169,11 +166,11 @@ class Trainer:
             tokenizer = build_char_tokenizer(PRINTABLE_ASCII)
             lm = build_tiny_model(tokenizer, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
                                   max_positions=max(128, 8 + cfg.max_new_tokens + (cfg.max_prompt_length or 64)))
-            attn = choose_attn_implementation(cfg.attn_implementation, self.device)
+            attn = choose_attn_implementation(cfg.attn_implementation, self.device, autocast or dtype)
             lm.config._attn_implementation = "sdpa" if attn in (None, "flash_attention_2") else attn
             lm = lm.to(dtype)
         else:
-            attn = choose_attn_implementation(cfg.attn_implementation, self.device)
+            attn = choose_attn_implementation(cfg.attn_implementation, self.device, autocast or dtype)
             lm, tokenizer = load_pretrained(cfg.model, dtype, attn, cfg.trust_remote_code)
         self._initial_weights = run_settings.weights_fingerprint(lm)  # the run's identity, see run_settings.py
         disable_dropout(lm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -75,7 +76,7 @@ def test_a_packed_step_matches_the_padded_step_by_the_three_way_rule(loss_type, 
 
 def _lockstep_trainers(tmp_path):
     """(padded, packed, float64 padded) Trainers of the built-in task with the same initial weights; micro-batches
-    of 64 rows (no single pass: the policy's forward and backward are packed in the packed one)."""
+    of 64 rows (the policy's forward and backward are packed in the packed one)."""
     def make(name, packing):
         cfg = TrainConfig(output_dir=str(tmp_path / name), max_steps=3, micro_batch_size=64, packing=packing, **FAST)
         return Trainer(cfg, DistEnv())
@@ -157,19 +158,71 @@ def test_no_packing_trains_on_padded_rows(tmp_path, monkeypatch, capsys):
     assert "[grpo.train] packing" not in capsys.readouterr().out
 
 
-def test_the_single_pass_default_packs_its_reference_pass_and_says_so(tmp_path, capsys):
-    """The default run (one micro-batch, short completions) backpropagates through the sampling forward, which is
-    padded; it says so in one line, and packs the reference pass (the same samples as a --no-packing run; the
-    packed reference pass's numbers: test_first_steps_match_the_padded_run_by_the_three_way_rule)."""
-    packed = train(TrainConfig(output_dir=str(tmp_path / "a"), max_steps=2, **FAST))
-    out = capsys.readouterr().out
-    assert "[grpo.train] packing: single pass, the loss backpropagates through the sampling forward (padded rows); " \
-           "the reference and old-policy passes run packed" in out
+def test_the_default_run_packs_the_loss_forward_and_backward(tmp_path, monkeypatch, capsys):
+    """The defaults (one iteration, the whole rollout as one micro-batch, short completions) sample without a graph
+    and run the loss's forward and backward on packed rows (one packed forward with grad per step, every sequence
+    once), like the reference pass; the same samples as a --no-packing run, fewer positions, no log line."""
+    calls = []
+    original = GRPOPolicy.packed_hidden
+
+    def counting(self, packed):
+        calls.append((packed.num_sequences, torch.is_grad_enabled()))
+        return original(self, packed)
+
+    monkeypatch.setattr(GRPOPolicy, "packed_hidden", counting)
+    cfg = TrainConfig(output_dir=str(tmp_path / "a"), max_steps=2, **FAST)
+    assert cfg.micro_batch_size == 128 and not cfg.single_pass
+    packed = train(cfg)
+    assert "[grpo.train] packing" not in capsys.readouterr().out
+    assert sorted(calls) == [(128, False), (128, False), (128, True), (128, True)]  # per step: reference, loss
     padded = train(TrainConfig(output_dir=str(tmp_path / "b"), max_steps=2, packing=False, **FAST))
+    for a, b in zip(packed["history"], padded["history"]):
+        assert a["reward_mean"] == b["reward_mean"]  # the same samples: packing changes no sampling
+        assert 0 < a["tokens_per_step"] < b["tokens_per_step"] and a["padding_saved"] > 0 == b["padding_saved"]
+
+
+def test_single_pass_packs_its_reference_pass_and_says_so(tmp_path, capsys):
+    """--single-pass backpropagates through the sampling forward, which is padded; it says so in one line, and
+    packs the reference pass (the same samples as a --no-packing run; the packed reference pass's numbers:
+    test_first_steps_match_the_padded_run_by_the_three_way_rule)."""
+    packed = train(TrainConfig(output_dir=str(tmp_path / "a"), max_steps=2, single_pass=True, **FAST))
+    out = capsys.readouterr().out
+    assert "[grpo.train] packing: --single-pass, the loss backpropagates through the sampling forward (padded " \
+           "rows); the reference pass runs packed" in out
+    padded = train(TrainConfig(output_dir=str(tmp_path / "b"), max_steps=2, packing=False, single_pass=True,
+                               **FAST))
     assert "[grpo.train] packing" not in capsys.readouterr().out
     for a, b in zip(packed["history"], padded["history"]):
         assert a["padding_saved"] == 0.0 and a["tokens_per_step"] == b["tokens_per_step"]
         assert a["reward_mean"] == b["reward_mean"]  # the same samples: the reference pass changes no sampling
+
+
+@pytest.mark.parametrize("argv, needs", [
+    (["--num-iterations", "2"], "--num-iterations 1 (got 2)"),
+    (["--mini-batch-size", "64"], "the whole rollout (128) as one mini-batch and one micro-batch (got "
+                                  "--mini-batch-size 64, --micro-batch-size 64)"),
+    (["--micro-batch-size", "32"], "the whole rollout (128) as one mini-batch and one micro-batch (got "
+                                   "--mini-batch-size 128, --micro-batch-size 32)"),
+    (["--max-new-tokens", "65"], "--max-new-tokens <= 64 (got 65; the sampling forward's saved tensors grow with "
+                                 "the square of the length)"),
+    (["--fsdp"], "no --fsdp (its hooks need the forward to go through the root)"),
+    (["--gradient-checkpointing"], "no --gradient-checkpointing (the sampling forward is not re-run)"),
+])
+def test_single_pass_refuses_what_it_cannot_run(argv, needs):
+    with pytest.raises(UsageError) as info:
+        config_from_argv(["--single-pass"] + argv)
+    assert str(info.value) == f"--single-pass backpropagates through the sampling forward of one on-policy step: " \
+                              f"it needs {needs}"
+    assert not config_from_argv(argv).single_pass  # fine without it
+
+
+def test_single_pass_under_ddp_is_refused_before_anything_loads(tmp_path):
+    """The one condition a TrainConfig cannot see: the number of processes (torchrun's), checked by the Trainer."""
+    with pytest.raises(UsageError, match="--single-pass backpropagates through the sampling forward, which DDP's "
+                                         "hooks do not see: run it in one process"):
+        Trainer(config_from_argv(["--single-pass", "--output-dir", str(tmp_path / "run")]),
+                DistEnv(rank=0, world_size=2))
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_model_that_cannot_be_packed_trains_padded_with_a_log_line(tmp_path, monkeypatch, capsys):
@@ -219,13 +272,22 @@ def test_torchrun_token_budget_keeps_ranks_in_step(tmp_path, flags):
 
 @pytest.mark.slow
 def test_the_default_run_packed_reaches_095(tmp_path):
-    """``python -m grpo.train`` as documented (800 steps; its reference pass packed): held-out greedy accuracy at
-    the last step >= 0.95 (measured 1.000 for seeds 0, 1 and 2, 2026-12-02). About 1-3 minutes on 2 cores."""
+    """``python -m grpo.train`` as documented (800 steps; the loss's forward and backward and the reference pass
+    packed): held-out greedy accuracy at the last step >= 0.95 (measured 1.000 for seeds 0, 1 and 2, 2026-12-02),
+    every step packed (padding saved > 0), and the greedy completions it prints are scored as what they are. About
+    2-4 minutes on 2 cores."""
     env = run_env()
     out = tmp_path / "default"
     proc = subprocess.run([sys.executable, "-m", "grpo.train", "--output-dir", str(out), "--no-progress"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[grpo.train] packing: single pass" in proc.stdout
-    evals = [r for r in read_metrics(out) if "eval/accuracy" in r]
+    assert "[grpo.train] packing" not in proc.stdout  # the loss's forward and backward packed, no fallback
+    records = read_metrics(out)
+    assert all(r["padding_saved"] > 0 for r in records if "loss" in r)
+    evals = [r for r in records if "eval/accuracy" in r]
     assert evals[-1]["step"] == 800 and evals[-1]["eval/accuracy"] >= 0.95, evals[-1]
+    greedy = re.findall(r"\[grpo.train\] greedy: '([a-h]+)=' -> '(.*)' \(reward ([0-9.]+)\)", proc.stdout)
+    # the first 4 held-out prompts, as decoded: full reward only for the exact copy (then EOS); accuracy >= 0.95 of
+    # 58 leaves at most 2 wrong, so at least 2 of these 4 are such copies
+    assert len(greedy) == 4 and all(c == p for p, c, r in greedy if r == "1.00"), greedy
+    assert sum(c == p and r == "1.00" for p, c, r in greedy) >= 2, greedy

@@ -1,15 +1,19 @@
 """The packed layout of ``grpo.train`` (grpo/packing.py), without a model: every sequence's tokens land exactly once,
 at positions restarting at 0, and each completion token is read from the position that predicts it; micro-batches
 are cut by the token budget (whole sequences, a long one alone) and split to a common count; micro-batch weights make
-any cut give the loss and gradients of the whole mini-batch in one call, for every reduction (float64)."""
+any cut give the loss and gradients of the whole mini-batch in one call, for every reduction (float64); a packed
+micro-batch makes one host-to-device transfer (its index tensors) and reads nothing back."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
-from grpo.packing import (Packing, cut_micro_batches, layout_rows, micro_batch_share, pack_rows,
+from grpo.packing import (Packing, cut_micro_batches, host_to_device, layout_rows, micro_batch_share, pack_rows,
                           packed_micro_batches, sequence_lengths, split_to_count)
+from grpo.rollout import Rollout
+from grpo.update import _packed_micro_batches
 from grpo_kernels.loss_types import LOSS_TABLE
 
 from .packing_cases import COMPLETIONS, PROMPTS, ragged_rollout
@@ -150,3 +154,109 @@ def test_weighted_micro_batches_give_the_whole_mini_batch(loss_type):
     (grad_parts,) = torch.autograd.grad(total, hidden)
     torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_parts, grad_whole, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------- host transfers
+class HostToDevice(TorchDispatchMode):
+    """Counts host-to-device transfers: ``aten._to_copy`` / ``aten.copy_`` from a CPU tensor to another device (a
+    dispatch mode sees them), and ``torch.tensor`` / ``torch.as_tensor`` / ``torch.asarray`` building a tensor on
+    another device from host data (their copy runs below the dispatcher's Python modes: counted at the call). The
+    ``meta`` device stands for "the device" on a CPU-only machine: a read back from it (``.item()``,
+    ``.tolist()``) raises, so code that runs under this counter on meta tensors reads nothing back either."""
+
+    BUILDERS = ("tensor", "as_tensor", "asarray")
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.calls: list[str] = []
+        for name in self.BUILDERS:
+            monkeypatch.setattr(torch, name, self._builder(name, getattr(torch, name)))
+
+    def _builder(self, name, build):
+        def counted(data, *args, **kwargs):
+            device = kwargs.get("device", args[1] if name == "as_tensor" and len(args) > 1 else None)
+            on_device = isinstance(data, torch.Tensor) and device is not None and \
+                data.device.type == torch.device(device).type
+            if device is not None and torch.device(device).type != "cpu" and not on_device:
+                self.calls.append(f"torch.{name}")
+            return build(data, *args, **kwargs)
+        return counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu" and out.device.type != "cpu":
+            self.calls.append("aten._to_copy")
+        if func is torch.ops.aten.copy_.default and args[1].device.type == "cpu" and args[0].device.type != "cpu":
+            self.calls.append("aten.copy_")
+        return out
+
+
+def _on_meta(rollout: Rollout) -> Rollout:
+    """``rollout`` with its tensors on the meta device and its host-side lengths already read (as the trainer reads
+    them once per rollout, before any micro-batch)."""
+    lengths = rollout.sequence_lengths
+    meta = Rollout(**{name: getattr(rollout, name).to("meta") if name in ("input_ids", "attention_mask",
+                                                                          "completion_ids", "completion_mask")
+                      else getattr(rollout, name) for name in rollout.__dataclass_fields__})
+    meta.__dict__["sequence_lengths"] = lengths
+    return meta
+
+
+def test_the_transfer_counter_counts_index_tensors_built_on_the_device(monkeypatch):
+    """The counter can fail: building a micro-batch's 7 index lists one ``torch.tensor(list, device=...)`` each (as
+    pack_rows once did) counts 7; one moved buffer counts 1; host tensors and device-side fills count 0."""
+    lists = [[5, 0, 3], [3, 3, 4], [9, 1, 2], [11, 3, 5], [0, 1, 0], [0, 0, 11], [14, 5]]
+    with HostToDevice(monkeypatch) as counter:
+        for values in lists:
+            torch.tensor(values, dtype=torch.long, device="meta")
+    assert counter.calls == ["torch.tensor"] * 7
+    with HostToDevice(monkeypatch) as counter:
+        torch.as_tensor([1, 2], device=torch.device("meta"))
+        torch.tensor([1, 2]).to("meta")
+        torch.zeros(3, device="meta").copy_(torch.ones(3))
+        torch.tensor([1, 2]), torch.full((2,), 7, device="meta"), torch.as_tensor(torch.zeros(2, device="meta"),
+                                                                                  device="meta")
+    assert counter.calls == ["torch.as_tensor", "aten._to_copy", "aten.copy_"]
+
+
+def test_host_to_device_keeps_the_lists():
+    parts = host_to_device([[5, 0, 3], [], [2**40, -1]], torch.device("cpu"))
+    assert [t.tolist() for t in parts] == [[5, 0, 3], [], [2**40, -1]] and all(t.dtype == torch.long for t in parts)
+
+
+@pytest.mark.parametrize("one_row", [False, True], ids=["rows", "one-row"])
+def test_a_packed_micro_batch_makes_one_host_to_device_transfer(one_row, monkeypatch):
+    """Every micro-batch of a shuffled mini-batch cut by a token budget (grpo/packing.py's packed_micro_batches,
+    and the optimizer step's micro-batches with advantages and reference log-probs, grpo/update.py): one transfer
+    each, its index tensors, and no read back (the rollout on the meta device)."""
+    rollout = _on_meta(ragged_rollout(PROMPTS, COMPLETIONS))
+    rows = [7, 6, 5, 4, 3, 2, 1, 0]
+    packing = Packing(max_tokens=12, one_row=one_row)
+    with HostToDevice(monkeypatch) as counter:
+        micro = packed_micro_batches(rollout, rows, packing, max_rows=3)
+    assert len(micro) >= 4 and counter.calls == ["aten._to_copy"] * len(micro)
+    extra = dict(advantages=torch.zeros(8, device="meta"), ref_logps=torch.zeros(8, 12, device="meta"),
+                 old_logps=None)
+    options = type("Options", (), dict(packing=packing, micro_batch_size=3))
+    row_tensor = torch.tensor(rows).to("meta")
+    with HostToDevice(monkeypatch) as counter:
+        step = _packed_micro_batches(rollout, row_tensor, rows, extra, options, "token_mean")
+    assert len(step) == len(micro) and counter.calls == ["aten._to_copy"] * len(micro)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the pinned, non-blocking copy); "
+                                                          "runs on machines with one")
+@pytest.mark.parametrize("one_row", [False, True], ids=["rows", "one-row"])
+def test_packed_micro_batches_on_cuda_equal_the_cpu_ones(one_row):
+    """The pinned buffer's asynchronous copy delivers the same indices as the CPU layout."""
+    rows = [5, 0, 3, 1, 7]
+    cpu = pack_rows(ragged_rollout(PROMPTS, COMPLETIONS), rows, one_row)
+    cuda = pack_rows(ragged_rollout(PROMPTS, COMPLETIONS, device="cuda"), rows, one_row)
+    for name in ("input_ids", "position_ids", "token_index", "completion_ids", "completion_mask", "cu_seqlens",
+                 "rows", "token_rows", "token_cols"):
+        assert torch.equal(getattr(cuda, name).cpu(), getattr(cpu, name)), name
+    assert cuda.attention_kwargs.keys() == cpu.attention_kwargs.keys()
+    for key, value in cpu.attention_kwargs.items():
+        other = cuda.attention_kwargs[key]
+        assert torch.equal(other.cpu(), value) if isinstance(value, torch.Tensor) else other == value, key

@@ -1,6 +1,7 @@
 """benchmarks/packing_step.py: its documented length distribution leaves >= 70% of the padded batch as padding, and
-(slow, ~30 s) a tiny CPU run of all three variants writes its table (a smoke run of the code path, no timing
-asserted; a completion limit above 64 tokens, where grpo.train has no single pass)."""
+(slow, ~30 s each) a tiny CPU run writes its table: the three variants after sampling, and with ``--sampling`` the
+four from the teacher-forced sampling forward on, ``single_pass`` included (smoke runs of the code paths, no timing
+asserted)."""
 from __future__ import annotations
 
 import json
@@ -24,16 +25,32 @@ def test_the_long_tailed_batch_is_mostly_padding():
 
 
 @pytest.mark.slow
-def test_a_tiny_run_writes_its_table(tmp_path):
+@pytest.mark.parametrize("flags, variants", [
+    (["--max-len", "80"], {"padded", "packed", "packed_budget"}),
+    (["--max-len", "24", "--sampling"], {"padded", "packed", "packed_budget", "single_pass"}),
+], ids=["after-sampling", "sampling"])
+def test_a_tiny_run_writes_its_table(tmp_path, flags, variants):
     env = run_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.packing_step", "--out", str(tmp_path), "--prompts", "1",
-                           "--max-len", "80", "--steps", "2"],
+                           "--steps", "2", *flags],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "packing_step.json").read_text())
     results = data["results"]
-    assert set(results) == {"padded", "packed", "packed_budget"}
+    assert set(results) == variants and data["setup"]["sampling"] == ("--sampling" in flags)
     assert all("skipped" not in r and r["peak_bytes"] > 0 for r in results.values()), results
     assert results["padded"]["padding_saved"] == 0.0 < results["packed"]["padding_saved"]
     assert results["packed"]["tokens_per_step"] < results["padded"]["tokens_per_step"]
+    if "single_pass" in results:  # the loss on the sampling forward's padded rows: the padded run's positions
+        assert results["single_pass"]["tokens_per_step"] == results["padded"]["tokens_per_step"]
+        assert results["single_pass"]["padding_saved"] == 0.0
     assert "| packed |" in (tmp_path / "packing_step.md").read_text()
+
+
+def test_sampling_needs_a_single_pass_length(capsys, monkeypatch):
+    from benchmarks.packing_step import main
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # main() would set it for the rest of the session otherwise
+    with pytest.raises(SystemExit):
+        main(["--out", "unused", "--sampling", "--max-len", "65"])
+    assert "--sampling: --max-len must be <= 64 (grpo.train's --single-pass limit)" in capsys.readouterr().err

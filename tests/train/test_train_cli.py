@@ -1,10 +1,12 @@
 """The command line of ``python -m grpo.train`` (grpo/cli.py, grpo/config.py): a real help text for every flag,
 switches shown as on / off, negative numbers taken as values and every numeric flag range-checked with one line
-naming it, DeepSpeed's import noise kept out of runs, and summary lines that say what they compare.
+naming it, no flash-attn for a float32 run (chosen or named), no ``--capturable`` (and a run saved with it resumes),
+DeepSpeed's import noise kept out of runs, and summary lines that say what they compare.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -14,12 +16,19 @@ import sys
 
 import pytest
 
-from grpo import train
+import torch
+
+import grpo.modeling
+from grpo import TrainConfig, train
+from grpo.checkpoint import MANIFEST, SETTINGS
 from grpo.cli import build_parser, config_from_argv
 from grpo.config import quiet_unused_deepspeed
+from grpo.errors import UsageError
 from grpo.evaluation import describe_evals
+from grpo.modeling import choose_attn_implementation, run_dtypes
+from grpo_kernels import GRPOLossConfig
 
-from ..support.train_runs import REPO, SMALL
+from ..support.train_runs import REPO, SMALL, read_metrics, train_tiny
 
 
 def _option_actions(parser):
@@ -138,6 +147,84 @@ def test_negative_numbers_are_values():
     assert cfg.loss.vespo_k_neg == -2.0 and cfg.reward_specs[0].weight == -1.0
     with pytest.raises(Exception, match="unrecognized arguments: --no-such-flag"):
         config_from_argv(["--no-such-flag"])  # flags are still flags
+
+
+# ------------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("device, dtype, autocast, expected", [
+    ("cuda", "auto", "auto", "flash_attention_2"),      # float32 weights, bfloat16 autocast on CUDA
+    ("cuda", "auto", "float16", "flash_attention_2"),
+    ("cuda", "bfloat16", "none", "flash_attention_2"),
+    ("cuda", "float16", "auto", "flash_attention_2"),
+    ("cuda", "auto", "none", None),                     # float32 forwards: flash-attn cannot run them
+    ("cuda", "float32", "none", None),
+    ("cpu", "bfloat16", "auto", None),                  # flash-attn is CUDA only
+])
+def test_auto_attention_picks_flash_attention_only_for_half_precision_forwards(device, dtype, autocast, expected,
+                                                                               monkeypatch):
+    """'auto' with flash_attn installed (faked: no CUDA needed to choose) as the Trainer asks it: the run's
+    forward dtype is the autocast dtype, else the parameter dtype."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(grpo.modeling.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a))
+    param, cast = run_dtypes(dtype, autocast, device)
+    assert choose_attn_implementation("auto", torch.device(device), cast or param) == expected
+    assert choose_attn_implementation("eager", torch.device(device), cast or param) == "eager"
+    monkeypatch.setattr(grpo.modeling.importlib.util, "find_spec", lambda name, *a: None)  # not installed
+    assert choose_attn_implementation("auto", torch.device(device), cast or param) is None
+
+
+@pytest.mark.parametrize("name", ["flash_attention_2", "flash_attention_3"])
+def test_flash_attention_named_for_a_float32_run_is_one_line(name, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train.main(SMALL + ["--output-dir", str(tmp_path / "run"), "--attn-implementation", name]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"grpo.train: error: --attn-implementation {name} runs only in bfloat16 or float16 (flash-attn "
+                   "has no float32 kernels), but this run's forwards are float32 (--dtype auto, --autocast auto, no "
+                   "CUDA device): pass --dtype bfloat16 or, on CUDA, --autocast bfloat16, or another "
+                   "--attn-implementation\n")
+    assert not (tmp_path / "run").exists()
+    for argv in (["--device", "cuda", "--autocast", "none"], ["--dtype", "float32", "--autocast", "none"]):
+        with pytest.raises(UsageError, match=f"--attn-implementation {name} runs only in bfloat16 or float16"):
+            config_from_argv(["--attn-implementation", name] + argv)
+    # half-precision forwards are accepted: bf16 / fp16 weights anywhere, bf16 autocast on CUDA (auto or named)
+    for argv in (["--dtype", "bfloat16"], ["--dtype", "float16"], ["--device", "cuda"],
+                 ["--device", "cuda", "--autocast", "float16"]):
+        assert config_from_argv(["--attn-implementation", name] + argv).attn_implementation == name
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device auto resolves as the run will
+    assert config_from_argv(["--attn-implementation", name]).attn_implementation == name
+
+
+# ------------------------------------------------------------------------------------------------- capturable
+def test_capturable_is_no_flag_and_refused_from_python(tmp_path, capsys):
+    """grpo.train captures no CUDA graph, so ``capturable`` would only compute the padded rows too."""
+    assert train.main(SMALL + ["--output-dir", str(tmp_path / "run"), "--capturable"]) == 2
+    assert capsys.readouterr().err == "grpo.train: error: unrecognized arguments: --capturable\n"
+    with pytest.raises(UsageError, match="loss.capturable=True prepares the loss for CUDA-graph capture, which "
+                                         "grpo.train does not do"):
+        TrainConfig(output_dir=str(tmp_path / "run"), loss=GRPOLossConfig(capturable=True))
+    assert TrainConfig(output_dir=str(tmp_path / "run")).to_dict()["capturable"] is False
+
+
+def test_a_run_saved_with_capturable_resumes_without_it(tmp_path, capsys):
+    """A checkpoint whose run settings record ``capturable: true`` (as runs of the versions with --capturable did;
+    its manifest rewritten to match) resumes: the resume line names the change and args.json records it."""
+    out = tmp_path / "run"
+    assert train_tiny(out, 1) == 0
+    folder = out / "checkpoint-1"
+    settings = json.loads((folder / SETTINGS).read_text())
+    assert settings["config"]["capturable"] is False
+    settings["config"]["capturable"] = True
+    (folder / SETTINGS).write_text(json.dumps(settings, indent=2))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    data = (folder / SETTINGS).read_bytes()
+    manifest["files"][SETTINGS] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert train_tiny(out, 2, "--resume") == 0
+    assert "[grpo.train] resume: capturable changed from True to False" in capsys.readouterr().out
+    changed = json.loads((out / "args.json").read_text())["resumed"]["changed"]
+    assert changed == {"capturable": [True, False], "max_steps": [1, 2]}
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 # ------------------------------------------------------------------------------------------------- DeepSpeed
