@@ -5,8 +5,12 @@
 #   torch==2.13.0, CPU build (PyTorch's CPU wheel index, ~190 MB; if it cannot be reached in 10 s, the default index,
 #   where a configured local wheel folder may serve it): first, so that nothing asks for a bare `torch`, which would
 #   pull a multi-GB CUDA build;
-#   verl==0.9.1 with its own dependencies and pytest, pinned by scripts/verl-constraints.txt (the set the tests were
-#   run with: transformers 5.10.4, ray 2.60.0, tensordict 0.10.0, ...);
+#   verl==0.9.1 (--no-deps) and the part of its requirements that `import verl`, its kernel, torch functional and
+#   transformers model modules import (ray without [default], tensordict, transformers, hydra-core, accelerate, dill,
+#   codetiming, numpy, packaging), with pytest, pinned by scripts/verl-constraints.txt (the set the tests were run
+#   with: transformers 5.10.4, ray 2.60.0, tensordict 0.10.0, ...). Left out, as nothing of verl's that the tests
+#   reach imports them: wandb, tensorboard, datasets, pyarrow, pandas, peft, torchdata, pylatexenc, pybind11 and
+#   Ray's [default] extra (its dashboard and metrics agents): about half the download of a full `pip install verl`;
 #   triton==3.9.0 (as .venv; --no-deps: the Triton interpreter case; a resolver pass could replace the CPU torch).
 # The package itself is not installed: the tests run from the checkout (python -m pytest puts it first on sys.path).
 # Use: .venv-verl/bin/python -m pytest tests/verl -q (docs/verl.md). Idempotent: a second run only checks the
@@ -36,8 +40,9 @@ if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --inde
     echo "torch: $TORCH_CPU_INDEX not reachable ($VENV/logs/torch-cpu-index.log); trying the default index"
     $PIP install -q --disable-pip-version-check "torch==$TORCH_VERSION"
 fi
-$PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" "verl==$VERL_VERSION" pytest \
-    > "$VENV/logs/verl.log" 2>&1 || { tail -20 "$VENV/logs/verl.log"; exit 1; }
+$PIP install -q --disable-pip-version-check --no-deps "verl==$VERL_VERSION"
+$PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" ray tensordict transformers hydra-core accelerate dill \
+    codetiming numpy packaging pytest > "$VENV/logs/verl.log" 2>&1 || { tail -20 "$VENV/logs/verl.log"; exit 1; }
 $PIP install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
 "$VENV/bin/python" -c "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION" > /dev/null
 echo "$VENV ready: torch $TORCH_VERSION verl $VERL_VERSION triton $TRITON_VERSION"
