@@ -7,8 +7,9 @@
 #   pull a multi-GB CUDA build;
 #   verl==0.9.1 (--no-deps) and the part of its requirements that `import verl`, its kernel, torch functional and
 #   transformers model modules import (ray without [default], tensordict, transformers, hydra-core, accelerate, dill,
-#   codetiming, numpy, packaging), with pytest, pinned by scripts/verl-constraints.txt (the set the tests were run
-#   with: transformers 5.10.4, ray 2.60.0, tensordict 0.10.0, ...). Left out, as nothing of verl's that the tests
+#   codetiming, numpy, packaging), with pytest and megatron-core (verl's "cpu" extra has it: its Megatron fused forward
+#   imports on CPU), pinned by scripts/verl-constraints.txt (the set the tests were run with: transformers 5.10.4,
+#   ray 2.60.0, tensordict 0.10.0, megatron-core 0.16.1, ...). Left out, as nothing of verl's that the tests
 #   reach imports them: wandb, tensorboard, datasets, pyarrow, pandas, peft, torchdata, pylatexenc, pybind11 and
 #   Ray's [default] extra (its dashboard and metrics agents): about half the download of a full `pip install verl`;
 #   triton==3.9.0 (as .venv; --no-deps: the Triton interpreter case; a resolver pass could replace the CPU torch).
@@ -24,7 +25,7 @@ VERL_VERSION=0.9.1
 TRITON_VERSION=3.9.0
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 CONSTRAINTS=scripts/verl-constraints.txt
-check='import sys, torch, triton, verl, transformers, pytest
+check='import sys, torch, triton, verl, transformers, pytest, megatron.core
 v = (torch.__version__.split("+")[0], verl.__version__, triton.__version__)
 print(*v, "transformers", transformers.__version__); sys.exit(v != tuple(sys.argv[1:]))'
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION" \
@@ -42,7 +43,8 @@ if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --inde
 fi
 $PIP install -q --disable-pip-version-check --no-deps "verl==$VERL_VERSION"
 $PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" ray tensordict transformers hydra-core accelerate dill \
-    codetiming numpy packaging pytest > "$VENV/logs/verl.log" 2>&1 || { tail -20 "$VENV/logs/verl.log"; exit 1; }
+    codetiming numpy packaging pytest megatron-core > "$VENV/logs/verl.log" 2>&1 \
+    || { tail -20 "$VENV/logs/verl.log"; exit 1; }
 $PIP install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
 "$VENV/bin/python" -c "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION" > /dev/null
 echo "$VENV ready: torch $TORCH_VERSION verl $VERL_VERSION triton $TRITON_VERSION"

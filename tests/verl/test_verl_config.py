@@ -89,7 +89,8 @@ def test_example_overrides_load_grpo_kernels_through_verls_config(tmp_path):
     assert {"actor_rollout_ref.model.external_lib=grpo_kernels.verl", "actor_rollout_ref.model.use_fused_kernels=True",
             "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"} <= set(overrides)
     # the tiny model has no tokenizer: the worker's config is told not to load one
-    out = _run(PROBE, str(tmp_path / "tiny_qwen2"), json.dumps(overrides + ["+actor_rollout_ref.model.load_tokenizer=False"]))
+    no_tokenizer = ["+actor_rollout_ref.model.load_tokenizer=False"]
+    out = _run(PROBE, str(tmp_path / "tiny_qwen2"), json.dumps(overrides + no_tokenizer))
     assert out["loaded_before"] is False and out["patched"] is True, out
     assert out["megatron_external_lib"] == "grpo_kernels.verl"
     assert out["forward"] == "verl.models.transformers.dense_common.forward_with_triton_backend", out

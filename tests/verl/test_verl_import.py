@@ -14,7 +14,8 @@ PROBE = r"""
 import sys
 
 def loaded():
-    return sorted(m for m, v in sys.modules.items() if v is not None and (m == "verl" or m.startswith(("verl.", "grpo_kernels.verl"))))
+    return sorted(m for m, v in sys.modules.items()
+                  if v is not None and (m == "verl" or m.startswith(("verl.", "grpo_kernels.verl"))))
 
 import grpo_kernels, grpo_kernels.integrations as integrations
 integrations.get_lm_head, integrations.patch_trl, integrations.patch_verl

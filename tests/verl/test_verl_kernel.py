@@ -73,7 +73,7 @@ def run(fn, hidden, weight, labels, g_entropy, g_logprobs, cast=None):
 
 
 def torch_entropy(hidden, weight, labels, temperature=TEMPERATURE):
-    """verl's test's ``run_torch_entropy`` / the project's reference: full logits in the inputs' dtype (fp32 or fp64)."""
+    """verl's test's ``run_torch_entropy`` / the project's reference: full logits in the inputs' dtype (fp32, fp64)."""
     from grpo_kernels.reference import logprobs_and_entropy
 
     logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.T
@@ -371,8 +371,8 @@ def test_all_negative_logits_against_verls_kernel_cuda():
     truth = torch_entropy(hidden.double(), weight.double(), labels, temperature=1.0)
     mine = ours(hidden, weight, labels, temperature=1.0)
     theirs = VERL_KERNEL(hidden, weight, labels, 1.0)
-    print(f"\n[all-negative logits] max entropy error: grpo_kernels "
-          f"{(mine[1].double() - truth[1]).abs().max().item():.3e}, verl {(theirs[1].double() - truth[1]).abs().nan_to_num(float('inf')).max().item():.3e}")
+    errors = [(out[1].double() - truth[1]).abs().nan_to_num(float("inf")).max().item() for out in (mine, theirs)]
+    print(f"\n[all-negative logits] max entropy error: grpo_kernels {errors[0]:.3e}, verl {errors[1]:.3e}")
     for k, what in ((0, "log_probs"), (1, "entropy")):
         assert torch.isfinite(mine[k]).all(), what
         middle = torch.nan_to_num(theirs[k], nan=float("inf"))

@@ -10,7 +10,11 @@ the rows of d loss / d logits of its own ids times its own weight rows (verl's k
 whose sum over the ranks is the unsharded d hidden; d weight is the shard's rows of the unsharded one. With
 Megatron's sequence parallelism (a gather of each rank's sequence chunk before the head, whose backward reduce-
 scatters, emulated here as Megatron's ``gather_from_sequence_parallel_region`` does it) each rank ends with its chunk
-of the full d hidden. Also: ``reduction="sum"``, the no-grad path, bf16.
+of the full d hidden. Also: ``reduction="sum"``, the no-grad path, bf16. With megatron-core installed (.venv-verl has
+0.16.1, which imports on CPU), verl's own Megatron entry point runs too: ``model_forward_fused.fused_output_processor``
+(Megatron's output-processor hook; sequence_parallel off, since Megatron's sequence-parallel gather needs CUDA) with
+Megatron's own tensor-parallel group from ``parallel_state`` on gloo, that module imported before grpo_kernels.verl
+(so the name it bound at import is the one the patch must swap).
 """
 from __future__ import annotations
 
@@ -37,7 +41,10 @@ CASES = {  # name -> (dtype, reduction, no_grad, sequence_parallel)
     "fp64_no_grad": (torch.float64, "none", True, False),
     "fp64_sequence_parallel": (torch.float64, "none", False, True),
     "bf16": (torch.bfloat16, "none", False, False),
+    "fp64_megatron_output_processor": (torch.float64, "none", False, False),
 }
+MEGATRON_SKIP = ("needs megatron-core (scripts/setup_verl.sh installs 0.16.1 in .venv-verl) for verl's Megatron "
+                 "fused forward")
 
 
 def case_inputs(dtype, seed=0) -> dict:
@@ -60,7 +67,8 @@ def call(fn, x: dict, weight, reduction="none", group=None, no_grad=False, gathe
     if no_grad:
         return logp, entropy, None, None
     g_logp = x["g_logp"].sum() if reduction == "sum" else x["g_logp"]
-    dh, dw = torch.autograd.grad((logp, entropy), (hidden, weight), (g_logp.to(logp.dtype), x["g_ent"].to(entropy.dtype)))
+    dh, dw = torch.autograd.grad((logp, entropy), (hidden, weight),
+                                 (g_logp.to(logp.dtype), x["g_ent"].to(entropy.dtype)))
     return logp.detach(), entropy.detach(), dh, dw
 
 
@@ -95,13 +103,20 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=LAUNCH_TIMEOUT))
     group = dist.new_group(list(range(world)))  # a group other than WORLD, as Megatron's tensor-parallel group
-    import grpo_kernels.verl  # noqa: F401  (patches verl, as external_lib does in a worker)
+    megatron = _megatron(world)  # imports verl's Megatron forward before the patch, when megatron-core is there
+    import grpo_kernels.verl  # (patches verl, as external_lib does in a worker)
     import verl.utils.kernel.linear_cross_entropy as seam
 
-    results = {}
+    ours = grpo_kernels.verl.linear_cross_entropy
+    results = {"report_patched": grpo_kernels.verl.REPORT.patched,
+               "megatron_bound_ours": megatron and megatron.linear_cross_entropy is ours}
     shard = slice(rank * V // world, (rank + 1) * V // world)
     for name, (dtype, reduction, no_grad, sequence_parallel) in CASES.items():
         x = case_inputs(dtype)
+        if name == "fp64_megatron_output_processor":
+            if megatron:
+                results[name] = call(_output_processor(megatron), x, x["weight"][shard])
+            continue
         gather = None
         if sequence_parallel:  # this rank's sequence chunk of hidden, gathered before the head
             rows = N // world
@@ -110,6 +125,31 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         results[name] = call(seam.linear_cross_entropy, x, x["weight"][shard], reduction, group, no_grad, gather)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _megatron(world: int):
+    """verl's Megatron fused-forward module with Megatron's tensor-parallel group set up on gloo (TP = world), or
+    None without megatron-core."""
+    try:
+        from megatron.core import parallel_state
+        import verl.models.mcore.model_forward_fused as fused
+    except ImportError:
+        return None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    return fused
+
+
+def _output_processor(fused):
+    """``call``'s fn through verl's ``fused_output_processor`` (it takes the group from Megatron's parallel_state)."""
+    from types import SimpleNamespace
+
+    def fn(hidden, weight, labels, temperature, reduction, group):
+        out = fused.fused_output_processor(hidden_states=hidden, output_layer=SimpleNamespace(weight=weight),
+                                           output_weight=None, labels=labels,
+                                           context=fused.FusedOutputProcessorContext(temperature=temperature),
+                                           config=SimpleNamespace(sequence_parallel=False))
+        return out.log_probs, out.entropy
+    return fn
 
 
 # ------------------------------------------------------------------------------------------------ pytest side
@@ -151,6 +191,9 @@ def _close64(got, expected, what):
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] == torch.float64])
 def test_every_rank_gets_the_whole_vocabularys_outputs_and_its_partial_d_hidden(ranks, name):
+    if name not in ranks[0]:
+        assert name == "fp64_megatron_output_processor"
+        pytest.skip(MEGATRON_SKIP)
     _, reduction, no_grad, sequence_parallel = CASES[name]
     expected = _unsharded(name)
     partial, full = _partial_truth(case_inputs(torch.float64), reduction)
@@ -173,6 +216,17 @@ def test_every_rank_gets_the_whole_vocabularys_outputs_and_its_partial_d_hidden(
     if not no_grad and not sequence_parallel:
         _close64(sum(ranks[r][name][2] for r in range(WORLD)), expected[2], "d hidden summed over the ranks")
         _close64(expected[2], full, "unsharded d hidden against the float64 reference")
+
+
+def test_megatron_name_bound_at_import_is_swapped(ranks):
+    """model_forward_fused did ``from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy`` when it
+    was imported, before grpo_kernels.verl: the patch swapped that name too (and says so)."""
+    if ranks[0]["megatron_bound_ours"] is None:
+        pytest.skip(MEGATRON_SKIP)
+    for r in range(WORLD):
+        assert ranks[r]["megatron_bound_ours"] is True
+        assert "verl.models.mcore.model_forward_fused.linear_cross_entropy" in ranks[r]["report_patched"]
+        assert ranks[r]["report_patched"][0] == "verl.utils.kernel.linear_cross_entropy.linear_cross_entropy"
 
 
 def test_bf16_ranks_against_the_unsharded_call(ranks):
