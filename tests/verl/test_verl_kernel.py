@@ -301,6 +301,19 @@ def test_triton_kernels_under_the_interpreter(monkeypatch):
                          torch.float32, "interpreter")
 
 
+def test_non_finite_hidden_propagates_to_its_row_only():
+    """A NaN in one row of hidden gives that row NaN log-prob and entropy (not an error, not a silent number); the
+    other rows are unchanged, bit for bit (each row's values depend on its own hidden state only)."""
+    hidden, weight, labels, _, _ = verl_inputs(6, 8, 40, torch.float32)
+    clean = ours(hidden, weight, labels)
+    poisoned = hidden.clone()
+    poisoned[0, 2, 3] = float("nan")
+    logp, entropy = ours(poisoned, weight, labels)
+    assert torch.isnan(logp[2]) and torch.isnan(entropy[2])
+    keep = torch.arange(6) != 2
+    assert torch.equal(logp[keep], clean[0][keep]) and torch.equal(entropy[keep], clean[1][keep])
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda h, w, y: ours(h, w, y, reduction="max"), r"reduction must be one of \('none', 'sum', 'mean'\)"),
     (lambda h, w, y: ours(h, w, y, reduction=None), "reduction must be one of"),
