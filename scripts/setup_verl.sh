@@ -15,7 +15,7 @@
 #   triton==3.9.0 (as .venv; --no-deps: the Triton interpreter case; a resolver pass could replace the CPU torch).
 # The package itself is not installed: the tests run from the checkout (python -m pytest puts it first on sys.path).
 # Use: .venv-verl/bin/python -m pytest tests/verl -q (docs/verl.md). Idempotent: a second run only checks the
-# versions (~10 s, the time of `import verl`). Knobs: PYTHON, TORCH_CPU_INDEX, VERL_VENV.
+# versions (~10 s, mostly `import verl`; the first run 3-6 min on 2 cores). Knobs: PYTHON, TORCH_CPU_INDEX, VERL_VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -28,7 +28,7 @@ CONSTRAINTS=scripts/verl-constraints.txt
 check='import sys, torch, triton, verl, transformers, pytest, megatron.core
 v = (torch.__version__.split("+")[0], verl.__version__, triton.__version__)
 print(*v, "transformers", transformers.__version__); sys.exit(v != tuple(sys.argv[1:]))'
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION" \
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -W ignore -c "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION" \
         > /dev/null 2>&1; then
     echo "$VENV ready: torch $TORCH_VERSION verl $VERL_VERSION triton $TRITON_VERSION (cached)"
     exit 0
@@ -46,5 +46,5 @@ $PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" ray tensordict tra
     codetiming numpy packaging pytest megatron-core > "$VENV/logs/verl.log" 2>&1 \
     || { tail -20 "$VENV/logs/verl.log"; exit 1; }
 $PIP install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
-"$VENV/bin/python" -c "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION" > /dev/null
+"$VENV/bin/python" -W ignore -c "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION" > /dev/null
 echo "$VENV ready: torch $TORCH_VERSION verl $VERL_VERSION triton $TRITON_VERSION"
