@@ -44,9 +44,11 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
 
 
 def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, impl="auto", mask=None,
-                           process_group=None, vocab_start=None, softcap=None, capturable=False, **_ignored):
+                           process_group=None, vocab_start=None, softcap=None, capturable=False, hidden_grad="reduced",
+                           **_ignored):
     """(inputs, shard | None, ValidRows) of one ``linear_token_logprobs`` call (also what ``explain`` shows)."""
     def local():
+        vocab_parallel.check_hidden_grad(hidden_grad, process_group)
         inputs = HeadInputs.validate(hidden, weight, ids, bias, LogitTransform(temperature, softcap), impl,
                                      check_ids=process_group is None)
         _checks.mask_like(mask, tuple(ids.shape), " (the shape of ids)")
@@ -55,7 +57,8 @@ def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, i
     if process_group is None:
         inputs, _, _ = local()
         return inputs, None, ValidRows.of(mask, inputs.ids.numel(), keep_padding=bool(capturable))
-    inputs, _, _, shard, rows = vocab_parallel.validate(process_group, vocab_start, hidden, local, bool(capturable))
+    inputs, _, _, shard, rows = vocab_parallel.validate(process_group, vocab_start, hidden, local, bool(capturable),
+                                                        hidden_grad)
     return inputs, shard, rows
 
 
@@ -71,7 +74,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
                           temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
                           deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
                           vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None,
-                          softcap: float | None = None, capturable: bool = False):
+                          softcap: float | None = None, capturable: bool = False, hidden_grad: str = "reduced"):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``, or under
     ``softmax(softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature)`` with ``softcap`` (Gemma 2's
     ``final_logit_softcapping``, applied inside the kernels on every path).
@@ -90,7 +93,9 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     shard (V_r, H) / (V_r,) of the vocabulary, starting at full-vocabulary id ``vocab_start`` (None: the sum of
     the lower ranks' shard sizes); hidden, ids and mask are the same on every rank and ids lie in the full
     vocabulary. Every rank gets the full-vocabulary logp / entropy, its own dW / dbias and the all-reduced
-    d hidden (docs/distributed.md).
+    d hidden (docs/distributed.md); with ``hidden_grad="partial"`` d hidden is not all-reduced: each rank gets its
+    shard's part of it (their sum over the ranks is the full d hidden), for a caller whose next op sums it over the
+    group (Megatron's sequence-parallel gather; verl's fused-kernel seam, ``grpo_kernels.verl``).
 
     A head sharded for data parallelism is gathered for the call (docs/distributed.md): a DTensor ``weight`` /
     ``bias`` (FSDP2: Shard(0) on one mesh dimension, Replicate on any other) is all-gathered and its gradient
@@ -106,10 +111,11 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
         inputs, shard, rows = validate_head_logprobs(hidden=hidden, weight=weight, ids=ids, bias=bias,
                                                      temperature=temperature, impl=impl, mask=mask,
                                                      process_group=process_group, vocab_start=vocab_start,
-                                                     softcap=softcap, capturable=capturable)
+                                                     softcap=softcap, capturable=capturable, hidden_grad=hidden_grad)
         plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic)
         if shard is not None:
-            logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows)
+            logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows,
+                                                                    reduce_hidden_grad=hidden_grad == "reduced")
         else:
             logp, entropy, _ = head_token_logprobs(inputs, plan, rows, sharded_head.backward_context(gather_head))
     if capturable and mask is not None:  # the rows the mask drops were computed: 0 there, and no gradient

@@ -17,7 +17,9 @@ section 3's maths, split over the vocabulary):
 - the loss stage runs on the (B, T) log-probs, replicated. In the backward each rank keeps the gradient of its own
   slot of the gathered table (every rank computed the same loss from it: no communication), its dW / dbias stay
   local, and the hidden state's gradient is all-reduced over the group (the head's input is replicated), so every
-  rank ends with the full dh.
+  rank ends with the full dh. With ``hidden_grad="partial"`` (log-probs only) that all-reduce is left out: each rank
+  returns its own shard's part of dh, whose sum over the ranks is the full dh, for a caller whose next op reduces
+  it anyway (Megatron's sequence-parallel gather, whose backward reduce-scatters; verl's fused-kernel seam).
 
 Loss with gradients (``head.fast_vocab_parallel``, the planner's choice wherever the single-device fast paths would
 run): per chunk of whole sequences, each rank computes its shard's fp32 logits chunk and folds it; the shards'
@@ -49,6 +51,16 @@ from ..reference import soft_cap, soft_cap_derivative
 TARGET_CHUNK_ROWS = 4096
 # Bytes of a rank's error message carried by the validation all-gather.
 MESSAGE_BYTES = 512
+# What the hidden state's gradient is on each rank: summed over the group, or this rank's shard's part of it.
+HIDDEN_GRADS = ("reduced", "partial")
+
+
+def check_hidden_grad(hidden_grad, process_group) -> None:
+    """``hidden_grad`` is one of HIDDEN_GRADS, and "partial" comes with a process_group (one device has no parts)."""
+    if not isinstance(hidden_grad, str) or hidden_grad not in HIDDEN_GRADS:
+        raise ValueError(f"hidden_grad must be one of {HIDDEN_GRADS}, got {hidden_grad!r}")
+    if hidden_grad == "partial" and process_group is None:
+        raise ValueError('hidden_grad="partial" is only meaningful with process_group (a vocab-parallel head)')
 
 
 @dataclass(frozen=True)
@@ -192,7 +204,7 @@ def add_rows_by_id(out, ids, values, scratch_at: int) -> None:
 # The table's fields: first those computed on the device (from ids and mask), then the host's own numbers.
 _DEVICE_FIELDS = ("n_valid", "id_min", "id_max", "ids_sum", "mask_sum")
 _FIELDS = _DEVICE_FIELDS + ("ok", "size", "start", "n", "h", "bias", "temperature", "softcap", "hidden_grad",
-                            "msg_len")
+                            "partial_hidden_grad", "msg_len")
 
 
 # Fields sent as the int64 view of a float64 (softcap: 0.0 for None).
@@ -215,7 +227,8 @@ def _checksum(x: torch.Tensor) -> torch.Tensor:
     return ((x + 1) * (2 * pos + 1)).sum()
 
 
-def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None, device) -> torch.Tensor:
+def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None, device,
+               partial_hidden_grad: bool = False) -> torch.Tensor:
     """This rank's row of the validation table (int64 on ``device``), formed without a host sync: the values read
     from ids and mask stay on their device (one copy to ``device`` if it is another, e.g. gloo's CPU table), the
     host's numbers and the message bytes make one host-to-device copy."""
@@ -234,7 +247,8 @@ def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None
             "n": ids.numel(), "h": inputs.hidden.shape[-1], "bias": int(inputs.bias is not None),
             "temperature": _to_bits(inputs.transform.temperature),
             "softcap": _to_bits(inputs.transform.softcap or 0.0),
-            "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad), "msg_len": 0}
+            "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad),
+            "partial_hidden_grad": int(partial_hidden_grad), "msg_len": 0}
     host_part = torch.tensor([host[f] for f in _FIELDS[len(_DEVICE_FIELDS):]] + text, dtype=torch.int64,
                              device=device)
     return torch.cat([on_device.to(device), host_part])
@@ -264,7 +278,8 @@ def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | 
                         ("bias", "whether a bias is given (1) or not (0)"),
                         ("temperature", "temperature"),
                         ("softcap", "softcap"),
-                        ("hidden_grad", "whether hidden requires grad (1) or not (0): its backward all-reduces")):
+                        ("hidden_grad", "whether hidden requires grad (1) or not (0): its backward all-reduces"),
+                        ("partial_hidden_grad", 'hidden_grad ("reduced": 0, "partial": 1)')):
         error = same(field, what)
         if error:
             return [], 0, error
@@ -298,10 +313,11 @@ def _table_device(group, hidden) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def validate(process_group, vocab_start, hidden, local, keep_padding: bool = False):
+def validate(process_group, vocab_start, hidden, local, keep_padding: bool = False, hidden_grad: str = "reduced"):
     """Run ``local()`` -> (HeadInputs, mask or None, extra) on this rank, then agree with the group in one
     all-gather. Returns (inputs, mask, extra, VocabShard, ValidRows); raises the same ValueError on every rank.
-    The valid-row counts of the mask are read in the same transfer as the gathered table: the call's one sync."""
+    The valid-row counts of the mask are read in the same transfer as the gathered table: the call's one sync.
+    ``hidden_grad`` (HIDDEN_GRADS) must be the same on every rank: "reduced" all-reduces in the backward."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("process_group needs an initialized torch.distributed (init_process_group)")
     if not isinstance(process_group, dist.ProcessGroup):
@@ -317,7 +333,7 @@ def validate(process_group, vocab_start, hidden, local, keep_padding: bool = Fal
     except Exception as error:  # reported through the gather below, so that every rank raises alike
         message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
     device = _table_device(process_group, hidden)
-    mine = _local_row(result[0], result[1], vocab_start, message, device)
+    mine = _local_row(result[0], result[1], vocab_start, message, device, hidden_grad == "partial")
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=process_group)
     seqs = getattr(result[2], "seqs", None)  # the loss's sequences (packed or rows), None for log-probs
@@ -337,13 +353,15 @@ def validate(process_group, vocab_start, hidden, local, keep_padding: bool = Fal
 
 # ------------------------------------------------------------------------------------------------- the sharded head
 
-def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: ValidRows):
+def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: ValidRows,
+                          reduce_hidden_grad: bool = True):
     """(logp, entropy, lse) over the full vocabulary, shaped like the caller's ids, from this rank's shard.
 
-    ``inputs.ids`` are full-vocabulary ids. Rows ``rows`` leaves out are skipped (0, no gradient)."""
+    ``inputs.ids`` are full-vocabulary ids. Rows ``rows`` leaves out are skipped (0, no gradient).
+    ``reduce_hidden_grad``: d hidden summed over the group (True), or this shard's part of it (False)."""
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
-    if torch.is_grad_enabled() and hidden.requires_grad:
+    if reduce_hidden_grad and torch.is_grad_enabled() and hidden.requires_grad:
         hidden = _ReplicatedInput.apply(hidden, shard.group)
     owned = (ids >= shard.start) & (ids < shard.start + shard.size)
     local_ids = (ids - shard.start).clamp(0, shard.size - 1)

@@ -4,10 +4,13 @@
   AsyncGRPOTrainer) computes its per-token log-probs and entropies with ``grpo_kernels.linear_token_logprobs``;
   supported TRL series in ``SUPPORTED_TRL_VERSIONS``. ``patch_trl`` returns a ``TRLPatchReport`` (print it;
   ``with patch_trl():`` unpatches on exit).
+- ``patch_verl()`` / ``unpatch_verl()`` (``.verl``): verl 0.9's fused-kernel path (``linear_cross_entropy``) on
+  ``grpo_kernels.linear_token_logprobs``; verl loads it as ``external_lib=grpo_kernels.verl`` (that module patches
+  on import).
 - ``causal_lm_token_logprobs`` (``.transformers``): per-token log-probs / entropy of a transformers causal LM from
   its final hidden states and ``lm_head``, without the model producing logits.
 
-Neither TRL nor transformers is imported until one of these is used: both are optional dependencies.
+Neither TRL, verl nor transformers is imported until one of these is used: all are optional dependencies.
 """
 from __future__ import annotations
 
@@ -19,6 +22,10 @@ _EXPORTS = {
     "is_trl_patched": "trl",
     "TRLPatchReport": "trl",
     "SUPPORTED_TRL_VERSIONS": "trl",
+    "patch_verl": "verl",
+    "unpatch_verl": "verl",
+    "is_verl_patched": "verl",
+    "VerlPatchReport": "verl",
     "causal_lm_token_logprobs": "transformers",
     "get_lm_head": "transformers",
 }

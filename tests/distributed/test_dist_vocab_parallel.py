@@ -47,6 +47,8 @@ CASES = {
     "all_masked": ("loss", "torch", torch.float64, True, "rank_order", dict(loss_type="grpo", beta=0.04)),
     "logprobs_bias": ("logprobs", "torch", torch.float64, True, "rank_order", {}),
     "logprobs_reversed": ("logprobs", "torch", torch.float64, False, "reversed", {}),
+    # hidden_grad="partial": each rank's d hidden is its shard's part (their sum is the unsharded d hidden)
+    "logprobs_partial_dh": ("logprobs", "torch", torch.float64, True, "reversed", dict(hidden_grad="partial")),
     "bf16_loss": ("loss", "torch", torch.bfloat16, True, "rank_order", dict(loss_type="bnpo", entropy_coef=0.05)),
     "triton_loss": ("loss", "triton", torch.float32, True, "rank_order",
                     dict(loss_type="grpo", beta=0.04, entropy_coef=0.05)),
@@ -71,6 +73,8 @@ ERROR_CASES = {  # name -> text every rank's message must contain
     "bad_bias_on_one_rank": "invalid arguments on rank 1: bias must have shape",
     "vocab_start_on_some_ranks": "vocab_start must be given on every rank or on none",
     "hidden_grad_on_some_ranks": "whether hidden requires grad (1) or not (0)",
+    "partial_hidden_grad_on_some_ranks": 'hidden_grad ("reduced": 0, "partial": 1) must be the same on every rank',
+    "bad_hidden_grad_on_one_rank": "invalid arguments on rank 0: hidden_grad must be one of ('reduced', 'partial')",
 }
 
 
@@ -119,9 +123,10 @@ def run_case(name: str, x: dict, weight, bias, group=None, vocab_start=None, imp
         loss.backward()
         out = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
     else:
+        extra = overrides if group is not None else {}  # hidden_grad: the unsharded call has one d hidden
         logp, entropy = gk.linear_token_logprobs(hidden, weight, x["ids"], bias=bias, return_entropy=True,
                                                  impl=impl, mask=x["mask"], process_group=group,
-                                                 vocab_start=vocab_start)
+                                                 vocab_start=vocab_start, **extra)
         ((logp * x["grad_logp"]).sum() + (entropy * x["grad_entropy"]).sum()).backward()
         with torch.no_grad():  # the no-grad path of each impl
             out_ng = gk.linear_token_logprobs(x["hidden"], weight, x["ids"], bias=bias, impl=impl,
@@ -165,13 +170,17 @@ def _run_error_case(name: str, rank: int, world: int, group):
         vocab_start = 0
     elif name == "hidden_grad_on_some_ranks" and rank == 2:
         hidden = hidden.clone().requires_grad_(True)
+    elif name == "partial_hidden_grad_on_some_ranks" and rank == 1:
+        kwargs = dict(hidden_grad="partial")
+    elif name == "bad_hidden_grad_on_one_rank" and rank == 0:
+        kwargs = dict(hidden_grad="summed")
     if name in ("mismatched_n", "mismatched_mask"):
         kwargs = dict(advantages=x["advantages"][:hidden.shape[0]])
         gk.fused_linear_grpo_loss(hidden, weight, ids, mask=mask, bias=bias, impl="torch", process_group=group,
                                   vocab_start=vocab_start, **kwargs)
     else:
         gk.linear_token_logprobs(hidden, weight, ids, bias=bias, mask=mask, impl="torch", process_group=group,
-                                 vocab_start=vocab_start)
+                                 vocab_start=vocab_start, **kwargs)
 
 
 class _MatmulFlops(torch.utils._python_dispatch.TorchDispatchMode):
@@ -293,10 +302,11 @@ def test_sharded_head_matches_unsharded(sharded_results, world, name):
     truth = expected if dtype == torch.float64 else run_case(name, x64, x64["weight"], x64["bias"], impl="torch")
     ranks = sharded_results(world)
     order = sorted(range(world), key=lambda r: ranks[r][name]["start"])
+    partial_dh = CASES[name][5].get("hidden_grad") == "partial"
     for r in range(world):
         got = ranks[r][name]
         for key, value in expected.items():
-            if key in ("dw", "db"):
+            if key in ("dw", "db") or (key == "dh" and partial_dh):
                 continue
             assert value is not None and got[key] is not None, key
             _close(got[key], value, truth[key], dtype, f"rank {r}, {key}")
@@ -307,6 +317,9 @@ def test_sharded_head_matches_unsharded(sharded_results, world, name):
             assert all(ranks[r][name][key] is None for r in range(world)), key
             continue
         _close(torch.cat([ranks[r][name][key] for r in order]), expected[key], truth[key], dtype, key)
+    if partial_dh:  # each rank's part differs from the whole; their sum is the unsharded d hidden
+        assert all((ranks[r][name]["dh"] - expected["dh"]).abs().max() > 1e-3 for r in range(world))
+        _close(sum(ranks[r][name]["dh"] for r in range(world)), expected["dh"], truth["dh"], dtype, "summed dh")
     if name == "all_masked":
         assert expected["loss"] == 0 and expected["dh"].abs().sum() == 0
     else:  # a test that can fail: the gradients compared are not all zero
@@ -375,6 +388,17 @@ def test_vocab_start_without_group_is_refused():
         gk.linear_token_logprobs(x["hidden"], x["weight"], x["ids"], vocab_start=0)
     with pytest.raises(ValueError, match="vocab_start is only meaningful with process_group"):
         gk.fused_linear_grpo_loss(x["hidden"], x["weight"], x["ids"], x["advantages"], vocab_start=0)
+
+
+@pytest.mark.parametrize("value,match", [
+    ("partial", 'hidden_grad="partial" is only meaningful with process_group'),
+    ("sum", r"hidden_grad must be one of \('reduced', 'partial'\), got 'sum'"),
+    (None, "hidden_grad must be one of"),
+])
+def test_hidden_grad_is_validated(value, match):
+    x = case_inputs(torch.float32, bias=False)
+    with pytest.raises(ValueError, match=match):
+        gk.linear_token_logprobs(x["hidden"], x["weight"], x["ids"], hidden_grad=value)
 
 
 def test_process_group_needs_initialized_distributed():
