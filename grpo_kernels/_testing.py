@@ -16,7 +16,8 @@ class Knobs:
     dlogits_by_gemm (force (True) or forbid (False) the cuBLAS + row-epilogue route of that backward),
     interpret_sms (the SM count the interpreter pretends to have), interpret_tile (the fused-linear tile used
     under the interpreter, a ``kernels.linear_tiles.Tile``), logits_programs (the gradient-in-forward kernel's rows in
-    flight, at most one per SM: the GPU check times L2-sized grids against full ones)."""
+    flight, at most one per SM: the GPU check times L2-sized grids against full ones). Batch invariance: invariant_rows
+(the fixed rows per block, ``invariance.block_rows``: small test batches cross block edges)."""
 
     fast_path_min_rows: int | None = None
     no_grad_chunk_cap: int | None = None
@@ -26,6 +27,7 @@ class Knobs:
     interpret_sms: int | None = None
     interpret_tile: object = None
     logits_programs: int | None = None
+    invariant_rows: int | None = None
 
 
 _CURRENT = [Knobs()]

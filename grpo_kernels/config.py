@@ -77,6 +77,12 @@ class GRPOLossConfig:
     capturable: make no host sync at all, so that the call can be captured in a CUDA graph (docs/api.md, "Host
         syncs"): the fused head then computes the padded rows too (they must hold finite values, as a model's hidden
         states do; their loss and gradient contributions are exactly 0) instead of compacting the valid ones.
+    batch_invariant: a sequence's numbers never depend on the batch around it (docs/numerics.md, "Batch
+        invariance"): every row's log-prob, entropy, per-token loss terms and gradient are bitwise the same
+        whatever else is in the call (batch size, position, padded or packed, memory budget, chunking); the
+        loss and metrics are sums in a fixed per-sequence order (the same bits padded or packed). Fixed row
+        blocks (the last one padded), fixed vocabulary chunks, no split depending on the batch; implies
+        ``deterministic``.
     """
 
     loss_type: str = "dapo"
@@ -103,6 +109,7 @@ class GRPOLossConfig:
     # Why last: a new field in the middle would shift every positional argument after it
     softcap: float | None = None
     capturable: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -136,9 +143,12 @@ class GRPOLossConfig:
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}")
         _finite("entropy_coef", self.entropy_coef)
-        for name in ("use_bias_correction_kl", "deterministic", "grad_in_forward", "capturable"):
+        for name in ("use_bias_correction_kl", "deterministic", "grad_in_forward", "capturable", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.batch_invariant and not self.deterministic:
+            raise ValueError("batch_invariant=True needs deterministic=True (float atomics add in an order that "
+                             "changes from run to run)")
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                or not isinstance(self.memory_budget, int) or self.memory_budget < 0):
             raise ValueError(f"memory_budget must be None or an int number of bytes >= 0, got {self.memory_budget!r}")

@@ -59,7 +59,7 @@ def plan_call(*args, **kwargs):
     if fn is token_logprobs:
         inputs = LogitsInputs.validate(a["logits"], a["ids"], LogitTransform(a["temperature"], a["softcap"]),
                                        a["impl"], inplace_backward=a["inplace_backward"])
-        return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"])
+        return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"], a["batch_invariant"])
     inputs, shard, rows = validate_head_logprobs(**a)
     return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"])
 

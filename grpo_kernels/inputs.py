@@ -207,10 +207,10 @@ class LossInputs:
         if advantages.device != device:
             raise ValueError(f"advantages must be on the device of the logits / hidden states {device}, "
                              f"got {advantages.device}")
-        seqs = Sequences.rows(B, T)
+        seqs = Sequences.rows(B, T, config.batch_invariant)
         if packed:
             _checks.cu_seqlens(cu_seqlens, T, advantages.shape[0], device)
-            seqs = Sequences.packed(cu_seqlens, T)
+            seqs = Sequences.packed(cu_seqlens, T, config.batch_invariant)
             if LOSS_TABLE[config.loss_type].reduction == "fixed_length" and config.max_completion_length is None:
                 raise ValueError(f"loss_type={config.loss_type!r} on packed sequences (cu_seqlens) needs "
                                  "max_completion_length in the config: its normalizer, which a packed batch has no "
@@ -246,7 +246,7 @@ class LossInputs:
         mask_f = mask_b.float()
         weights = reduction_weights(mask_f, cfg.loss_type, self.num_items_in_batch, cfg.max_completion_length,
                                     self.seqs)
-        return TokenWeights(mask_b, mask_f, mask_f.sum(), weights.contiguous())
+        return TokenWeights(mask_b, mask_f, self.seqs.total(mask_f), weights.contiguous())
 
     def per_token(self, t):
         """A per-sequence tensor (advantages, is_ratio) at every token of the grid, or a per-token one as given:
@@ -318,7 +318,8 @@ class TokenWeights:
 @dataclass(frozen=True)
 class LossTokens:
     """The per-token inputs of the loss kernels on the (B, T) grid: advantages (B,) or (B, T), the float mask and
-    the reduction weights (B, T) fp32, and the optional old / reference log-probs (B, T) and importance weight."""
+    the reduction weights (B, T) fp32, the optional old / reference log-probs (B, T) and importance weight, and the
+    packed layout's ``cu_seqlens`` (None: padded rows), which the batch-invariant term sums follow."""
 
     advantages: torch.Tensor
     mask_f: torch.Tensor
@@ -326,16 +327,18 @@ class LossTokens:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     is_ratio: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
 
     @classmethod
     def of(cls, batch: "LossInputs", weights: "TokenWeights") -> "LossTokens":
         """The stage's tokens: each sequence's advantage (and per-sequence is_ratio) reaches its tokens here."""
         return cls(batch.per_token(batch.advantages), weights.mask_f.contiguous(), weights.weights, batch.old_logps,
-                   batch.ref_logps, batch.per_token(batch.is_ratio))
+                   batch.ref_logps, batch.per_token(batch.is_ratio), batch.seqs.cu_seqlens)
 
     def as_list(self) -> list:
         """The tensors in field order, as a registered op takes them (``ops.py``)."""
-        return [self.advantages, self.mask_f, self.weights, self.old_logps, self.ref_logps, self.is_ratio]
+        return [self.advantages, self.mask_f, self.weights, self.old_logps, self.ref_logps, self.is_ratio,
+                self.cu_seqlens]
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,22 @@ from .inputs import HeadInputs, LogitsInputs, ValidRows
 from .logits.logprobs import logits_token_logprobs
 
 
-def plan_token_logprobs(inputs: LogitsInputs, inplace_backward: bool, memory_budget=None) -> planner.Plan:
+def plan_token_logprobs(inputs: LogitsInputs, inplace_backward: bool, memory_budget=None,
+                        batch_invariant: bool = False) -> planner.Plan:
     wants_grad = torch.is_grad_enabled() and inputs.logits.requires_grad
     return planner.plan_logits(planner.LogitsCall("token_logprobs", inputs, None, planner.Budget.of(memory_budget),
-                                                  wants_grad, bool(inplace_backward)))
+                                                  wants_grad, bool(inplace_backward), _flag(batch_invariant)))
+
+
+def _flag(batch_invariant) -> bool:
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+    return batch_invariant
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
                    impl: str = "auto", inplace_backward: bool = False, memory_budget: int | None = None,
-                   softcap: float | None = None):
+                   softcap: float | None = None, batch_invariant: bool = False):
     """Log-probability of ``ids`` under ``softmax(logits / temperature)``, differentiable w.r.t. logits.
 
     logits: (B, T, V) or (N, V), float32 / bfloat16 / float16 (float64 with impl="torch"); position t scores
@@ -35,10 +42,12 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     memory_budget: bytes of transient memory the call may allocate (GRPOLossConfig.memory_budget's meaning).
     softcap: None, or soft-cap the logits first: ``softmax(softcap * tanh(logits / softcap) / temperature)``
     (Gemma 2's ``final_logit_softcapping``), inside the kernels.
+    batch_invariant: each row's log-prob, entropy and d logits are bitwise the same whatever else is in the call
+    (docs/numerics.md, "Batch invariance").
     """
     inputs = LogitsInputs.validate(logits, ids, LogitTransform(temperature, softcap), impl,
                                    inplace_backward=inplace_backward)
-    plan = plan_token_logprobs(inputs, bool(inplace_backward), memory_budget)
+    plan = plan_token_logprobs(inputs, bool(inplace_backward), memory_budget, batch_invariant)
     logp, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward)
     return (logp, entropy) if return_entropy else logp
 

@@ -40,7 +40,7 @@ def validate_logits_loss(logits, ids, args: LossArguments, cfg: GRPOLossConfig, 
     batch = LossInputs.validate(B, T, logits.device, cfg, args)
     wants_grad = torch.is_grad_enabled() and logits.requires_grad
     call = planner.LogitsCall("grpo_loss", inputs, cfg, planner.Budget.of(cfg.memory_budget), wants_grad,
-                              bool(inplace_backward))
+                              bool(inplace_backward), cfg.batch_invariant)
     return inputs, batch, planner.with_sequences_note(planner.plan_logits(call), batch.seqs)
 
 

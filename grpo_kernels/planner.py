@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ._checks import rows_flatten
 from ._testing import knobs
+from .invariance import block_rows
 from .config import GRPOLossConfig
 from .head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
 from .inputs import HeadInputs, LogitsInputs
@@ -72,6 +72,7 @@ class LogitsCall:
     budget: Budget
     wants_grad: bool
     inplace: bool
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class HeadCall:
     deterministic: bool = True
     sequence_counts: object = None
     shard: object = None
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class Plan:
     # logits.fast: the persistent kernel's rows in flight, and the L2 they are sized against
     rows_in_flight: int | None = None
     l2_bytes: int | None = None
+    # batch invariance: fixed row blocks (the last one padded) and fixed vocabulary chunks (invariance.py)
+    batch_invariant: bool = False
 
     @property
     def transient_bytes(self) -> int:
@@ -140,6 +144,9 @@ class Plan:
             lines.append(f"  matmul FLOPs: {self.flops_nhv} N H V")
         lines.append(f"  transient memory: {_size(self.transient_bytes)} of a {_size(self.budget)} budget")
         lines += [f"    {what}: {_size(n)}" for what, n in self.transient if n]
+        if self.batch_invariant:
+            lines.append(f"  batch-invariant: every block has {self.chunk_rows or 'a fixed number of'} rows (the last "
+                         "one padded), vocabulary chunks fixed by V; each row's numbers are the same in any batch")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -205,6 +212,11 @@ def plan_logits(call: LogitsCall) -> Plan:
         plan = _logits_fast(call)
     else:
         plan = _logits_sweep(call)
+    if call.batch_invariant:
+        # Why the Triton paths change nothing but the stage: one program per row with a block width chosen by V
+        # alone is batch-invariant as it is; the Triton per-token stage's partial sums are not (the reference's
+        # sums are the tree sums of sequences.py)
+        plan = replace(plan, batch_invariant=True, token_stage=None if plan.token_stage is None else "reference")
     return _with_cap_note(plan, call.inputs.transform.softcap)
 
 
@@ -225,8 +237,8 @@ def _logits_plan(call: LogitsCall, path: str, reason: str, items: tuple, **kw) -
 
 def _logits_torch(call: LogitsCall) -> Plan:
     """Chunks of rows whose two fp32 temporaries fit the budget beside the per-token values (any layout of the logits
-    is read in place, a (B, T, V) view that does not flatten one batch row at a time: ``logits.logprobs.row_blocks``,
-    so its chunks hold at most T rows)."""
+    is read in place, a (B, T, V) view that does not flatten one batch row at a time, each chunk's temporary filled
+    from the rows it spans: ``logits.logprobs.row_blocks``)."""
     logits = call.inputs.logits
     V, N = logits.shape[-1], _logits_rows(call)
     acc = 8 if logits.dtype == torch.float64 else 4
@@ -236,8 +248,10 @@ def _logits_torch(call: LogitsCall) -> Plan:
     if budget < need_row + small:
         raise call.budget.error(call.op, LOGITS_TORCH, need_row + small)
     rows = max(1, min(N, (budget - small) // need_row))
-    if logits.dim() == 3 and not rows_flatten(logits):  # read per batch row (row_blocks): chunks within a row
-        rows = min(rows, logits.shape[1])
+    if call.batch_invariant:  # every chunk exactly this many rows, whatever N and the budget (invariance.py)
+        rows = block_rows(logits.device)
+        if budget < rows * need_row + small:
+            raise call.budget.error(call.op, LOGITS_TORCH + " (batch_invariant)", rows * need_row + small)
     items = (("fp32 temporaries of one row chunk", rows * need_row), ("per-token values", _per_token_bytes(N, 4)))
     return _logits_plan(call, LOGITS_TORCH, "impl torch (CPU tensors, or impl='torch')", items, chunk_rows=rows,
                         token_stage=None if call.cfg is None else "reference")

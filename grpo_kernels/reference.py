@@ -194,15 +194,16 @@ class PerTokenLoss:
         return low, high, (coef > cfg.epsilon_high) & (adv > 0), per_seq
 
 
-def _layout(logps, cu_seqlens, sequences) -> tuple:
+def _layout(logps, cu_seqlens, sequences, invariant: bool = False) -> tuple:
     """(logps on the (B, T) grid, Sequences) of a reference call: padded (B, T) logps, or packed (N,) ones with
-    ``cu_seqlens`` (then a (1, N) grid), or a layout the caller already made (``sequences``)."""
+    ``cu_seqlens`` (then a (1, N) grid), or a layout the caller already made (``sequences``); ``invariant``: the
+    batch-invariant sums (``Sequences.tree_sums``)."""
     if sequences is not None:
         return logps.reshape(sequences.grid), sequences
     if cu_seqlens is not None:
-        seqs = Sequences.packed(cu_seqlens, logps.numel())
+        seqs = Sequences.packed(cu_seqlens, logps.numel(), invariant)
         return logps.reshape(seqs.grid), seqs
-    return logps, Sequences.rows(*logps.shape)
+    return logps, Sequences.rows(*logps.shape, invariant=invariant)
 
 
 def per_token_loss(logps, advantages, mask=None, *, old_logps=None, ref_logps=None, is_ratio=None, entropy=None,
@@ -212,7 +213,7 @@ def per_token_loss(logps, advantages, mask=None, *, old_logps=None, ref_logps=No
     as ``loss_from_logps`` (which reduces it)."""
     cfg = config or GRPOLossConfig()
     policy = LOSS_TABLE[cfg.loss_type].policy
-    logps, seqs = _layout(logps, cu_seqlens, sequences)
+    logps, seqs = _layout(logps, cu_seqlens, sequences, cfg.batch_invariant)
     x = _neutral_inputs(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropy, sampling_logps, policy,
                         seqs)
     logps, mask, adv, dtype = x["logps"], x["mask"], x["adv"], logps.dtype
@@ -276,11 +277,11 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
     mask, seqs = terms.mask, terms.seqs
     weights = reduction_weights(mask.to(logps.dtype), cfg.loss_type, num_items_in_batch, cfg.max_completion_length,
                                 seqs)
-    loss = torch.where(mask, weights * terms.loss.expand(seqs.grid), 0.0).sum()
+    loss = seqs.total(torch.where(mask, weights * terms.loss.expand(seqs.grid), 0.0))
 
     if cfg.entropy_coef != 0.0:
         eff = mask if terms.entropy_mask is None else terms.entropy_mask
-        loss = loss - cfg.entropy_coef * torch.where(eff, terms.entropy, 0.0).sum() / eff.sum().clamp(min=1)
+        loss = loss - cfg.entropy_coef * seqs.total(torch.where(eff, terms.entropy, 0.0)) / eff.sum().clamp(min=1)
     return loss, _metrics(terms, cfg)
 
 
@@ -351,7 +352,7 @@ def _masked_mean(x, per_seq: bool, mask, n_valid, seqs: Sequences) -> torch.Tens
     by tokens."""
     if per_seq:
         return seqs.mean(x)
-    return torch.where(mask, x, 0.0).sum() / n_valid.clamp(min=1)
+    return seqs.total(torch.where(mask, x, 0.0)) / n_valid.clamp(min=1)
 
 
 def _metrics(terms: PerTokenLoss, cfg) -> dict:

@@ -21,6 +21,7 @@ from ..config import GRPOLossConfig, LogitTransform
 from ..inputs import LogitsInputs, LossInputs, LossTokens
 from ..loss_types import LOSS_TABLE
 from ..metrics import ENTROPY, LOSS, metrics_from_sums
+from ..sequences import token_sums
 
 
 @ops.options_type
@@ -42,7 +43,8 @@ def loss_in_forward(logits, ids, tokens: LossTokens, count, o: LossOptions, inpl
     h_scale = None if cfg.entropy_coef == 0.0 else (-cfg.entropy_coef / count).float().reshape(1)
     dlogits, terms = grad_in_forward(logits, ids, tokens, h_scale, cfg, o.transform,
                                      LOSS_TABLE[cfg.loss_type].policy_kind, inplace, o.programs)
-    sums = terms.sum(0, dtype=torch.float64)  # no fp64 copy of the terms; deterministic
+    # deterministic (no fp64 copy of the terms); batch-invariant: the per-sequence trees of sequences.py
+    sums = token_sums(terms, tuple(ids.shape), tokens.cu_seqlens, cfg.batch_invariant)
     loss = sums[LOSS]
     if cfg.entropy_coef != 0.0:
         loss = loss - cfg.entropy_coef * sums[ENTROPY] / count.double()

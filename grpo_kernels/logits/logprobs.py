@@ -39,75 +39,116 @@ def row_blocks(logits: torch.Tensor):
     return [(b * T, logits[b]) for b in range(logits.shape[0])]
 
 
-def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, transform: LogitTransform, chunk_rows: int):
+def _chunks(N: int, chunk_rows: int, fixed_rows: bool):
+    """(first token, end token, rows of the chunk's temporaries): chunks of ``chunk_rows`` rows over the N tokens;
+    ``fixed_rows`` (batch invariance): every chunk's temporaries hold exactly ``chunk_rows`` rows, the last one
+    padded with zero rows, so every reduction runs on the same shape whatever N is."""
+    return [(c0, min(N, c0 + chunk_rows), chunk_rows if fixed_rows else min(N, c0 + chunk_rows) - c0)
+            for c0 in range(0, N, chunk_rows)]
+
+
+def _chunk_copy(pieces, c0: int, c1: int, rows: int, dtype) -> torch.Tensor:
+    """Tokens c0 .. c1 of the logits (``row_blocks`` pieces) as a fresh (rows, V) tensor in ``dtype``, zero rows
+    past c1 - c0; one copy, across pieces when the chunk spans several batch rows."""
+    first, x = pieces[0]
+    if len(pieces) == 1 and rows == c1 - c0:
+        return x[c0 - first:c1 - first].to(dtype, copy=True)
+    out = torch.zeros((rows, x.shape[-1]), dtype=dtype, device=x.device)
+    for first, x in pieces:
+        a, b = max(c0, first), min(c1, first + x.shape[0])
+        if a < b:
+            out[a - c0:b - c0] = x[a - first:b - first]
+    return out
+
+
+def _chunk_write(pieces, c0: int, c1: int, values: torch.Tensor) -> None:
+    """values[:c1 - c0] written to tokens c0 .. c1 of the ``row_blocks`` pieces."""
+    for first, x in pieces:
+        a, b = max(c0, first), min(c1, first + x.shape[0])
+        if a < b:
+            x[a - first:b - first].copy_(values[a - c0:b - c0])
+
+
+def _padded_rows(t: torch.Tensor, c0: int, c1: int, rows: int) -> torch.Tensor:
+    """t[c0:c1] (flat per-token values) as ``rows`` rows, zeros past c1 - c0."""
+    if rows == c1 - c0:
+        return t[c0:c1]
+    out = t.new_zeros((rows,))
+    out[: c1 - c0] = t[c0:c1]
+    return out
+
+
+def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, transform: LogitTransform, chunk_rows: int,
+                   fixed_rows: bool = False):
     """Chunked eager path: fp32 out (fp64 for fp64 logits); two chunk_rows x V temporaries at a time, read from the
     logits in place whatever their layout (``row_blocks``). With a soft cap the logits are capped in the chunk's
-    buffer before the temperature."""
+    buffer before the temperature. ``fixed_rows``: every chunk has chunk_rows rows (``_chunks``)."""
     flat_ids = ids.reshape(-1)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     N = flat_ids.numel()
     logp, lse, entropy = (torch.empty(N, dtype=acc, device=logits.device) for _ in range(3))
-    for first, x in row_blocks(logits):
-        for start in range(0, x.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            tok = slice(first + start, first + min(start + chunk_rows, x.shape[0]))
-            z = soft_cap_(x[rows].to(acc, copy=True), transform.softcap).mul_(transform.inv_temperature)
-            m = z.amax(-1, keepdim=True)
-            m = torch.where(torch.isinf(m), 0.0, m)
-            logp[tok] = z.gather(-1, flat_ids[tok].unsqueeze(-1)).squeeze(-1)
-            z.sub_(m)  # z - max: the entropy as log s - sum e (z - m) / s, no cancellation of two large numbers
-            e = z.exp()
-            s = e.sum(-1)
-            log_s = torch.log(s)
-            chunk_lse = m.squeeze(-1) + log_s
-            lse[tok] = chunk_lse
-            entropy[tok] = log_s - e.mul_(z.clamp_(min=NEG_BIG)).sum(-1) / s
-            logp[tok] -= chunk_lse
-            del z, e
+    pieces = row_blocks(logits)
+    for c0, c1, rows in _chunks(N, chunk_rows, fixed_rows):
+        n = c1 - c0
+        z = soft_cap_(_chunk_copy(pieces, c0, c1, rows, acc), transform.softcap).mul_(transform.inv_temperature)
+        m = z.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), 0.0, m)
+        target = z.gather(-1, _padded_rows(flat_ids, c0, c1, rows).unsqueeze(-1)).squeeze(-1)
+        z.sub_(m)  # z - max: the entropy as log s - sum e (z - m) / s, no cancellation of two large numbers
+        e = z.exp()
+        s = e.sum(-1)
+        log_s = torch.log(s)
+        chunk_lse = m.squeeze(-1) + log_s
+        lse[c0:c1] = chunk_lse[:n]
+        entropy[c0:c1] = (log_s - e.mul_(z.clamp_(min=NEG_BIG)).sum(-1) / s)[:n]
+        logp[c0:c1] = (target - chunk_lse)[:n]
+        del z, e
     return logp, lse, entropy
 
 
-def _torch_backward(logits, ids, lse, entropy, grads, transform: LogitTransform, inplace: bool, chunk_rows: int):
+def _torch_backward(logits, ids, lse, entropy, grads, transform: LogitTransform, inplace: bool, chunk_rows: int,
+                    fixed_rows: bool = False):
     """d logits, chunk by chunk, formed in place: two chunk_rows x V temporaries at a time (with or without a soft
     cap). grads: (d loss / d logp, d loss / d entropy or None), flat in the accumulation dtype. ``inplace``:
     ``logits`` itself holds d logits on return, for any non-overlapping view (written piece by piece through
-    ``row_blocks``: no copy of a view that does not flatten)."""
+    ``row_blocks``: no copy of a view that does not flatten). ``fixed_rows``: as ``_torch_forward``."""
     grad_logp, grad_entropy = grads
     out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     flat_ids = ids.reshape(-1)
     acc = lse.dtype
     inv_t = transform.inv_temperature
-    for first, x in row_blocks(logits):
-        out_rows = x if inplace else out.view(-1, x.shape[-1])[first:first + x.shape[0]]
-        for start in range(0, x.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            tok = slice(first + start, first + min(start + chunk_rows, x.shape[0]))
-            g = grad_logp[tok].to(acc).unsqueeze(-1)
-            active = g != 0
-            h = g_h = None
-            if grad_entropy is not None:
-                h = entropy[tok].unsqueeze(-1)
-                g_h = grad_entropy[tok].to(acc).unsqueeze(-1)
-                active = active | (g_h != 0)
-            dz = dlogits_(x[rows].to(acc, copy=True), lse[tok].unsqueeze(-1), h, g, g_h, inv_t, transform.softcap,
-                          flat_ids[tok].unsqueeze(-1))
-            # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits
-            # hold NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
-            dz.masked_fill_(~active, 0.0)
-            out_rows[rows].copy_(dz)
-            del dz
+    pieces, out_pieces = row_blocks(logits), row_blocks(out)
+    for c0, c1, rows in _chunks(flat_ids.numel(), chunk_rows, fixed_rows):
+        def at(t):
+            return _padded_rows(t, c0, c1, rows).to(acc).unsqueeze(-1)
+
+        g = at(grad_logp)
+        active = g != 0
+        h = g_h = None
+        if grad_entropy is not None:
+            h, g_h = at(entropy), at(grad_entropy)
+            active = active | (g_h != 0)
+        dz = dlogits_(_chunk_copy(pieces, c0, c1, rows, acc), at(lse), h, g, g_h, inv_t, transform.softcap,
+                      _padded_rows(flat_ids, c0, c1, rows).unsqueeze(-1))
+        # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits
+        # hold NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
+        dz.masked_fill_(~active, 0.0)
+        _chunk_write(out_pieces, c0, c1, dz)
+        del dz
     return out
 
 
 @ops.options_type(choices={"impl": ("triton", "torch")})
 @dataclass(frozen=True)
 class SweepOptions:
-    """The non-tensor inputs of the path: the logits transform, impl "triton" | "torch" and the PyTorch path's
-    rows per chunk (from the plan; 0 on the Triton path)."""
+    """The non-tensor inputs of the path: the logits transform, impl "triton" | "torch", the PyTorch path's rows
+    per chunk (from the plan; 0 on the Triton path) and whether every chunk has exactly that many rows (batch
+    invariance: the plan's ``batch_invariant``)."""
 
     transform: LogitTransform
     impl: str
     chunk_rows: int = 0
+    fixed_rows: bool = False
 
 
 def sweep_forward(logits, ids, row_mask, o: SweepOptions):
@@ -119,7 +160,7 @@ def sweep_forward(logits, ids, row_mask, o: SweepOptions):
         logp, lse, entropy = logits_logprobs_forward(logits, ids, t.temperature, softcap=t.softcap,
                                                      row_mask=row_mask)
     else:
-        logp, lse, entropy = _torch_forward(logits, ids, o.transform, o.chunk_rows)
+        logp, lse, entropy = _torch_forward(logits, ids, o.transform, o.chunk_rows, o.fixed_rows)
     return logp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
 
 
@@ -134,7 +175,7 @@ def sweep_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, o: SweepO
         return logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, t.temperature,
                                         softcap=t.softcap, inplace=inplace)
     return _torch_backward(logits, ids, lse, entropy, (grad_logp, grad_entropy), o.transform, inplace,
-                           o.chunk_rows)
+                           o.chunk_rows, o.fixed_rows)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -218,7 +259,7 @@ def logits_token_logprobs(inputs: LogitsInputs, plan, inplace_backward: bool = F
 
     row_mask (like ids, optional): the Triton path skips rows where it is 0 (their outputs are 0 and they must get
     no gradient); the loss passes its mask so padded tokens cost no logits traffic."""
-    o = SweepOptions(inputs.transform, inputs.impl, plan.chunk_rows or 0)
+    o = SweepOptions(inputs.transform, inputs.impl, plan.chunk_rows or 0, plan.batch_invariant)
     row_mask = row_mask if inputs.impl == "triton" else None
     if ops.compiling():  # the Function does not trace: its registered op does
         logp, entropy, lse = _logits_logprobs(inputs.logits, inputs.ids, row_mask, *ops.encode(o))

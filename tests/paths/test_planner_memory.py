@@ -120,7 +120,7 @@ def test_light_path_within_one_percent_of_the_logits_traced_at_a_scaled_shape():
 def test_planned_memory_counts_casts_and_copies(case):
     """What a call allocates because of how its inputs arrive is in the plan too: under autocast with fp32 master
     weights, the compute-dtype gradients before autograd's cast (PyTorch head path); logits that cannot be viewed as
-    (N, V) (a time slice): no copy, read one batch row at a time, so the row chunks hold at most T rows (PyTorch
+    (N, V) (a time slice): no copy, each chunk's fp32 temporaries filled from the batch rows it spans (PyTorch
     logits path). Traced within 10%."""
     g = torch.Generator().manual_seed(3)
     if case == "sliced-logits":

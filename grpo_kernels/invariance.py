@@ -1,0 +1,45 @@
+"""Batch invariance (``batch_invariant=True``, docs/numerics.md "Batch invariance"): the fixed row blocks.
+
+A row's numbers must not depend on the batch around it. Where the batch size enters a computation is where its
+shapes do: a GEMM library picks its kernel (tiles, split-K) by the number of rows, a reduction over a tensor splits
+its work by the tensor's size, a planner sizes chunks from the row count and the memory budget. So every batch-
+invariant path runs on blocks of exactly ``block_rows(device)`` rows: full blocks are views of the inputs, the last
+one a zero-padded copy of ``block_rows`` rows (padded rows carry no gradient and their outputs are dropped), and the
+vocabulary is cut at places that depend on V alone. Every GEMM, every chunk reduction and every kernel launch then
+has the same shape whatever N is, and the same code computes a row at any position of any block (a row's result in
+a GEMM does not depend on its row index within a fixed shape; each reduction is per row).
+
+The block size is a constant per device type (a different size would change which kernels run): 64 rows on CPU
+(the PyTorch tiles), 512 on CUDA (one cuBLAS / Triton configuration per shape; a 512 x V fp32 chunk is 311 MB at V =
+151936). Tests set smaller blocks with the ``invariant_rows`` knob so that small batches cross block edges.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._testing import knobs
+
+BLOCK_ROWS = {"cpu": 64, "cuda": 512}
+DEFAULT_BLOCK_ROWS = 512  # other device types (meta plans stand for CUDA)
+
+
+def block_rows(device) -> int:
+    """The fixed rows per block of the batch-invariant paths on ``device``."""
+    if knobs().invariant_rows is not None:
+        return knobs().invariant_rows
+    return BLOCK_ROWS.get(torch.device(device).type, DEFAULT_BLOCK_ROWS)
+
+
+def blocks(n: int, rows: int) -> list[tuple[int, int]]:
+    """[(r0, r1)]: the blocks of ``rows`` rows covering n rows (the last may be short: ``padded`` fills it)."""
+    return [(r0, min(n, r0 + rows)) for r0 in range(0, n, rows)]
+
+
+def padded(t: torch.Tensor | None, r0: int, r1: int, rows: int, fill=0):
+    """Rows r0 .. r1 of ``t`` as exactly ``rows`` rows: a view when the block is full, else a copy padded with
+    ``fill`` (None stays None)."""
+    if t is None or r1 - r0 == rows:
+        return None if t is None else t[r0:r1]
+    out = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    out[: r1 - r0] = t[r0:r1]
+    return out
