@@ -58,9 +58,15 @@ def assert_three_way(ours, torch_same_dtype, truth, dtype, what: str, scale: flo
     Python numbers (metrics)."""
     ours, torch_same_dtype, truth = (torch.as_tensor(x) for x in (ours, torch_same_dtype, truth))
     s = scale if scale is not None else max(truth.abs().max().item() if truth.numel() else 1.0, 1.0)
-    e_ours, e_torch = max_err(ours, truth) / s, max_err(torch_same_dtype, truth) / s
-    bound = K * e_torch + ATOL[dtype]
     assert torch.isfinite(ours).all(), f"{what}: non-finite values"
+    assert_errors_three_way(max_err(ours, truth), max_err(torch_same_dtype, truth), dtype, what, s)
+
+
+def assert_errors_three_way(e_ours: float, e_torch: float, dtype, what: str, scale: float = 1.0):
+    """The rule on errors measured elsewhere (a worker process): ``e_ours`` and ``e_torch`` are the largest absolute
+    errors of ours and of the plain computation against the same float64 truth, ``scale`` as in assert_three_way."""
+    e_ours, e_torch = e_ours / scale, e_torch / scale
+    bound = K * e_torch + ATOL[dtype]
     assert e_ours <= bound, f"{what}: error {e_ours:.3e} > {K} * {e_torch:.3e} + {ATOL[dtype]:.1e} ({dtype})"
 
 

@@ -97,6 +97,24 @@ def model_checksum(model_dir) -> float:
     return total
 
 
+def checksum_slack(model_dir) -> float:
+    """How far two checksums (model_checksum's formula) of the *same* parameter values may lie apart when they add
+    them in different orders or groupings (per tensor, per shard, per rank, another thread split): each is a float64
+    sum of n = (elements + 3 per tensor) terms ``e + 1e-3 |e|``, within gamma(n) * sum |terms| of the exact sum in
+    any order (tests/support/tolerances.py), so the two are within twice that."""
+    import torch
+    from safetensors.torch import load_file
+
+    from .tolerances import gamma
+
+    n, magnitude = 0, 0.0
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        for t in load_file(f).values():
+            n += t.numel() + 3
+            magnitude += (1 + 1e-3) * float(t.double().abs().sum())
+    return 2 * gamma(n, torch.float64) * magnitude
+
+
 def save_tiny_chat_checkpoint(path):
     """A Qwen2-architecture checkpoint with a byte-level BPE tokenizer, a chat template, tied embeddings and a
     generation_config that would change sampling (top_k=1, repetition penalty) if it leaked into generation."""
