@@ -9,7 +9,8 @@ What counts as a tolerance literal (found on the syntax tree, so strings and com
 - a keyword argument or parameter default named ``rtol``, ``atol``, ``rel``, ``abs``, ``rel_tol``, ``abs_tol``,
   ``tol`` or ``tolerance`` whose value contains a non-zero number (``rtol=0, atol=0`` is exact equality);
 - a numeric argument of a closeness call (``allclose``, ``isclose``, ``assert_close``, ``approx``), and such a call
-  with no tolerance argument at all, which relies on its library's fitted default;
+  with no tolerance argument at all (nor a ``**`` splat that may hold one), which relies on its library's fitted
+  default;
 - a comparison (``<``, ``<=``, ``>``, ``>=``) in an ``assert`` with a non-integer number below 1 in magnitude on
   either side (``err < 2e-4``, ``diff <= 1e-5 * scale``, ``abs(a - b) > 1e-3``); comparisons elsewhere (building
   a random mask, ``torch.rand(...) < 0.5``) are not tolerances;
@@ -28,6 +29,7 @@ MARKER = "# bound:"
 TOLERANCE_KWARGS = {"rtol", "atol", "rel", "abs", "rel_tol", "abs_tol", "tol", "tolerance"}
 CLOSE_CALLS = {"allclose", "isclose", "assert_close", "approx"}
 TOL_NAME = re.compile("tol", re.IGNORECASE)
+INEQUALITIES = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
 
 def _numbers(node: ast.AST) -> list[float]:
@@ -55,9 +57,10 @@ def _hits(node: ast.AST, in_assert: bool) -> list[tuple[ast.AST, str]]:
     elif isinstance(node, ast.Call) and _call_name(node) in CLOSE_CALLS:
         if any(_nonzero(a) for a in node.args[2 if _call_name(node) != "approx" else 1:]):
             found.append((node, f"a numeric tolerance argument of {_call_name(node)}"))
-        if not any(k.arg in TOLERANCE_KWARGS for k in node.keywords) and len(node.args) <= 2:
+        given = any(k.arg in TOLERANCE_KWARGS or k.arg is None for k in node.keywords)  # None: a **splat
+        if not given and len(node.args) <= (1 if _call_name(node) == "approx" else 2):
             found.append((node, f"{_call_name(node)} with its library's default tolerance"))
-    elif in_assert and isinstance(node, ast.Compare) and any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in node.ops):
+    elif in_assert and isinstance(node, ast.Compare) and any(isinstance(op, INEQUALITIES) for op in node.ops):
         if any(_small_float(side) for side in [node.left, *node.comparators]):
             found.append((node, f"comparison {ast.unparse(node)}"))
     elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -88,8 +91,11 @@ def _statements(tree: ast.AST) -> dict[int, ast.stmt]:
 
 
 def _marked(lines: list[str], stmt: ast.stmt, node: ast.AST) -> bool:
-    """A marker on a line from the statement's first line to the literal's last, or in the comment block above."""
-    first, last = stmt.lineno, getattr(node, "end_lineno", None) or stmt.end_lineno
+    """A marker on a line of the statement (of a compound one: its header up to the literal), or in the comment
+    block right above it."""
+    compound = hasattr(stmt, "body")  # for / if / with / def: only the header up to the literal
+    first = stmt.lineno
+    last = (getattr(node, "end_lineno", None) or stmt.end_lineno) if compound else stmt.end_lineno
     if any(MARKER in line for line in lines[first - 1:last]):
         return True
     i = first - 2

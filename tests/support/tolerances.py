@@ -70,6 +70,23 @@ def assert_errors_three_way(e_ours: float, e_torch: float, dtype, what: str, sca
     assert e_ours <= bound, f"{what}: error {e_ours:.3e} > {K} * {e_torch:.3e} + {ATOL[dtype]:.1e} ({dtype})"
 
 
+def same_maths_slack(dtype) -> float:
+    """How far two evaluations of the same maths in ``dtype`` may lie apart, relative to max(1, max |value|), when
+    only the order or grouping of their sums differs (two layouts, shards, chunks): each is within the rule's floor
+    ATOL[dtype] of exact (sums of up to FLOOR_TERMS terms no larger than the scale, one rounding to the dtype), so
+    the two are within twice that."""
+    return 2 * ATOL[dtype]
+
+
+def assert_same_maths(got, want, dtype, what: str = "", scale: float | None = None):
+    """``got`` and ``want`` within ``same_maths_slack(dtype)`` of each other, relative to ``scale`` (default
+    max(1, max |want|); a gradient: its own largest value, ``grad_scale``)."""
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    s = scale if scale is not None else max(want.abs().max().item() if want.numel() else 1.0, 1.0)
+    err = max_err(got, want) / s
+    assert err <= same_maths_slack(dtype), f"{what}: {err:.3e} apart > {same_maths_slack(dtype):.1e} ({dtype})"
+
+
 def grad_scale(truth: torch.Tensor) -> float:
     """The scale of a gradient for the three-way rule: max |truth| itself (gradients are often far below 1, where
     the default floor of 1 would hide any error), 1 for an all-zero gradient."""

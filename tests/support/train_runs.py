@@ -86,6 +86,20 @@ def fsdp_worker(tmp_path, nproc: int, *args: str, name: str = "eq") -> tuple[dic
     return json.loads(out.read_text()), torch.load(str(out) + ".params.pt")
 
 
+def assert_matches_float64_truth(r: dict, dtype, what: str) -> None:
+    """The worker's sharded run against its unsharded run (``dtype``: fp32, or bf16 under autocast) by the
+    three-way rule, the float64 unsharded run the truth: parameters (relative to max |parameter|, at least 1) and
+    the gradient norm of every step."""
+    import torch
+
+    from .tolerances import assert_errors_three_way, assert_three_way
+
+    assert_errors_three_way(r["param_err_sharded"], r["param_err_single"], dtype, f"{what} parameters",
+                            scale=max(1.0, r["param_scale"]))
+    assert_three_way(torch.tensor(r["grad_norms_sharded"]), torch.tensor(r["grad_norms_single"]),
+                     torch.tensor(r["grad_norms_float64"], dtype=torch.float64), dtype, f"{what} gradient norms")
+
+
 def model_checksum(model_dir) -> float:
     """Trainer.param_checksums' formula over a save_pretrained directory's tensors."""
     from safetensors.torch import load_file

@@ -27,8 +27,8 @@ from grpo.cli import config_from_argv
 from grpo.errors import UsageError
 
 from ..support.tolerances import assert_errors_three_way, assert_three_way, grad_scale
-from ..support.train_runs import (SMALL, checksum_slack, fsdp_worker, model_checksum, read_metrics, run_cmd,
-                                  save_tiny_chat_checkpoint)
+from ..support.train_runs import (SMALL, assert_matches_float64_truth, checksum_slack, fsdp_worker, model_checksum,
+                                  read_metrics, run_cmd, save_tiny_chat_checkpoint)
 
 OPTS = dict(prompts_per_step=4, num_generations=4, max_steps=4, save_steps=2, loss=TrainConfig().loss,
             mini_batch_size=8, micro_batch_size=4, eval_every=2, eval_size=8, progress=False, seed=3)
@@ -38,16 +38,6 @@ FLAGS = SMALL + ["--max-steps", "4", "--save-steps", "2", "--beta", "0.04", "--m
 # parameter with a nonzero gradient by about lr per step, SGD (lr 0.5) by 0.5 |g|; three steps of a wrong gradient
 # leave some parameter at least one lr away (measured >= 3e-2), while a correct 2-rank run is within rounding.
 BROKEN_MIN_DIFF = 1e-2
-
-
-def assert_matches_float64_truth(r: dict, dtype, what: str) -> None:
-    """The worker's sharded run against its unsharded run (``dtype``: fp32, or bf16 under autocast) by the
-    three-way rule, the float64 unsharded run the truth: parameters (relative to max |parameter|, at least 1) and
-    the gradient norm of every step."""
-    assert_errors_three_way(r["param_err_sharded"], r["param_err_single"], dtype, f"{what} parameters",
-                            scale=max(1.0, r["param_scale"]))
-    assert_three_way(torch.tensor(r["grad_norms_sharded"]), torch.tensor(r["grad_norms_single"]),
-                     torch.tensor(r["grad_norms_float64"], dtype=torch.float64), dtype, f"{what} gradient norms")
 
 
 # ------------------------------------------------------------------------------------------------- equivalence
