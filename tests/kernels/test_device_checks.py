@@ -41,8 +41,8 @@ def test_logits_loss_check(case):
 def test_logits_loss_check_scaled_in_place_and_on_a_slice():
     """The upstream factor and the in-place gradient (the GPU test's ``loss * 3``), and a per-token loss's truth
     taken on the last positions alone (``fraction``); a moved gradient fails."""
-    inputs = make_inputs(CASE["grpo-token"], B=1, T=6, dtype=torch.bfloat16)
-    inputs["mask"][:] = True
+    inputs = make_inputs(CASE["grpo-token"], B=2, T=6, dtype=torch.bfloat16)
+    inputs["mask"][:] = True  # every row whole: the last 2 positions are 2 / 6 of each row's normalizer
     cfg = CASE["grpo-token"].config
     loss, grad, x = logits_loss(inputs, cfg, upstream=3.0, inplace_backward=True)
     assert grad.data_ptr() == x.data_ptr()
