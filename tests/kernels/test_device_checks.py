@@ -1,6 +1,8 @@
 """The comparisons tests/kernels/test_gpu_kernels.py makes on a GPU (tests/support/device_checks.py), run here on
 small CPU tensors through the Triton interpreter: each check passes on the kernels' results and fails on a result
-moved by more than its three-way bound, so the first GPU session meets checks that are known to work."""
+moved by more than its three-way bound, so the first GPU session meets checks that are known to work. The
+failures are shown in fp32, where plain PyTorch (the middle term) is as accurate as ours; in bf16 it is far less
+(tests/support/device_checks.py), so there the checks catch only gross errors."""
 import pytest
 import torch
 
@@ -38,21 +40,23 @@ def test_logits_loss_check(case):
     check_logits_loss_call(make_inputs(CASE[case]), CASE[case].config, what=case)
 
 
-def test_logits_loss_check_scaled_in_place_and_on_a_slice():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logits_loss_check_scaled_in_place_and_on_a_slice(dtype):
     """The upstream factor and the in-place gradient (the GPU test's ``loss * 3``), and a per-token loss's truth
-    taken on the last positions alone (``fraction``); a moved gradient fails."""
-    inputs = make_inputs(CASE["grpo-token"], B=2, T=6, dtype=torch.bfloat16)
+    taken on the last positions alone (``fraction``); in fp32 a gradient moved by 1% fails."""
+    inputs = make_inputs(CASE["grpo-token"], B=2, T=6, dtype=dtype)
     inputs["mask"][:] = True  # every row whole: the last 2 positions are 2 / 6 of each row's normalizer
     cfg = CASE["grpo-token"].config
     loss, grad, x = logits_loss(inputs, cfg, upstream=3.0, inplace_backward=True)
     assert grad.data_ptr() == x.data_ptr()
-    check_logits_loss((loss, grad), loss_truth_and_same_dtype(inputs, cfg), torch.bfloat16, upstream=3.0)
+    check_logits_loss((loss, grad), loss_truth_and_same_dtype(inputs, cfg), dtype, upstream=3.0)
     tail = {k: (v[:, -2:] if torch.is_tensor(v) and v.dim() > 1 else v) for k, v in inputs.items()}
     truths = loss_truth_and_same_dtype(tail, cfg)
     loss, grad, _ = logits_loss(inputs, cfg)
-    check_logits_loss((loss, grad[:, -2:]), truths, torch.bfloat16, fraction=2 / 6)
-    with pytest.raises(AssertionError, match="d logits"):
-        check_logits_loss((loss, grad[:, -2:] * 1.1), truths, torch.bfloat16, fraction=2 / 6)
+    check_logits_loss((loss, grad[:, -2:]), truths, dtype, fraction=2 / 6)
+    if dtype == torch.float32:
+        with pytest.raises(AssertionError, match="d logits"):
+            check_logits_loss((loss, grad[:, -2:] * 1.01), truths, dtype, fraction=2 / 6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -64,5 +68,6 @@ def test_head_check(dtype):
     ours = head_loss(inputs, case.config, bias)
     check_head(ours, truths, dtype)
     check_head(head_loss(inputs, case.config, bias, frozen=True), truths, dtype)
-    with pytest.raises(AssertionError, match="d weight"):
-        check_head((ours[0], (ours[1][0], ours[1][1] * 1.1, ours[1][2])), truths, dtype)
+    if dtype == torch.float32:
+        with pytest.raises(AssertionError, match="d weight"):
+            check_head((ours[0], (ours[1][0], ours[1][1] * 1.01, ours[1][2])), truths, dtype)
