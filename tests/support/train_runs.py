@@ -100,6 +100,21 @@ def assert_matches_float64_truth(r: dict, dtype, what: str) -> None:
                      torch.tensor(r["grad_norms_float64"], dtype=torch.float64), dtype, f"{what} gradient norms")
 
 
+# bound: FSDP's bf16 parameters (norms and residual stream in bf16 too) against per-op autocast on fp32 weights are
+#   two different bf16 numerics, so neither is the other's middle term: a gradient of the workers' 2-layer model
+#   passes ~12 bf16 roundings on its way (embedding; per layer norm, attention, MLP; final norm; head), each of
+#   relative error <= u(bf16), so each run's update is within ~12 u of exact and the two within twice that (9.4%).
+BF16_NUMERICS = 2 * 12 * 2.0 ** -8
+
+
+def assert_bf16_numerics_agree(r: dict, what: str) -> None:
+    """The worker's sharded bf16 run against its per-op autocast run: the SGD update and the first gradient norm
+    within ``BF16_NUMERICS`` of each other, relative to the update's size and the norm."""
+    assert r["max_param_diff"] <= BF16_NUMERICS * r["max_param_change"], (what, r)
+    a, b = r["grad_norms_sharded"][0], r["grad_norms_single"][0]
+    assert abs(a - b) <= BF16_NUMERICS * abs(b), (what, r)
+
+
 def model_checksum(model_dir) -> float:
     """Trainer.param_checksums' formula over a save_pretrained directory's tensors."""
     from safetensors.torch import load_file

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from ..support.train_runs import (assert_matches_float64_truth, checksum_slack, fsdp_worker, model_checksum,
+from ..support.train_runs import (assert_bf16_numerics_agree, checksum_slack, fsdp_worker, model_checksum,
                                   read_metrics, run_cmd)
 from .test_train_fsdp import FLAGS
 
@@ -21,15 +21,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 def test_fsdp_bf16_steps_on_cuda_agree_with_unsharded_autocast(tmp_path):
     """The equivalence worker on CUDA under bf16 autocast: FSDP's bf16 parameters (MixedPrecisionPolicy) against
-    per-op autocast on fp32 weights by the three-way rule, the truth the unsharded run in float64 (parameters and
-    gradient norms, ATOL of bf16); the AdamW run moves the parameters and stays finite."""
+    per-op autocast on fp32 weights agree to bf16 rounding (SGD update and first gradient norm:
+    tests/support/train_runs.py's BF16_NUMERICS); the AdamW run moves the parameters and stays finite."""
     nproc = min(2, torch.cuda.device_count())
     results, params = fsdp_worker(tmp_path, nproc, "--device", "cuda", "--autocast", "bfloat16",
                               "--configs", "grpo-adamw,bnpo-sgd-clipped")
     # on torch < 2.12 (the GPU image) gathered() ends on the manual reshard path: every parameter 1/N again
     assert all(r["resharded_after_gathered"] for r in results.values()), results
-    for name, r in results.items():
-        assert_matches_float64_truth(r, torch.bfloat16, name)
+    assert_bf16_numerics_agree(results["bnpo-sgd-clipped"], "FSDP bf16 vs autocast on CUDA")
     adamw = results["grpo-adamw"]
     # bound: not a tolerance: AdamW at lr 1e-2 moves parameters by ~lr per step, 3 steps
     assert adamw["max_param_change"] > 1e-2 and all(torch.isfinite(t).all() for t in params["grpo-adamw"].values())
