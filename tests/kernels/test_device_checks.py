@@ -37,7 +37,7 @@ def test_logprobs_rows_check_passes_and_fails():
 
 @pytest.mark.parametrize("case", ["everything", "sequence-beta", "vespo-is-ratio"])
 def test_logits_loss_check(case):
-    check_logits_loss_call(make_inputs(CASE[case]), CASE[case].config, what=case)
+    check_logits_loss_call(make_inputs(CASE[case], B=3, T=4), CASE[case].config, what=case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -62,7 +62,7 @@ def test_logits_loss_check_scaled_in_place_and_on_a_slice(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_head_check(dtype):
     case = CASE["is-ratio-token"]
-    inputs = make_inputs(case, V=37, hidden_size=16, dtype=dtype)
+    inputs = make_inputs(case, B=3, T=4, V=37, hidden_size=16, dtype=dtype)
     bias = (torch.randn(37, generator=torch.Generator().manual_seed(2)) * 0.1).to(dtype)
     truths = head_truths(inputs, case.config, bias)
     ours = head_loss(inputs, case.config, bias)
