@@ -57,6 +57,9 @@ from dataclasses import dataclass
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 # Largest dynamic shared memory per block (bytes): H100/H200 (sm_90) and A100 (sm_80).
 MAX_SHARED = {90: 232448, 80: 166912}
+# SASS instructions per element and sweep loop of the bf16 row sweeps on sm_90 (docs/kernels.md, "Budgets"; held by
+# tests/kernels/test_aot.py, and the figure README.md and docs/kernels.md state by tests/project/test_docs_figures.py).
+SWEEP_BUDGET = 14
 
 
 @dataclass
@@ -370,6 +373,33 @@ def child_env() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def kernel_modules() -> list[str]:
+    """Every kernel module of grpo_kernels.kernels (those ending in ``_kernels``; they must have ``aot_launches``).
+
+    Found by name, not imported here: importing one creates its kernels, which must happen in the process that
+    compiles them (a test session runs under the interpreter)."""
+    import pkgutil
+
+    import grpo_kernels.kernels as pkg
+    return [f"{pkg.__name__}.{info.name}" for info in pkgutil.iter_modules(pkg.__path__)
+            if info.name.endswith("_kernels")]
+
+
+def declared_configs(modules=None, archs=(90, 80)) -> list[tuple[int, str, str]]:
+    """(arch, module, config name) of every config ``module_configs`` lists for ``modules`` (default: every kernel
+    module), recorded in a child process as ``report_module`` compiles them (names only, nothing compiled)."""
+    code = ("import sys, torch; from tools.aot import module_configs\n"
+            "torch.set_num_threads(1)\n"
+            "archs = [int(a) for a in sys.argv[1].split(',')]\n"
+            "for m in sys.argv[2:]:\n"
+            "    for a in archs:\n"
+            "        for c in module_configs(m, a):\n"
+            "            print(a, m, c[0])\n")
+    out = subprocess.run([child_python(), "-c", code, ",".join(map(str, archs)), *(modules or kernel_modules())],
+                         env=child_env(), capture_output=True, text=True, check=True).stdout.split()
+    return [(int(a), m, n) for a, m, n in zip(out[::3], out[1::3], out[2::3])]
 
 
 def report_module(modules, archs=(90, 80), jobs: int | None = None, only: str = "",

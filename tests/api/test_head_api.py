@@ -143,6 +143,7 @@ def test_torch_path_peak_memory_is_under_5_percent_of_logits():
     runs = [_peak("fused") for _ in range(2)]
     ours = min(runs, key=lambda r: r["peak_extra"] - r["grads"])
     extra = ours["peak_extra"] - ours["grads"]
+    # bound: not a numerical tolerance: the 2% budget plus the BLAS and allocator slack (6 to 28 MiB seen, < 3%)
     assert extra < 0.05 * ours["logits"], f"extra {extra / 2**20:.1f} MiB >= 5% of {ours['logits'] / 2**20:.0f} MiB"
     eager = _peak("materialize")
     assert eager["peak_extra"] >= eager["logits"], "the probe must catch a materialized N x V tensor"
@@ -159,7 +160,11 @@ def test_strided_inputs(impl):
     loss, _ = gk.fused_linear_grpo_loss(hidden_full[:, :-1], weight_t.T, ids, adv, impl=impl, loss_type="grpo")
     expected, _ = gk.fused_linear_grpo_loss(hidden_full[:, :-1].contiguous(), weight_t.T.contiguous(), ids, adv,
                                             impl=impl, loss_type="grpo")
-    assert torch.allclose(loss, expected, rtol=1e-6, atol=1e-7)
+    truth, _ = gk.fused_linear_grpo_loss(hidden_full[:, :-1].double(), weight_t.T.double(), ids, adv, impl="torch",
+                                         loss_type="grpo")
+    # the strided call within K times the contiguous call's error against float64, plus ATOL (a GEMM on another
+    # layout may sum in another order)
+    assert_three_way(loss, expected, truth, torch.float32, "strided inputs")
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -35,8 +35,9 @@ def test_group_advantages_match_trl(scale):
     summed = torch.nansum(rewards * torch.tensor(weights, dtype=torch.float64), 1)
     summed[5] = float("nan")
     expected = _trl_style_advantages(summed, 3, scale)
-    # TRL's nanstd forms its Bessel factor count / (count - 1) in float32: one fp32 rounding of the variance (<= u),
-    # half of it in the std, so rtol = u of fp32 (2x margin); atol: float64 rounding of the group means, ~1e-15
+    # bound: TRL's nanstd forms its Bessel factor count / (count - 1) in float32: one fp32 rounding of the variance
+    #   (<= u), half of it in the std, so rtol = u of fp32 (2x margin); atol: the float64 rounding of r - mean,
+    #   ~u(float64) |r| / std ~ 1e-15 for these rewards (|r| < 8, group std > 0.1), 1e-12 leaving 1000x
     assert torch.allclose(ours, expected, rtol=U[torch.float32], atol=1e-12)
     assert ours[5] == 0 and torch.all(ours[6:9] == 0)
 
@@ -48,7 +49,7 @@ def test_group_advantages_are_zero_mean_unit_std_per_group():
     # mean is 0 within gamma_4 * sum |adv| / 4; the std of 4 values takes ~8 rounded operations (gamma_8 relative)
     for group in adv.view(2, 4):
         assert abs(group.mean().item()) <= gamma(4) * group.abs().sum().item() / 4
-    assert torch.allclose(adv[:4], (r[:4] - 2.5) / (r[:4].std() + 1e-4), rtol=gamma(8), atol=0)
+    assert torch.allclose(adv[:4], (r[:4] - 2.5) / (r[:4].std() + 1e-4), rtol=gamma(8), atol=0)  # bound: above
 
 
 # Stop-gradient terms (cispo's clamped ratio, vespo's phi, on-policy old = logp.detach()) make the gradient
@@ -69,8 +70,8 @@ def test_reference_gradient_equals_finite_differences(case):
     def fn(x):
         return reference_grpo_loss(x, inputs["ids"], inputs["advantages"].double(), inputs["mask"],
                                    config=case.config, **rest)[0]
-    # float64 central differences: truncation ~eps^2 * (third derivative) ~ 1e-12, rounding ~2^-53 |f| / eps ~ 1e-10,
-    # both far below atol (gradcheck's float64 defaults, independent of the CPU)
+    # bound: float64 central differences: truncation ~eps^2 * (third derivative) ~ 1e-12, rounding
+    #   ~2^-53 |f| / eps ~ 1e-10, both far below atol (gradcheck's float64 defaults, independent of the CPU)
     assert torch.autograd.gradcheck(fn, (logits.requires_grad_(True),), eps=1e-6, atol=1e-6)
 
 
@@ -112,8 +113,9 @@ def test_documented_divergence_liger_luspo():
                                         inputs["mask"], old_logps=inputs["old_logps"], config=case.config)
     theirs = liger_fused_linear_loss(inputs["hidden"], inputs["weight"], inputs["ids"], inputs["advantages"],
                                      inputs["mask"], old_logps=inputs["old_logps"], config=case.config)
-    # a real difference, not rounding: the two normalizers differ by a factor != 1 on these ragged rows, so the
-    # losses differ at the loss's own scale; 1e-3 is far above fp32 rounding (ATOL 2e-5) and below that scale
+    # bound: not a tolerance: a real difference, not rounding: the two normalizers differ by a factor != 1 on these
+    #   ragged rows, so the losses differ at the loss's own scale; 1e-3 is far above fp32 rounding (ATOL[fp32],
+    #   1.5e-5) and below that scale
     assert abs(ours.item() - theirs.item()) > 1e-3
 
 
@@ -123,7 +125,8 @@ def test_loss_from_logps_on_policy_ratio_is_one_and_gradient_flows():
     loss, metrics = loss_from_logps(logps, adv, config=gk.GRPOLossConfig(loss_type="bnpo"))
     loss.backward()
     # on-policy: loss = -mean(A), d loss / d logp = -A / N per token
-    # float64: ratio exp(0) = 1 exactly and the advantages cancel exactly; -A / 6 within a few roundings
+    # bound: float64: ratio exp(0) = 1 exactly and the advantages cancel exactly; -A / 6 within a few roundings
     assert loss.item() == 0.0
-    assert torch.allclose(logps.grad, -adv[:, None].expand(2, 3) / 6, rtol=gamma(4, torch.float64), atol=0)
+    assert torch.allclose(logps.grad, -adv[:, None].expand(2, 3) / 6, rtol=gamma(4, torch.float64),
+                          atol=0)  # bound: above
     assert metrics["clip_ratio/region_mean"].item() == 0.0

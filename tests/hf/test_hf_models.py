@@ -5,15 +5,17 @@ model's own logits' log-softmax in float64, and so do their gradients. Soft-capp
 cap. An invalid cap (not a finite number > 0) is refused with a line naming it.
 
 Tolerances: every comparison is a float64 model against float64 autograd of the same maths, so the two sides differ
-by float64 rounding over a few hundred operations (~1e-14); rtol / atol of 1e-10 (1e-9 for gradients, sums over the
-vocabulary and the batch) are far above that and far below any real difference (a missing cap, a wrong fold or the
-wrong order is off by more than 1e-3, asserted where it matters)."""
+by float64 rounding of sums taken in another order: tests/support/tolerances.py's ``assert_same_maths`` (2 ATOL of
+float64, relative to max(1, max |value|)), far below any real difference (a missing cap, a wrong fold or the wrong
+order is off by more than 1e-3, asserted where it matters)."""
 import math
 
 import pytest
 import torch
 
 from grpo_kernels.integrations.transformers import causal_lm_token_logprobs, fold_logit_scale, get_lm_head
+
+from ..support.tolerances import assert_same_maths, grad_scale
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)
@@ -69,12 +71,13 @@ def test_family_log_probs_equal_the_models_logits(name):
         logits = _model_logits(model, ids, 0.9)
     expected = torch.log_softmax(logits, -1).gather(-1, ids[:, -5:, None]).squeeze(-1)
     expected_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    torch.testing.assert_close(logp.double(), expected, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(entropy.double(), expected_entropy, rtol=1e-10, atol=1e-10)
+    assert_same_maths(logp.double(), expected, torch.float64, f"{name} log-probs")
+    assert_same_maths(entropy.double(), expected_entropy, torch.float64, f"{name} entropies")
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     assert (cap is not None) == (name in SOFT_CAPPED) and get_lm_head(model).softcap == cap
     if cap is not None:  # the case must exercise the cap: the raw logits go well past it
         raw = model.lm_head(model.model(input_ids=ids).last_hidden_state[:, -6:-1])
+        # bound: not a tolerance: the raw logits past 1.5 c, the capped ones (logits * T, T = 0.9) below c
         assert raw.abs().max() > 1.5 * cap and logits.abs().max() * 0.9 < cap
 
 
@@ -97,8 +100,8 @@ def test_soft_capped_family_gradients_equal_autograd_through_the_models_logits(n
     expected_entropy = -(logp_all.exp() * logp_all).sum(-1)
     truth = torch.autograd.grad((a * expected).sum() + (b * expected_entropy).sum(), params)
     for got, want, what in zip(ours, truth, ("lm_head.weight", "embed_tokens.weight")):
-        assert want.abs().max() > 1e-3, what
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10, msg=what)
+        assert want.abs().max() > 1e-3, what  # bound: not a tolerance: an informative gradient, far above rounding
+        assert_same_maths(got, want, torch.float64, what, scale=grad_scale(want))
 
 
 def test_logit_scale_and_cap_fold_in_trls_order():
@@ -114,11 +117,12 @@ def test_logit_scale_and_cap_fold_in_trls_order():
     with torch.no_grad():
         x = model.lm_head(model.model(input_ids=ids).last_hidden_state[:, -6:-1])
     z = 30.0 * torch.tanh(0.5 * x / 30.0) / 0.9
-    torch.testing.assert_close(logp.double(), torch.log_softmax(z, -1).gather(-1, ids[:, -5:, None]).squeeze(-1),
-                               rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(entropy.double(), -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1),
-                               rtol=1e-10, atol=1e-10)
+    assert_same_maths(logp.double(), torch.log_softmax(z, -1).gather(-1, ids[:, -5:, None]).squeeze(-1),
+                      torch.float64, "log-probs")
+    assert_same_maths(entropy.double(), -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1), torch.float64,
+                      "entropies")
     wrong_order = torch.log_softmax(0.5 * 30.0 * torch.tanh(x / 30.0) / 0.9, -1)  # cap then scale: not the same
+    # bound: not a tolerance: the wrong order moves the log-probs by O(1e-2), far above float64 rounding
     assert (logp.double() - wrong_order.gather(-1, ids[:, -5:, None]).squeeze(-1)).abs().max() > 1e-3
 
 

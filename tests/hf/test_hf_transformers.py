@@ -18,7 +18,7 @@ from transformers import (  # noqa: E402
 from grpo_kernels.integrations.transformers import causal_lm_token_logprobs, get_lm_head  # noqa: E402
 from grpo_kernels.reference import logprobs_and_entropy  # noqa: E402
 
-from ..support.tolerances import assert_three_way, grad_scale  # noqa: E402
+from ..support.tolerances import assert_same_maths, assert_three_way, grad_scale  # noqa: E402
 
 VOCAB = 61  # not a power of two
 SMALL = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -77,11 +77,11 @@ def test_matches_model_logits(tied, bias, keep, temperature):
                                                  return_entropy=True)
     handle.remove()
     assert logp.shape == expected[0].shape and logp.dtype == torch.float64  # fp64 model: fp64 out
-    # float64 on both sides, the same maths in another order: ~1e-15 apart (a real difference would be >> 1e-10)
-    torch.testing.assert_close(logp, expected[0], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(entropy, expected[1], rtol=1e-10, atol=1e-10)
+    # float64 on both sides, the same maths in another order (a real difference would be >> 1e-10)
+    assert_same_maths(logp, expected[0], torch.float64, "log-probs")
+    assert_same_maths(entropy, expected[1], torch.float64, "entropies")
     only_logp = causal_lm_token_logprobs(model, ids, mask, keep, temperature=temperature)
-    torch.testing.assert_close(only_logp, logp)
+    assert_same_maths(only_logp, logp, torch.float64, "log-probs without the entropy")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -149,8 +149,8 @@ def test_logit_scale_folds_into_temperature():
             logp, entropy = causal_lm_token_logprobs(model, ids, mask, 4, temperature=0.9, return_entropy=True)
             exp_logp, exp_ent = _expected(model, ids, mask, 4, temperature=0.9)
         # float64 models: the same maths in float64 on both sides (a wrong fold would be off by O(1))
-        torch.testing.assert_close(logp, exp_logp, rtol=1e-10, atol=1e-10, msg=type(model).__name__)
-        torch.testing.assert_close(entropy, exp_ent, rtol=1e-10, atol=1e-10, msg=type(model).__name__)
+        assert_same_maths(logp, exp_logp, torch.float64, type(model).__name__)
+        assert_same_maths(entropy, exp_ent, torch.float64, type(model).__name__)
 
 
 def test_autocast_bf16_close_to_model():

@@ -4,7 +4,7 @@ Checked against Liger's own code, installed (the test extra): the constructor / 
 are Liger's, parameter for parameter; the numbers are compared with Liger's torch definition
 (``LigerFusedLinearGRPOFunction.ppo_loss_fn``) evaluated in float64 as ground truth, with Liger's own chunked
 module (``liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss``) in the same dtype as the middle term of the
-three-way rule (tests/tolerances.py), on the cases where Liger's definitions and TRL's agree. Where they do not,
+three-way rule (tests/support/tolerances.py), on the cases where Liger's definitions and TRL's agree. Where they do not,
 a test pins each documented difference (docs/api.md, "Coming from Liger-Kernel") and that ours is TRL's.
 """
 import inspect
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support.cases import CASES, Case, make_inputs
-from tests.support.tolerances import assert_three_way
+from tests.support.tolerances import assert_same_maths, assert_three_way
 
 liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss", reason="needs liger-kernel (test extra)")
 from grpo_kernels import liger as ours  # noqa: E402
@@ -409,8 +409,9 @@ def test_errors_name_the_argument(call, match):
 # ------------------------------------------------------------------- where Liger's numbers are not TRL's: ours are
 
 def _three_numbers(overrides, ref=False, full_mask=False, liger=True, old_shift=0.0):
-    """(ours, Liger's definition, TRL 1.16's _compute_loss) for one configuration on the same (B, L + 1, V) logits:
-    ours and Liger's as (loss, [kl,] clip), TRL's as (loss, metrics dict)."""
+    """(ours, Liger's definition, TRL 1.16's _compute_loss, TRL's in fp32) for one configuration on the same
+    (B, L + 1, V) logits: ours (fp32) and Liger's (float64) as (loss, [kl,] clip), TRL's (float64, the truth; fp32,
+    the middle term of the three-way rule for ours) as (loss, metrics dict)."""
     from tests.support.oracles import trl_compute_loss
 
     case = Case("difference", overrides, ref=ref)
@@ -428,8 +429,21 @@ def _three_numbers(overrides, ref=False, full_mask=False, liger=True, old_shift=
         _logps(x, inputs["ids"], cfg.temperature), inputs["mask"].double(), inputs["advantages"].double(), lkw,
         old=rest.get("old_logps"), ref=rest.get("ref_logps"))
     trl = trl_compute_loss(x, inputs["ids"], inputs["advantages"].double(), inputs["mask"], config=cfg, **rest)
+    trl32 = trl_compute_loss(inputs["logits"][:, :-1].float(), inputs["ids"], inputs["advantages"].float(),
+                             inputs["mask"], config=cfg, **{k: v.float() for k, v in rest.items()})
     return (loss.item(), [m.item() for m in metrics]), \
-        (theirs[0] if theirs[0] is None else theirs[0].item(), [m.item() for m in theirs[1]]), (trl[0].item(), trl[1])
+        (theirs[0] if theirs[0] is None else theirs[0].item(), [m.item() for m in theirs[1]]), \
+        (trl[0].item(), trl[1]), (trl32[0].item(), trl32[1])
+
+
+def _like_trl(mine, trl, trl32, what, metric=None):
+    """Our loss (or ``metric``, ours at mine[1][0]) against TRL's float64 value by the three-way rule, TRL's fp32
+    value the middle term."""
+    if metric is None:
+        assert_three_way(mine[0], trl32[0], trl[0], torch.float32, f"{what} loss")
+    else:
+        assert_three_way(mine[1][0], float(trl32[1][metric]), float(trl[1][metric]), torch.float32,
+                         f"{what} {metric}")
 
 
 def test_difference_luspo_normalizer():
@@ -437,26 +451,31 @@ def test_difference_luspo_normalizer():
     (the chunked module adds their policy and KL terms too); TRL 1.16 sums each row's valid tokens, mean over rows.
     Without padding they agree."""
     overrides = {"loss_type": "luspo", "beta": 0.04}
-    mine, theirs, trl = _three_numbers(overrides, ref=True)
-    assert mine[0] == pytest.approx(trl[0], rel=1e-5) and abs(mine[0] - theirs[0]) > 1e-3
-    mine, theirs, trl = _three_numbers(overrides, ref=True, full_mask=True)
-    assert mine[0] == pytest.approx(trl[0], rel=1e-5) == pytest.approx(theirs[0], rel=1e-5)
+    mine, theirs, trl, trl32 = _three_numbers(overrides, ref=True)
+    _like_trl(mine, trl, trl32, "luspo")
+    assert abs(mine[0] - theirs[0]) > 1e-3  # bound: not a tolerance: another normalizer, O(the loss) apart
+    mine, theirs, trl, trl32 = _three_numbers(overrides, ref=True, full_mask=True)
+    _like_trl(mine, trl, trl32, "luspo without padding")
+    assert_same_maths(theirs[0], trl[0], torch.float64, "Liger's definition without padding")
 
 
 @pytest.mark.parametrize("loss_type", ["sapo", "vespo"])
 def test_difference_clip_metric_of_sapo_and_vespo(loss_type):
     """sapo / vespo: Liger reports a clip ratio of 0 (no clipping in their loss), TRL 1.16 none; the drop-in's slot
     holds the fraction of tokens outside the clip region, ``clip_ratio/region_mean`` of grpo_loss's dict."""
-    mine, theirs, trl = _three_numbers({"loss_type": loss_type})
+    mine, theirs, trl, trl32 = _three_numbers({"loss_type": loss_type})
     assert "clip_ratio/region_mean" not in trl[1] and theirs[1] == [0.0]
-    assert mine[0] == pytest.approx(trl[0], rel=1e-5) and mine[1][0] > 0
+    _like_trl(mine, trl, trl32, loss_type)
+    assert mine[1][0] > 0
 
 
 def test_difference_clip_metric_with_delta():
     """delta <= 1 + epsilon_high: TRL (and ours) count the delta-clamped ratio in the clip metric, Liger the raw one."""
-    mine, theirs, trl = _three_numbers({"loss_type": "dapo", "delta": 1.1, "epsilon_high": 0.28}, old_shift=0.5)
-    assert mine[0] == pytest.approx(trl[0], rel=1e-5) == pytest.approx(theirs[0], rel=1e-5)
-    assert mine[1][0] == pytest.approx(trl[1]["clip_ratio/region_mean"], abs=1e-7)
+    mine, theirs, trl, trl32 = _three_numbers({"loss_type": "dapo", "delta": 1.1, "epsilon_high": 0.28},
+                                              old_shift=0.5)
+    _like_trl(mine, trl, trl32, "delta")
+    assert_same_maths(theirs[0], trl[0], torch.float64, "Liger's definition")
+    _like_trl(mine, trl, trl32, "delta", metric="clip_ratio/region_mean")
     assert theirs[1][0] > mine[1][0]
 
 
@@ -478,10 +497,12 @@ def test_clip_metrics_read_the_delta_clamped_ratio(impl):
 
 def test_difference_clip_metric_at_sequence_level():
     """Sequence-level ratios: TRL averages the clip indicator over sequences, Liger over valid tokens."""
-    mine, theirs, trl = _three_numbers({"loss_type": "grpo", "importance_sampling_level": "sequence",
-                                        "epsilon_low": 0.02, "epsilon_high": 0.02}, old_shift=0.5)
-    assert mine[0] == pytest.approx(trl[0], rel=1e-5) == pytest.approx(theirs[0], rel=1e-5)
-    assert mine[1][0] == pytest.approx(trl[1]["clip_ratio/region_mean"], abs=1e-7)
+    mine, theirs, trl, trl32 = _three_numbers({"loss_type": "grpo", "importance_sampling_level": "sequence",
+                                               "epsilon_low": 0.02, "epsilon_high": 0.02}, old_shift=0.5)
+    _like_trl(mine, trl, trl32, "sequence level")
+    assert_same_maths(theirs[0], trl[0], torch.float64, "Liger's definition")
+    _like_trl(mine, trl, trl32, "sequence level", metric="clip_ratio/region_mean")
+    # bound: not a tolerance: a fraction over tokens vs over sequences, O(1e-1) apart
     assert abs(theirs[1][0] - mine[1][0]) > 1e-3
 
 
@@ -496,8 +517,8 @@ def test_difference_sequence_level_cispo_sapo(loss_type):
             torch.ones(2, 3, dtype=torch.long), torch.ones(2))
     with pytest.warns(UserWarning, match="Liger-Kernel 0.8.5 refuses"):
         ours.LigerFusedLinearGRPOLoss(**overrides)
-    mine, _, trl = _three_numbers(overrides, liger=False)
-    assert mine[0] == pytest.approx(trl[0], rel=1e-5)
+    mine, _, trl, trl32 = _three_numbers(overrides, liger=False)
+    _like_trl(mine, trl, trl32, loss_type)
 
 
 def test_difference_dr_grpo_without_max_completion_length():

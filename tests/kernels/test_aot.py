@@ -14,15 +14,15 @@ element on sm_90 (docs/kernels.md: the issue-time estimate of a sweep at or belo
 The compiler is the child's Triton: this environment's (CI: 3.9), or the one ``GRPO_AOT_PYTHON`` names (CI's slow
 step runs this file again with ``.venv-triton36/bin/python``, the GPU image's Triton 3.6: scripts/setup_aot36.sh).
 The default tests compile a subset (each fused-linear kernel with its heaviest flags, in fp32, TF32 and bf16, plus
-all configs of the other modules but the head epilogue's); the ``slow`` one compiles everything (~440 configs for
-both architectures; times in docs/kernels.md, seconds once Triton's cache is warm).
+all configs of the other modules but the head epilogue's); the ``slow`` one compiles everything (every config of
+both architectures: docs/kernels.md's variant list, whose counts tests/project/test_docs_figures.py checks; times in
+docs/kernels.md, seconds once Triton's cache is warm).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
-import pkgutil
 import re
 
 import pytest
@@ -36,24 +36,14 @@ if not os.path.exists(aot.tool_path("cuobjdump")):
 
 ARCHS = (90, 80)
 # SASS instructions per element and sweep loop of the bf16 row sweeps on sm_90 (docs/kernels.md, "Budgets").
-SWEEP_BUDGET = 14
+SWEEP_BUDGET = aot.SWEEP_BUDGET
 # The bf16 row-sweep configs the budget test compiles: the heaviest flag set of each sweep kernel.
 SWEEPS = (r"^(logits_fwd_bf16|logits_bwd_bf16_entropy|logits_loss_bf16_clipped_all_options|logits_scale_bf16"
           r"|head_fold_bias/head_fold_kernel|head_dlogits_bf16_bias_ent"
           r"|head_loss_grad_bf16_clipped_all_options/head_loss_grad_kernel)$")
 
 
-def _kernel_modules() -> list:
-    """Every kernel module of grpo_kernels.kernels (those ending in ``_kernels``; they must have ``aot_launches``).
-
-    Found by name, not imported here: importing one creates its kernels, which must happen in the child process
-    that compiles them (this test session runs under the interpreter)."""
-    import grpo_kernels.kernels as pkg
-    return [f"{pkg.__name__}.{info.name}" for info in pkgutil.iter_modules(pkg.__path__)
-            if info.name.endswith("_kernels")]
-
-
-MODULES = _kernel_modules()
+MODULES = aot.kernel_modules()
 # Default subset: every config of the small kernels, and each fused-linear kernel with its heaviest flags.
 FAST = (r"^(?!linear_|head_)|^head_(fold_bias|loss_grad_bf16_clipped_all_options|dlogits_light_bf16_bias_ent)/"
         r"|^linear_fwd_(fp32|bf16)_bias/|^linear_fwd_fp32_nobias/linear_fwd_merge|^linear_fwd_fp32_bias_tf32/"
@@ -68,16 +58,7 @@ def expected_names(pattern: str = "") -> set:
 
 @functools.lru_cache(maxsize=None)
 def _declared_names() -> frozenset:
-    import subprocess
-    code = ("import sys, torch; from tools.aot import module_configs\n"
-            "torch.set_num_threads(1)\n"
-            "for m in sys.argv[2:]:\n"
-            "    for a in (90, 80):\n"
-            "        for c in module_configs(m, a):\n"
-            "            print(a, c[0])\n")
-    out = subprocess.run([aot.child_python(), "-c", code, "x", *MODULES], env=aot.child_env(), capture_output=True,
-                         text=True, check=True).stdout.split()
-    return frozenset((int(a), n) for a, n in zip(out[::2], out[1::2]))
+    return frozenset((arch, name) for arch, _, name in aot.declared_configs(MODULES, ARCHS))
 
 
 def check(reports) -> None:

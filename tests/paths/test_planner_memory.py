@@ -62,6 +62,7 @@ def test_planned_transient_memory_matches_the_traced_allocations(path, shape, dt
 
     traced = transient_peak(run)
     assert plan.path == path
+    # bound: not a numerical tolerance: the planner's figure within 10% of the traced allocations (docs/contributing.md)
     assert traced > 0 and abs(traced - plan.transient_bytes) <= 0.10 * plan.transient_bytes, \
         f"planned {plan.transient_bytes} B ({plan.transient}), traced {traced} B"
 
@@ -147,5 +148,6 @@ def test_planned_memory_counts_casts_and_copies(case):
             loss.backward()
             return [loss, *metrics.values(), hidden.grad, weight.grad]
     traced = transient_peak(run)
+    # bound: not a numerical tolerance: the planner's figure within 10% of the traced allocations
     assert abs(traced - plan.transient_bytes) <= 0.10 * plan.transient_bytes, \
         f"planned {plan.transient_bytes} B ({plan.transient}), traced {traced} B"

@@ -86,6 +86,35 @@ def fsdp_worker(tmp_path, nproc: int, *args: str, name: str = "eq") -> tuple[dic
     return json.loads(out.read_text()), torch.load(str(out) + ".params.pt")
 
 
+def assert_matches_float64_truth(r: dict, dtype, what: str) -> None:
+    """The worker's sharded run against its unsharded run (``dtype``: fp32, or bf16 under autocast) by the
+    three-way rule, the float64 unsharded run the truth: parameters (relative to max |parameter|, at least 1) and
+    the gradient norm of every step."""
+    import torch
+
+    from .tolerances import assert_errors_three_way, assert_three_way
+
+    assert_errors_three_way(r["param_err_sharded"], r["param_err_single"], dtype, f"{what} parameters",
+                            scale=max(1.0, r["param_scale"]))
+    assert_three_way(torch.tensor(r["grad_norms_sharded"]), torch.tensor(r["grad_norms_single"]),
+                     torch.tensor(r["grad_norms_float64"], dtype=torch.float64), dtype, f"{what} gradient norms")
+
+
+# bound: FSDP's bf16 parameters (norms and residual stream in bf16 too) against per-op autocast on fp32 weights are
+#   two different bf16 numerics, so neither is the other's middle term: a gradient of the workers' 2-layer model
+#   passes ~12 bf16 roundings on its way (embedding; per layer norm, attention, MLP; final norm; head), each of
+#   relative error <= u(bf16), so each run's update is within ~12 u of exact and the two within twice that (9.4%).
+BF16_NUMERICS = 2 * 12 * 2.0 ** -8
+
+
+def assert_bf16_numerics_agree(r: dict, what: str) -> None:
+    """The worker's sharded bf16 run against its per-op autocast run: the SGD update and the first gradient norm
+    within ``BF16_NUMERICS`` of each other, relative to the update's size and the norm."""
+    assert r["max_param_diff"] <= BF16_NUMERICS * r["max_param_change"], (what, r)
+    a, b = r["grad_norms_sharded"][0], r["grad_norms_single"][0]
+    assert abs(a - b) <= BF16_NUMERICS * abs(b), (what, r)
+
+
 def model_checksum(model_dir) -> float:
     """Trainer.param_checksums' formula over a save_pretrained directory's tensors."""
     from safetensors.torch import load_file
@@ -95,6 +124,24 @@ def model_checksum(model_dir) -> float:
         for t in load_file(f).values():
             total += float(t.double().sum()) + 1e-3 * float(t.double().abs().sum())
     return total
+
+
+def checksum_slack(model_dir) -> float:
+    """How far two checksums (model_checksum's formula) of the *same* parameter values may lie apart when they add
+    them in different orders or groupings (per tensor, per shard, per rank, another thread split): each is a float64
+    sum of n = (elements + 3 per tensor) terms ``e + 1e-3 |e|``, within gamma(n) * sum |terms| of the exact sum in
+    any order (tests/support/tolerances.py), so the two are within twice that."""
+    import torch
+    from safetensors.torch import load_file
+
+    from .tolerances import gamma
+
+    n, magnitude = 0, 0.0
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        for t in load_file(f).values():
+            n += t.numel() + 3
+            magnitude += (1 + 1e-3) * float(t.double().abs().sum())
+    return 2 * gamma(n, torch.float64) * magnitude
 
 
 def save_tiny_chat_checkpoint(path):

@@ -5,9 +5,12 @@ Every rank builds the same tiny Llama and the same fixed synthetic rollout (no s
 contiguous share of the rows and runs ``grpo.update.optimizer_step`` a few times on the FSDP2-sharded policy
 (old log-probs from the policy and reference log-probs from the sharded frozen reference, both computed inside
 ``sharding.gathered``). Rank 0 then repeats the same steps on one unsharded copy over *all* rows with the same
-micro-batch size (the same maths: see optimizer_step's normalization), and writes the largest parameter
-difference and both runs' gradient norms per configuration to ``--out`` (JSON), and the sharded runs' final
-parameters to ``--out``.params.pt (to compare runs on different world sizes).
+micro-batch size (the same maths: see optimizer_step's normalization), and, for the configurations expected to
+match, once more in float64 (the ground truth of the three-way rule: the sharded fp32 run within K times the
+unsharded fp32 run's distance to it, plus ATOL). It writes per configuration the parameters' largest errors against
+that truth (or, for the broken ones, the largest difference to the unsharded run) and the runs' gradient norms to
+``--out`` (JSON), and the sharded runs' final parameters to ``--out``.params.pt (to compare runs on different world
+sizes).
 
 Negative controls (``expect_match`` False) break the gradient reduction on purpose: ``summed`` (gradients summed
 instead of averaged over ranks, with SGD so that the scale matters) and ``unreduced`` (gradients never reduced:
@@ -28,7 +31,7 @@ from grpo.distributed import DistEnv
 from grpo.modeling import build_char_tokenizer, build_tiny_model, disable_dropout
 from grpo.policy import GRPOPolicy
 from grpo.rollout import Rollout
-from grpo.update import StepOptions, optimizer_step, rollout_logprobs
+from grpo.update import StepOptions, optimizer_step, rollout_logprobs, trim
 
 CONFIGS = [
     {"name": "grpo-adamw", "loss_type": "grpo", "optimizer": "adamw", "broken": None},
@@ -72,21 +75,22 @@ def synthetic_rollout(vocab: int, device: torch.device) -> tuple[Rollout, torch.
     return rollout, advantages
 
 
-def build(tokenizer, cfg: dict, device: torch.device, autocast):
+def build(tokenizer, cfg: dict, device: torch.device, autocast, dtype=torch.float32):
     torch.manual_seed(0)
     lm = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, initializer_range=0.2)
     lm.config._attn_implementation = "sdpa"
     disable_dropout(lm)
-    lm.to(device).train()
+    lm.to(device=device, dtype=dtype).train()
     loss = gk.GRPOLossConfig(loss_type=cfg["loss_type"], beta=BETA, max_completion_length=COMPLETION)
     ref_lm = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, initializer_range=0.2)
     ref_lm.load_state_dict(lm.state_dict())  # the frozen copy of the initial policy
-    ref_lm.to(device).requires_grad_(False).eval()
+    ref_lm.to(device=device, dtype=dtype).requires_grad_(False).eval()
     if autocast is not None:
         ref_lm.to(autocast)
-    compute = autocast or torch.float32
-    # impl "auto": the chunked torch head on CPU, the Triton kernels on CUDA
-    return GRPOPolicy(lm, loss, "auto", compute, autocast), GRPOPolicy(ref_lm, loss, "auto", compute, autocast)
+    compute = autocast or dtype
+    # impl "auto": the chunked torch head on CPU, the Triton kernels on CUDA (float64: the torch head everywhere)
+    impl = "torch" if dtype == torch.float64 else "auto"
+    return GRPOPolicy(lm, loss, impl, compute, autocast), GRPOPolicy(ref_lm, loss, impl, compute, autocast)
 
 
 def use_local_gradients(root) -> None:
@@ -158,13 +162,26 @@ def abort_inside_gathered(policy, rollout) -> bool:
     return False
 
 
+def logprobs_of(policy, rollout) -> torch.Tensor:
+    """``rollout_logprobs`` in the policy's own dtype: grpo.update stores fp32, which would round the float64
+    truth run's old / reference log-probs to fp32 (an error of the size the comparison measures)."""
+    dtype = next(policy.parameters()).dtype
+    if dtype == torch.float32:
+        return rollout_logprobs(policy, rollout, MICRO)
+    out = torch.zeros(rollout.completion_ids.shape, dtype=dtype, device=rollout.completion_ids.device)
+    for rows in torch.arange(rollout.batch_size, device=out.device).split(MICRO):
+        batch = trim(rollout.batch(rows))
+        out[rows, :batch["completion_ids"].shape[1]] = policy.token_logprobs(batch).to(dtype)
+    return out
+
+
 def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_norm: float,
         sync: str = "micro_batch", checks: dict | None = None) -> list[float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with sharding.gathered(policy):
-        old_logps = rollout_logprobs(policy, rollout, MICRO)
+        old_logps = logprobs_of(policy, rollout)
     with sharding.gathered(ref):
-        ref_logps = rollout_logprobs(ref, rollout, MICRO)
+        ref_logps = logprobs_of(ref, rollout)
     if checks is not None:
         checks["resharded_after_gathered"] = resharded(policy) and resharded(ref)
     norms = []
@@ -174,6 +191,23 @@ def run(policy, ref, model, optimizer, rollout, advantages, rows, env, max_grad_
                                            fsdp_grad_sync=sync))
         norms.append(stats["grad_norm"])
     return norms
+
+
+def float64_truth(tokenizer, cfg, device, rollout, advantages, clip, sharded, single_state, single_env) -> dict:
+    """The unsharded run in float64, without autocast (the ground truth): the largest parameter error of the sharded
+    and of the unsharded run (fp32, or under autocast) against it, the largest |parameter| (the rule's scale), and
+    its gradient norms."""
+    policy, ref = build(tokenizer, cfg, device, None, torch.float64)
+    optimizer = make_optimizer(policy, cfg["optimizer"])
+    norms = run(policy, ref, policy, optimizer, rollout, advantages.double(), torch.arange(ROWS, device=device),
+                single_env, clip)
+    truth = {k: v.detach().cpu() for k, v in policy.lm.state_dict().items()}
+    assert all(v.dtype == torch.float64 for v in truth.values() if v.is_floating_point())
+
+    def err(state):
+        return max(float((state[k].detach().cpu().double() - truth[k]).abs().max()) for k in truth)
+    return {"param_err_sharded": err(sharded), "param_err_single": err(single_state),
+            "param_scale": max(float(v.abs().max()) for v in truth.values()), "grad_norms_float64": norms}
 
 
 def main() -> None:
@@ -242,6 +276,9 @@ def main() -> None:
                                     "max_param_change_sharded": moved_sharded,
                                     "grad_norms_sharded": sharded_norms, "grad_norms_single": norms,
                                     "expect_match": cfg["broken"] is None, "world_size": world, **checks}
+            if cfg["broken"] is None:
+                results[cfg["name"]].update(float64_truth(tokenizer, cfg, device, rollout, advantages, clip, full,
+                                                          truth, single))
         dist.barrier()
     if rank == 0:
         with open(args.out, "w") as f:

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from ..support.train_runs import fsdp_worker, model_checksum, read_metrics, run_cmd
+from ..support.train_runs import (assert_bf16_numerics_agree, checksum_slack, fsdp_worker, model_checksum,
+                                  read_metrics, run_cmd)
 from .test_train_fsdp import FLAGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -20,17 +21,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 def test_fsdp_bf16_steps_on_cuda_agree_with_unsharded_autocast(tmp_path):
     """The equivalence worker on CUDA under bf16 autocast: FSDP's bf16 parameters (MixedPrecisionPolicy) against
-    per-op autocast on fp32 weights agree to bf16 rounding (SGD: within 10% of the update; first gradient norm
-    within 1%); the AdamW run moves the parameters and stays finite."""
+    per-op autocast on fp32 weights agree to bf16 rounding (SGD update and first gradient norm:
+    tests/support/train_runs.py's BF16_NUMERICS); the AdamW run moves the parameters and stays finite."""
     nproc = min(2, torch.cuda.device_count())
     results, params = fsdp_worker(tmp_path, nproc, "--device", "cuda", "--autocast", "bfloat16",
                               "--configs", "grpo-adamw,bnpo-sgd-clipped")
     # on torch < 2.12 (the GPU image) gathered() ends on the manual reshard path: every parameter 1/N again
     assert all(r["resharded_after_gathered"] for r in results.values()), results
-    sgd = results["bnpo-sgd-clipped"]
-    assert sgd["max_param_diff"] <= 0.1 * sgd["max_param_change"], sgd
-    assert sgd["grad_norms_sharded"][0] == pytest.approx(sgd["grad_norms_single"][0], rel=1e-2), sgd
+    assert_bf16_numerics_agree(results["bnpo-sgd-clipped"], "FSDP bf16 vs autocast on CUDA")
     adamw = results["grpo-adamw"]
+    # bound: not a tolerance: AdamW at lr 1e-2 moves parameters by ~lr per step, 3 steps
     assert adamw["max_param_change"] > 1e-2 and all(torch.isfinite(t).all() for t in params["grpo-adamw"].values())
 
 
@@ -44,8 +44,9 @@ def test_grpo_train_fsdp_on_cuda_saves_and_resumes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     summary = json.loads((run / "run_summary.json").read_text())
     assert summary["world_size"] == nproc and len(summary["shard_checksums"]) == nproc
-    assert sum(summary["shard_checksums"]) == pytest.approx(summary["param_checksums"][0], rel=1e-9)
-    assert model_checksum(run / "checkpoint-4" / "model") == pytest.approx(summary["param_checksums"][0], rel=1e-9)
+    assert sum(summary["shard_checksums"]) == summary["param_checksums"][0]  # the same sum of the same numbers
+    final = run / "checkpoint-4" / "model"  # the same values in another grouping: checksum_slack
+    assert abs(model_checksum(final) - summary["param_checksums"][0]) <= checksum_slack(final)
     assert (run / "checkpoint-2" / "sharded" / ".metadata").exists()
     assert (run / "checkpoint-4" / "model" / "model.safetensors").exists()
     assert all(r["loss"] == r["loss"] for r in read_metrics(run)[1:])  # finite (not NaN)

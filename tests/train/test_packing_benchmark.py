@@ -21,7 +21,7 @@ def test_the_long_tailed_batch_is_mostly_padding():
     assert all(8 <= p <= 32 for p in prompt) and all(1 <= c <= 256 for c in completion)
     assert completion[::G] == [256] * 4  # one completion per group runs to the limit
     padding = 1 - sum(p + c for p, c in zip(prompt, completion)) / (len(prompt) * (max(prompt) + 256))
-    assert padding >= 0.70
+    assert padding >= 0.70  # bound: not a tolerance: "mostly padding", the benchmark's premise
 
 
 @pytest.mark.slow

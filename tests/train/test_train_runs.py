@@ -168,7 +168,8 @@ def test_default_run_learns_to_copy_held_out_strings(tmp_path):
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 50, 100, 150, 200, 250, 300]
     assert evals[0]["eval/accuracy"] == 0.0 and evals[-1]["eval/accuracy"] >= ACCURACY_AT_300, evals[-1]
-    assert evals[-1]["eval/reward"] >= 0.75 > evals[0]["eval/reward"], evals  # measured 0.084 -> 0.978
+    # bound: not a tolerance: the run learns (measured 0.084 -> 0.978)
+    assert evals[-1]["eval/reward"] >= 0.75 > evals[0]["eval/reward"], evals
     assert records[-1]["kl"] > 0 and records[-1]["rollout"] == 299
     assert (out / "curves.png").stat().st_size > 1000 and (out / "checkpoint-300" / "COMPLETE").exists()
     summary = json.loads((out / "run_summary.json").read_text())
