@@ -345,7 +345,8 @@ class LossTokens:
 class HeadTokens:
     """Per-token inputs of the fused head's gradient-in-forward epilogue, fp32 (N_valid,) contiguous at the valid
     tokens: advantage, reduction weight ``w`` and the optional old / reference log-probs and importance weight;
-    ``ge``: fp32 (1,) d loss / d entropy of every valid token (the entropy bonus) or None."""
+    ``ge``: fp32 (1,) d loss / d entropy of every valid token (the entropy bonus) or None; ``cu_seqlens``: the
+    packed layout's offsets on the call's grid (None: padded rows), which the batch-invariant term sums follow."""
 
     adv: torch.Tensor
     w: torch.Tensor
@@ -353,18 +354,19 @@ class HeadTokens:
     ref: torch.Tensor | None = None
     isr: torch.Tensor | None = None
     ge: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
 
     def as_list(self) -> list:
         """The tensors in field order, as a registered op takes them (``ops.py``)."""
-        return [self.adv, self.w, self.old, self.ref, self.isr, self.ge]
+        return [self.adv, self.w, self.old, self.ref, self.isr, self.ge, self.cu_seqlens]
 
     def rows(self, index) -> "HeadTokens":
-        """The tokens at ``index`` (None: all); ``ge`` is one value for every token."""
+        """The tokens at ``index`` (None: all); ``ge`` is one value for every token, ``cu_seqlens`` the grid's."""
         if index is None:
             return self
         adv, w, old, ref, isr = (None if t is None else t.index_select(0, index)
                                  for t in (self.adv, self.w, self.old, self.ref, self.isr))
-        return HeadTokens(adv, w, old, ref, isr, self.ge)
+        return HeadTokens(adv, w, old, ref, isr, self.ge, self.cu_seqlens)
 
 
 @dataclass(frozen=True)

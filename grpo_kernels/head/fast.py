@@ -39,18 +39,21 @@ from ..inputs import HeadInputs, HeadTokens, LossInputs, ValidRows
 from ..loss_types import LOSS_TABLE, reduction_weights
 from ..metrics import metrics_from_sums
 from ..reference import loss_from_logps
+from ..sequences import token_sums
 
 
 @ops.options_type
 @dataclass(frozen=True)
 class FastOptions:
-    """The non-tensor inputs of ``head.fast``: the compute dtype, the loss options, the logits transform and the
-    rows per chunk."""
+    """The non-tensor inputs of ``head.fast``: the compute dtype, the loss options, the logits transform, the rows
+    per chunk, and the call's (B, T) token grid (which the batch-invariant term sums follow)."""
 
     dtype: torch.dtype
     cfg: GRPOLossConfig
     transform: LogitTransform
     rows: int
+    grid_rows: int = 0
+    grid_cols: int = 0
 
 
 def _in_compute_dtype(dtype, *tensors):
@@ -58,19 +61,30 @@ def _in_compute_dtype(dtype, *tensors):
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
-def fast_loss(hidden, weight, bias, ids, tokens: HeadTokens, entropy_scale, needs: tuple, o: FastOptions):
+def fast_loss(hidden, weight, bias, ids, tokens: HeadTokens, entropy_scale, needs: tuple, o: FastOptions,
+              positions=None):
     """(loss fp32 0-dim, term sums fp64, d hidden in hidden's dtype | None, d weight fp32 | None, d bias fp32 | None)
     of ``head.fast`` at an incoming gradient of 1: the path's one body (``ops.py``). hidden / weight / bias are cast
     to ``o.dtype`` here, so that an fp32 (master) weight's gradient is the fp32 accumulator itself; the copies are
-    freed before this returns."""
+    freed before this returns. positions: the flat grid positions of the (compacted) rows, None when they are the
+    whole grid (the batch-invariant sums place each row's terms back on the grid)."""
     from ..kernels.linear_epilogue_kernels import head_loss_and_grads  # lazy: creates the Triton kernels
     h, w, b = _in_compute_dtype(o.dtype, hidden, weight, bias)
     with torch.autocast(hidden.device.type, enabled=False):  # fp32 accumulation is the kernels' own
         _logp, ent, terms, dh, dw32, db32 = head_loss_and_grads(
             h, w, b, ids, tokens, o.cfg, o.transform, LOSS_TABLE[o.cfg.loss_type].policy_kind, o.rows, needs)
     del h, w, b  # the compute-dtype copies (an fp32 master weight's bf16 copy) go before the backward
-    # Fixed-order fp64 sums of the per-token terms: deterministic, and no precision lost over many tokens.
-    sums = torch.cat([terms.double().sum(0), ent.double().sum().reshape(1)])
+    # Fixed-order fp64 sums of the per-token terms: deterministic, and no precision lost over many tokens;
+    # batch-invariant: the per-sequence trees over the call's grid (sequences.token_sums)
+    per_token = torch.cat([terms, ent.reshape(-1, 1)], 1)
+    if o.cfg.batch_invariant:
+        grid = (o.grid_rows, o.grid_cols)
+        if positions is not None:
+            per_token = per_token.new_zeros((grid[0] * grid[1], per_token.shape[1])).index_copy(0, positions,
+                                                                                               per_token)
+        sums = token_sums(per_token, grid, tokens.cu_seqlens, True)
+    else:
+        sums = per_token.double().sum(0)
     loss = sums[0] - o.cfg.entropy_coef * sums[-1] * entropy_scale
     return loss.float(), sums, None if dh is None else dh.to(hidden.dtype), dw32, db32
 
@@ -119,8 +133,9 @@ class _HeadLossInForward(torch.autograd.Function):
     """(hidden (N, H), weight, bias, ids) -> (loss, term sums); the gradients are made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, tokens: HeadTokens, entropy_scale, o: FastOptions):
-        loss, sums, *grads = fast_loss(hidden, weight, bias, ids, tokens, entropy_scale, _needs(ctx, bias), o)
+    def forward(ctx, hidden, weight, bias, ids, tokens: HeadTokens, entropy_scale, o: FastOptions, positions):
+        loss, sums, *grads = fast_loss(hidden, weight, bias, ids, tokens, entropy_scale, _needs(ctx, bias), o,
+                                       positions)
         ctx.grads, ctx.dtypes = grads, _dtypes(hidden, weight, bias)
         ctx.mark_non_differentiable(sums)
         return loss, sums
@@ -128,7 +143,7 @@ class _HeadLossInForward(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_sums):
-        return (*hand_out(_stored_grads(ctx), grad_loss, ctx.dtypes, in_place=True), None, None, None, None)
+        return (*hand_out(_stored_grads(ctx), grad_loss, ctx.dtypes, in_place=True), None, None, None, None, None)
 
 
 @custom_op("grpo_kernels::head_loss_fast", mutates_args=())
@@ -143,7 +158,7 @@ def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     index = ops.valid_index(row_mask, N)
     hidden_rows, ids = ops.take_rows(index, hidden, ids)
     loss, sums, dh, dw32, db32 = fast_loss(hidden_rows, weight, bias, ids, HeadTokens(*tokens).rows(index),
-                                           entropy_scale, tuple(needs), ops.decode(FastOptions, floats, ints))
+                                           entropy_scale, tuple(needs), ops.decode(FastOptions, floats, ints), index)
     return (loss, sums, ops.or_empty(ops.put_rows(index, N, dh), hidden), ops.or_empty(dw32, hidden),
             ops.or_empty(db32, hidden))
 
@@ -185,8 +200,9 @@ def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossCon
     tokens = HeadTokens(adv=_per_token(batch.per_token(batch.advantages), B, T, rows),
                         w=_per_token(weights.weights, B, T, rows), old=_per_token(batch.old_logps, B, T, rows),
                         ref=_per_token(batch.ref_logps, B, T, rows),
-                        isr=_per_token(batch.per_token(batch.is_ratio), B, T, rows), ge=ge)
-    o = FastOptions(inputs.dtype, cfg, inputs.transform, plan.chunk_rows)
+                        isr=_per_token(batch.per_token(batch.is_ratio), B, T, rows), ge=ge,
+                        cu_seqlens=batch.seqs.cu_seqlens)
+    o = FastOptions(inputs.dtype, cfg, inputs.transform, plan.chunk_rows, B, T)
     entropy_scale = 1.0 / weights.count.double()
     if ops.compiling():  # the Function does not trace: its registered op does
         wants = torch.is_grad_enabled()
@@ -194,7 +210,8 @@ def head_loss_in_forward(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossCon
         loss, sums, *_ = _head_loss_fast(hidden, inputs.weight, inputs.bias, ids, rows.deferred, tokens.as_list(),
                                          entropy_scale, needs, *ops.encode(o))
     else:
-        loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, tokens, entropy_scale, o)
+        loss, sums = _HeadLossInForward.apply(hidden, inputs.weight, inputs.bias, ids, tokens, entropy_scale, o,
+                                              rows.index)
     return loss, metrics_from_sums(sums, sums[-1], weights.count, batch.ref_logps is not None, cfg.loss_type)
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import alloc
+from ..invariance import padded
 from . import linear_tiles as tiles
 from .._testing import knobs, override
 from .host import TRITON_DTYPES, cap_args, cdiv, check_inputs, half_view, per_token
@@ -130,7 +131,8 @@ def linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
 
 
 def linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs: tuple,
-                             deterministic: bool, chunk_bytes: int | None = None, row_block: int | None = None):
+                             deterministic: bool, chunk_bytes: int | None = None, row_block: int | None = None,
+                             fixed_rows: bool = False):
     """(d_hidden | None, d_weight | None, d_bias | None) in hidden's / weight's / bias' dtype.
 
     Inputs as in ``linear_logprobs_forward`` plus ``stats`` (an ``inputs.LogprobGrads``: the forward's lse and
@@ -141,7 +143,9 @@ def linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs:
     dz / temperature, times 1 - (y_v / softcap)^2 with a soft cap (y = softcap tanh(x / softcap); lse / entropy are
     the capped logits'). ``deterministic`` selects the atomic-free path (see the module docstring for both paths and
     their memory); chunk_bytes bounds its d-logits chunk (None: ``DETERMINISTIC_CHUNK_FRACTION`` of the N x V fp32
-    logits) and row_block its rows (None: all N), both from the plan (``backward_layout``).
+    logits) and row_block its rows (None: all N), both from the plan (``backward_layout``). ``fixed_rows`` (batch
+    invariance): every block has exactly row_block rows, the last one padded with rows of zero gradient, so every
+    GEMM and kernel of the backward has the same shape whatever N is (``invariance.py``).
     """
     temperature, softcap = transform.temperature, transform.softcap
     need_hidden, need_weight, need_bias = needs
@@ -165,8 +169,9 @@ def linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs:
             chunk_bytes = int(DETERMINISTIC_CHUNK_FRACTION * 4 * N * V)
         if knobs().chunk_bytes is not None:
             chunk_bytes = min(chunk_bytes, knobs().chunk_bytes)
-        return _backward_row_blocks(common, N, V, H, need_hidden, need_weight, need_bias, chunk_bytes,
-                                    N if row_block is None else max(1, min(N, row_block)))
+        rows = N if row_block is None else max(1, row_block if fixed_rows else min(N, row_block))
+        return _backward_row_blocks(common, N, V, H, (need_hidden, need_weight, need_bias), chunk_bytes, rows,
+                                    fixed_rows)
     tile, _, dot_fp32 = tiles.launch_params("bwd", hidden.dtype, dev)
     dh = torch.zeros((N, H), dtype=f32, device=dev) if need_hidden else None
     dw = torch.zeros((V, H), dtype=f32, device=dev) if need_weight else None
@@ -261,10 +266,13 @@ def backward_layout(N, V, H, dtype, device, room, need_hidden, need_weight, need
     return best if best.transient_bytes <= room else None
 
 
-def _backward_row_blocks(c: dict, N: int, V: int, H: int, need_hidden: bool, need_weight: bool, need_bias: bool,
-                         chunk_bytes: int, row_block: int):
+def _backward_row_blocks(c: dict, N: int, V: int, H: int, needs: tuple, chunk_bytes: int, row_block: int,
+                         fixed_rows: bool = False):
     """The deterministic backward over blocks of ``row_block`` rows: each block's d hidden is complete when the
-    block ends; d weight and d bias accumulate over blocks (in the weight's dtype / fp32)."""
+    block ends; d weight and d bias accumulate over blocks (in the weight's dtype / fp32). ``fixed_rows``: a last
+    short block is padded to row_block rows of zero gradient (``invariance.padded``); its d hidden rows past N are
+    dropped and it adds exact zeros to d weight / d bias."""
+    need_hidden, need_weight, need_bias = needs
     hidden, weight, bias = c["hidden"], c["weight"], c["bias"]
     dev = hidden.device
     d_hidden = alloc((N, H), hidden.dtype, dev) if need_hidden else None
@@ -272,11 +280,14 @@ def _backward_row_blocks(c: dict, N: int, V: int, H: int, need_hidden: bool, nee
     db32 = torch.zeros((V,), dtype=torch.float32, device=dev) if need_bias else None
     for r0 in range(0, N, row_block):
         r1 = min(N, r0 + row_block)
-        block = dict(c, hidden=hidden[r0:r1], ids=c["ids"][r0:r1], lse=c["lse"][r0:r1],
-                     entropy=c["entropy"][r0:r1], grad_logp=c["grad_logp"][r0:r1],
-                     grad_entropy=c["grad_entropy"][r0:r1])
-        _backward_chunked(block, r1 - r0, V, H, chunk_bytes, None if d_hidden is None else d_hidden[r0:r1],
-                          d_weight, db32, accumulate=r0 > 0)
+        rows = row_block if fixed_rows else r1 - r0
+        block = dict(c, **{k: padded(c[k], r0, r1, rows) for k in
+                           ("hidden", "ids", "lse", "entropy", "grad_logp", "grad_entropy")})
+        dh_block = None if d_hidden is None else (d_hidden[r0:r1] if rows == r1 - r0 else
+                                                  alloc((rows, H), hidden.dtype, dev))
+        _backward_chunked(block, rows, V, H, chunk_bytes, dh_block, d_weight, db32, accumulate=r0 > 0)
+        if dh_block is not None and rows != r1 - r0:
+            d_hidden[r0:r1] = dh_block[: r1 - r0]
     return d_hidden, d_weight, None if db32 is None else db32.to(bias.dtype)
 
 
