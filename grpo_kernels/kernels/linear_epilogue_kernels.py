@@ -38,7 +38,8 @@ import torch
 from .._checks import alloc
 from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
-from .common import LOG2E, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy, soft_cap, soft_cap_grad
+from .common import (LOG2E, dlogits_values, lane_fold, lane_fold_sq, lanes_sq_to_row, lanes_to_row, row_lse_entropy,
+                     soft_cap, soft_cap_grad)
 from .fp32_gemm import addmm_f32_, logits_f32
 from .host import TRITON_DTYPES, cap_args, half_view
 from .launch import launch, target_arch
@@ -78,8 +79,21 @@ def _lane_offsets(BLOCK: tl.constexpr, LANE: tl.constexpr):
 @triton.jit
 def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                      BLOCK: tl.constexpr):
-    """(logsumexp, entropy) of one row of fp32 logits, z = soft_cap(x + b) * inv_temperature: per-lane online
-    statistics over unmasked (16-byte vector) full blocks and one masked tail, lanes combined once.
+    """(logsumexp, entropy) of one row of fp32 logits, z = soft_cap(x + b) * inv_temperature (``_row_stats``
+    without the extra statistics)."""
+    lse, ent, _s, _s2, _y_sum, _m, _y_before = _row_stats(z_row, b_ptr, V, 0, inv_temperature, softcap, HAS_BIAS,
+                                                          SOFTCAP, False, False, False, BLOCK)
+    return lse, ent
+
+
+@triton.jit
+def _row_stats(z_row, b_ptr, V, target, inv_temperature, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+               HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr, HAS_TOP1: tl.constexpr, BLOCK: tl.constexpr):
+    """(lse, entropy, s, s2, sum y, max y, max y before ``target``) of one row of fp32 logits x, y = soft_cap(x + b),
+    z = y * inv_temperature: per-lane online statistics over unmasked (16-byte vector) full blocks and one masked
+    tail, lanes combined once. The extras, each only when its flag is on (else 0): s2 = sum e^(2 (z - m)) with
+    s = sum e^(z - m) (``log sum p^2 = log s2 - 2 log s``), the plain sum of y, and the max of y over the columns
+    before ``target`` with the row max (is_top1). They ride on the same loads: no second pass over the row.
 
     Why the lane width: a lane must sit in one thread (common.lane_fold). Four fp32 logits are one 16-byte vector;
     with a half-precision bias, eight (one 16-byte vector of bias, two of logits), else the bias load alone would
@@ -90,13 +104,24 @@ def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS: tl.con
     m = tl.full([BLOCK // LANE], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK // LANE], tl.float32)
     a = tl.zeros([BLOCK // LANE], tl.float32)
+    s2 = tl.zeros([BLOCK // LANE], tl.float32)
+    y_sum = tl.zeros([BLOCK // LANE], tl.float32)
+    y_before = tl.full([BLOCK // LANE], float("-inf"), tl.float32)
     v_main = (V // BLOCK) * BLOCK
     # Why an unmasked main loop: full blocks need no predicate, so the loads vectorize to 16 bytes.
     for v0 in range(0, v_main, BLOCK):
         x = tl.load(z_row + v0 + offs)
         if HAS_BIAS:
             x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-        m, s, a = lane_fold(soft_cap(x, softcap, SOFTCAP), m, s, a, c)
+        y = soft_cap(x, softcap, SOFTCAP)
+        if HAS_SQ:
+            m, s, a, s2 = lane_fold_sq(y, m, s, a, s2, c)
+        else:
+            m, s, a = lane_fold(y, m, s, a, c)
+        if HAS_SUM:
+            y_sum += tl.sum(y, axis=1)
+        if HAS_TOP1:
+            y_before = _max_before(y, m, y_before, v0, v0 + offs, target, BLOCK)
     cols = v_main + offs
     ok = cols < V
     x = tl.load(z_row + cols, mask=ok, other=float("-inf"))
@@ -106,9 +131,50 @@ def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS: tl.con
         # Why the select: the cap maps the masked lanes' -inf to -softcap, a finite logit that would count in the
         # sum; they must keep weight 0.
         x = tl.where(ok, soft_cap(x, softcap, SOFTCAP), float("-inf"))
-    m, s, a = lane_fold(x, m, s, a, c)
+    if HAS_SQ:
+        m, s, a, s2 = lane_fold_sq(x, m, s, a, s2, c)
+    else:
+        m, s, a = lane_fold(x, m, s, a, c)
+    if HAS_SUM:
+        y_sum += tl.sum(tl.where(ok, x, 0.0), axis=1)
+    if HAS_TOP1:
+        # the tail is the last block: no block after it, and every column before the target is a valid one
+        y_before = tl.maximum(y_before, tl.max(tl.where(cols < target, x, float("-inf")), axis=1))
     m_row, s_row, a_row = lanes_to_row(m, s, a, c)
-    return row_lse_entropy(m_row, s_row, a_row, inv_temperature)
+    s2_row = 0.0
+    if HAS_SQ:
+        s2_row = lanes_sq_to_row(m, s2, c)
+    lse, ent = row_lse_entropy(m_row, s_row, a_row, inv_temperature)
+    return lse, ent, s_row, s2_row, tl.sum(y_sum, axis=0), m_row, tl.max(y_before, axis=0)
+
+
+@triton.jit
+def _max_before(y, m, y_before, v0, cols, target, BLOCK: tl.constexpr):
+    """Per lane: the max of y over the columns before ``target`` seen so far, after the fold of the block at v0
+    (``m``: the lanes' running max, this block included; ``cols``: the block's columns).
+
+    Why per block and not per element (a column compare, a select and a max on each value): a block wholly before
+    the target brings its lanes' maxima in through m, one select per lane; only the target's own block, one per
+    row, compares columns (a branch taken once per row)."""
+    y_before = tl.where(v0 + BLOCK <= target, m, y_before)
+    if (v0 <= target) & (target < v0 + BLOCK):
+        y_before = tl.maximum(y_before, tl.max(tl.where(cols < target, y, float("-inf")), axis=1))
+    return y_before
+
+
+@triton.jit
+def _store_extras(sq_ptr, mean_ptr, top1_ptr, tok, logp, z_t, s_row, s2_row, y_sum, m_row, y_before, V,
+                  inv_temperature, HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr, HAS_TOP1: tl.constexpr):
+    """A token's extra outputs from ``_row_stats`` (z_t: its target's z): log sum p^2 = log s2 - 2 log s; the mean
+    of z = (sum y) / T / V; is_top1 = z_t >= max z and z_t > max z before the target (TRL's rule: the first maximum
+    wins), compared in z (y / T rounded: a tie in z is a tie, as TRL sees it), False where logp is NaN."""
+    if HAS_SQ:
+        tl.store(sq_ptr + tok, tl.log(s2_row) - 2.0 * tl.log(s_row))
+    if HAS_SUM:
+        tl.store(mean_ptr + tok, y_sum * inv_temperature / V)
+    if HAS_TOP1:
+        top1 = (z_t >= m_row * inv_temperature) & (z_t > y_before * inv_temperature) & (logp == logp)
+        tl.store(top1_ptr + tok, top1)
 
 
 @triton.jit
@@ -184,17 +250,28 @@ def _dlogits_row(z_row, out_row, b_ptr, target, y_target, lse, ent, g, g_h, V, i
 
 @triton.jit(do_not_specialize=["row0", "V"])
 def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V, stride_z, inv_temperature,
-                     softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+                     softcap, sq_ptr, mean_ptr, top1_ptr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                     HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr, HAS_TOP1: tl.constexpr, BLOCK: tl.constexpr):
     """Row r of the fp32 chunk z_ptr (row stride stride_z) -> logp, lse, entropy of token row0 + r (softcap: the
-    cap of the raw logits when SOFTCAP, any value otherwise)."""
+    cap of the raw logits when SOFTCAP, any value otherwise); with HAS_SQ / HAS_SUM / HAS_TOP1, its log sum p^2
+    (fp32), mean logit (fp32) and is_top1 (bool) too, from the same sweep (``_row_stats``)."""
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS, SOFTCAP, BLOCK)
+    # Why the id is read twice: the sweep needs it only for is_top1; without it the kernel is the log-prob fold as
+    # it was (same SASS), which reads the id after the sweep.
+    target = 0
+    if HAS_TOP1:
+        target = tl.load(ids_ptr + tok)
+    lse, ent, s_row, s2_row, y_sum, m_row, y_before = _row_stats(z_row, b_ptr, V, target, inv_temperature, softcap,
+                                                                 HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM, HAS_TOP1,
+                                                                 BLOCK)
     zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), True, softcap, HAS_BIAS, SOFTCAP) * inv_temperature
     tl.store(lse_ptr + tok, lse)
     tl.store(logp_ptr + tok, zt - lse)
     tl.store(ent_ptr + tok, ent)
+    _store_extras(sq_ptr, mean_ptr, top1_ptr, tok, zt - lse, zt, s_row, s2_row, y_sum, m_row, y_before, V,
+                  inv_temperature, HAS_SQ, HAS_SUM, HAS_TOP1)
 
 
 @triton.jit(do_not_specialize=["row0", "V"])
@@ -300,15 +377,31 @@ def chunk_rows(budget_bytes: int, V: int, N: int) -> int:
 
 
 def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float,
-               softcap: float | None = None) -> None:
+               softcap: float | None = None, extras: tuple = (None, None, None)) -> None:
     """logp / lse / entropy of tokens row0 .. row0 + len(z) from their fp32 raw logits rows z (R, V), of
-    z = soft_cap(x + bias) / temperature (no cap when softcap is None)."""
+    z = soft_cap(x + bias) / temperature (no cap when softcap is None); extras: the (N,) outputs (log_sum_sq_probs
+    fp32, mean_logits fp32, is_top1 bool) to fill too, None for one not wanted."""
     R, V = z.shape
     if R == 0:
         return
+    sq, mean, top1 = (lse if t is None else t for t in extras)  # an unused pointer: any tensor
     launch(head_fold_kernel, (R,), z, z if bias is None else bias, ids, logp, lse, ent, row0, V, z.stride(0),
            1.0 / temperature, HAS_BIAS=bias is not None, BLOCK=_row_block(), num_warps=ROW_WARPS,
-           **cap_args(softcap))
+           **cap_args(softcap), **_extras_args(sq, mean, top1, extras))
+
+
+def _extras_args(sq, mean, top1, extras: tuple) -> dict:
+    """The fold kernel's extra output pointers and flags (the pointers after the cap's runtime argument)."""
+    return {"sq_ptr": sq, "mean_ptr": mean, "top1_ptr": top1, "HAS_SQ": extras[0] is not None,
+            "HAS_SUM": extras[1] is not None, "HAS_TOP1": extras[2] is not None}
+
+
+def extra_outputs(N: int, device, extras) -> tuple:
+    """(log_sum_sq_probs fp32 | None, mean_logits fp32 | None, is_top1 bool | None), (N,) each, for a
+    ``config.TokenExtras``."""
+    return (alloc((N,), torch.float32, device) if extras.log_sum_sq_probs else None,
+            alloc((N,), torch.float32, device) if extras.mean_logits else None,
+            alloc((N,), torch.bool, device) if extras.is_top1 else None)
 
 
 def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: int, inv_temperature: float,
@@ -328,22 +421,24 @@ def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: 
 
 
 def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None,
-                          softcap: float | None = None):
+                          softcap: float | None = None, extras=None):
     """(logp, lse, entropy), fp32 (N,) of z = soft_cap(hidden @ weight.T + bias) / temperature: per row chunk,
-    cuBLAS logits (fp32) + the fold kernel; no gradient work.
+    cuBLAS logits (fp32) + the fold kernel; no gradient work. With ``extras`` (a truthy ``config.TokenExtras``) a
+    fourth item, ``extra_outputs``' tuple filled by the same fold.
 
     Extra memory: one fp32 (R, V) chunk, R = rows within ``chunk_bytes`` (at least one row)."""
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
+    more = extra_outputs(N, dev, extras) if extras else (None, None, None)
     R = max(1, chunk_rows(LOGPROBS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, V, N))
     buf = alloc((min(R, N), V), torch.float32, dev)
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
         z = buf[: r1 - r0]
         logits_f32(hidden[r0:r1], weight, z)
-        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap)
-    return logp, lse, ent
+        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap, more)
+    return (logp, lse, ent, more) if extras else (logp, lse, ent)
 
 
 def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind: int, rows: int, needs: tuple):
