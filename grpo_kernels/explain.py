@@ -10,7 +10,7 @@ import inspect
 
 import torch
 
-from .config import GRPOLossConfig, LogitTransform
+from .config import GRPOLossConfig, LogitTransform, TokenExtras
 from .inputs import LogitsInputs
 from .paths import HEAD_GEMM_PATHS
 from .logprobs import validate_head_logprobs, linear_token_logprobs, plan_linear_token_logprobs, plan_token_logprobs, \
@@ -58,7 +58,8 @@ def plan_call(*args, **kwargs):
                                        a["impl"], inplace_backward=a["inplace_backward"])
         return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"])
     inputs, shard, rows = validate_head_logprobs(**a)
-    return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"])
+    return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"],
+                                      TokenExtras.of(a["extra_outputs"]))
 
 
 def _split_overrides(arguments: dict) -> dict:
