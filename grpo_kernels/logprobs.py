@@ -81,7 +81,7 @@ def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, i
 
 
 def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, memory_budget=None,
-                               deterministic: bool = True, extras: TokenExtras = TokenExtras()) -> planner.Plan:
+                               deterministic: bool = True, extras: TokenExtras | None = None) -> planner.Plan:
     wants = torch.is_grad_enabled()
     needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
     return planner.plan_head(planner.HeadCall("linear_token_logprobs", inputs, None, planner.Budget.of(memory_budget),

@@ -79,7 +79,7 @@ class HeadCall:
     the budget, the gradients wanted (hidden, weight, bias), the rows computed after compaction, the backward's
     determinism, the valid tokens per sequence (a zero-argument callable: a host sync, asked only when a
     sequence-level fast path is possible), the vocabulary shard (``distributed.vocab_parallel.VocabShard``) and the
-    extra per-token statistics asked of the forward (``config.TokenExtras``: log-probs only)."""
+    extra per-token statistics asked of the forward (``config.TokenExtras``; None: log-probs only)."""
 
     op: str
     inputs: HeadInputs
@@ -90,7 +90,7 @@ class HeadCall:
     deterministic: bool = True
     sequence_counts: object = None
     shard: object = None
-    extras: TokenExtras = TokenExtras()
+    extras: TokenExtras | None = None
 
 
 @dataclass(frozen=True)
@@ -542,7 +542,8 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
         return _head_plan(call, costs, HEAD_LIGHT, why, budget, [("per-token values", small)], flops_nhv=8,
                           working_bytes=budget - costs.fixed - small,
                           notes=("backward layout chosen when the op runs (torch.compile)",))
-    forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device, len(call.extras.names))
+    forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device,
+                                    len(call.extras.names) if call.extras else 0)
     geometry = (N, V, H, inputs.dtype, inputs.hidden.device)
     layout = backward_layout(*geometry, budget - costs.fixed - small, *needs, call.deterministic)
     if layout is None:

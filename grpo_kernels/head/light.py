@@ -206,13 +206,14 @@ _head_logprobs.register_autograd(_head_backward, setup_context=_head_setup)
 
 
 def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, backward_context=None,
-                        extras: TokenExtras = TokenExtras()):
+                        extras: TokenExtras | None = None):
     """(logp, entropy, lse, (log_sum_sq_probs, mean_logits, is_top1)) shaped like the caller's ids, from validated
     inputs and their plan; each extra None unless ``extras`` asks for it.
 
     Only the rows ``rows`` keeps are computed (the others get 0 / False and no gradient): padding costs neither the
     N x V x H matmuls nor their backward. backward_context: None, or a zero-argument callable returning a context
     manager entered around the backward (a ZeRO-3 head's gather; the caller holds it open around this call)."""
+    extras = extras or TokenExtras()
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     o = LightOptions(plan.path, inputs.transform, plan.deterministic, plan.chunk_rows or 0, plan.chunk_bytes or 0,

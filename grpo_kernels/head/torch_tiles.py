@@ -40,7 +40,7 @@ def _tile_raw_logits(h, w_tile, bias, v0, v1, acc):
 
 
 def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_rows: int,
-                                  extras: TokenExtras = TokenExtras()):
+                                  extras: TokenExtras | None = None):
     """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy)
     of the logits under ``transform`` (temperature, soft cap); with ``extras``, a fourth item
     (log_sum_sq_probs | None, mean_logits | None, is_top1 | None) (N,) (``reference.token_extras``).
@@ -110,7 +110,9 @@ class _TileExtras:
             self.first = torch.zeros(n, dtype=torch.bool, device=dev)
 
     @staticmethod
-    def outputs(N: int, acc, device, extras: TokenExtras) -> tuple:
+    def outputs(N: int, acc, device, extras: TokenExtras | None) -> tuple:
+        if not extras:
+            return None, None, None
         return (torch.empty(N, dtype=acc, device=device) if extras.log_sum_sq_probs else None,
                 torch.empty(N, dtype=acc, device=device) if extras.mean_logits else None,
                 torch.empty(N, dtype=torch.bool, device=device) if extras.is_top1 else None)
