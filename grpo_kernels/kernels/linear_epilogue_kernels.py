@@ -105,23 +105,35 @@ def _row_stats(z_row, b_ptr, V, target, inv_temperature, softcap, HAS_BIAS: tl.c
     s = tl.zeros([BLOCK // LANE], tl.float32)
     a = tl.zeros([BLOCK // LANE], tl.float32)
     s2 = tl.zeros([BLOCK // LANE], tl.float32)
-    y_sum = tl.zeros([BLOCK // LANE], tl.float32)
+    # Why a block-shaped sum of y, reduced once after the sweep: one FADD per element and no reduction in the loop
+    # (a loop-carried sum of a per-lane reduction makes Triton 3.6's thread-locality pass assert when the sweep is
+    # split around the target's block, as for is_top1).
+    y_sum = tl.zeros([BLOCK // LANE, LANE], tl.float32)
     y_before = tl.full([BLOCK // LANE], float("-inf"), tl.float32)
     v_main = (V // BLOCK) * BLOCK
     # Why an unmasked main loop: full blocks need no predicate, so the loads vectorize to 16 bytes.
-    for v0 in range(0, v_main, BLOCK):
-        x = tl.load(z_row + v0 + offs)
-        if HAS_BIAS:
-            x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-        y = soft_cap(x, softcap, SOFTCAP)
-        if HAS_SQ:
-            m, s, a, s2 = lane_fold_sq(y, m, s, a, s2, c)
-        else:
-            m, s, a = lane_fold(y, m, s, a, c)
-        if HAS_SUM:
-            y_sum += tl.sum(y, axis=1)
-        if HAS_TOP1:
-            y_before = _max_before(y, m, y_before, v0, v0 + offs, target, BLOCK)
+    if HAS_TOP1:
+        # Why three loops, the blocks before the target's, its own and those after: the max before the target of
+        # a wholly earlier block is its lanes' max (m after the first loop), so that only the target's own block
+        # compares columns; no instruction per element is added to the other blocks.
+        t_block = tl.minimum((target.to(tl.int32) // BLOCK) * BLOCK, v_main)
+        for v0 in range(0, t_block, BLOCK):
+            _y, m, s, a, s2, y_sum = _fold_full_block(z_row, b_ptr, v0, offs, m, s, a, s2, y_sum, c, softcap,
+                                                      HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM)
+        y_before = m
+        after = t_block
+        if t_block < v_main:
+            y, m, s, a, s2, y_sum = _fold_full_block(z_row, b_ptr, t_block, offs, m, s, a, s2, y_sum, c, softcap,
+                                                     HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM)
+            y_before = tl.maximum(y_before, tl.max(tl.where(t_block + offs < target, y, float("-inf")), axis=1))
+            after = t_block + BLOCK
+        for v0 in range(after, v_main, BLOCK):
+            _y, m, s, a, s2, y_sum = _fold_full_block(z_row, b_ptr, v0, offs, m, s, a, s2, y_sum, c, softcap,
+                                                      HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM)
+    else:
+        for v0 in range(0, v_main, BLOCK):
+            _y, m, s, a, s2, y_sum = _fold_full_block(z_row, b_ptr, v0, offs, m, s, a, s2, y_sum, c, softcap,
+                                                      HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM)
     cols = v_main + offs
     ok = cols < V
     x = tl.load(z_row + cols, mask=ok, other=float("-inf"))
@@ -136,7 +148,7 @@ def _row_stats(z_row, b_ptr, V, target, inv_temperature, softcap, HAS_BIAS: tl.c
     else:
         m, s, a = lane_fold(x, m, s, a, c)
     if HAS_SUM:
-        y_sum += tl.sum(tl.where(ok, x, 0.0), axis=1)
+        y_sum += tl.where(ok, x, 0.0)
     if HAS_TOP1:
         # the tail is the last block: no block after it, and every column before the target is a valid one
         y_before = tl.maximum(y_before, tl.max(tl.where(cols < target, x, float("-inf")), axis=1))
@@ -145,21 +157,25 @@ def _row_stats(z_row, b_ptr, V, target, inv_temperature, softcap, HAS_BIAS: tl.c
     if HAS_SQ:
         s2_row = lanes_sq_to_row(m, s2, c)
     lse, ent = row_lse_entropy(m_row, s_row, a_row, inv_temperature)
-    return lse, ent, s_row, s2_row, tl.sum(y_sum, axis=0), m_row, tl.max(y_before, axis=0)
+    return lse, ent, s_row, s2_row, tl.sum(tl.sum(y_sum, axis=1), axis=0), m_row, tl.max(y_before, axis=0)
 
 
 @triton.jit
-def _max_before(y, m, y_before, v0, cols, target, BLOCK: tl.constexpr):
-    """Per lane: the max of y over the columns before ``target`` seen so far, after the fold of the block at v0
-    (``m``: the lanes' running max, this block included; ``cols``: the block's columns).
-
-    Why per block and not per element (a column compare, a select and a max on each value): a block wholly before
-    the target brings its lanes' maxima in through m, one select per lane; only the target's own block, one per
-    row, compares columns (a branch taken once per row)."""
-    y_before = tl.where(v0 + BLOCK <= target, m, y_before)
-    if (v0 <= target) & (target < v0 + BLOCK):
-        y_before = tl.maximum(y_before, tl.max(tl.where(cols < target, y, float("-inf")), axis=1))
-    return y_before
+def _fold_full_block(z_row, b_ptr, v0, offs, m, s, a, s2, y_sum, c, softcap, HAS_BIAS: tl.constexpr,
+                     SOFTCAP: tl.constexpr, HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr):
+    """Fold the full block of the row at column v0 into the lanes' statistics (``_row_stats``); returns its capped
+    logits y with (m, s, a, s2, y_sum)."""
+    x = tl.load(z_row + v0 + offs)
+    if HAS_BIAS:
+        x += tl.load(b_ptr + v0 + offs).to(tl.float32)
+    y = soft_cap(x, softcap, SOFTCAP)
+    if HAS_SQ:
+        m, s, a, s2 = lane_fold_sq(y, m, s, a, s2, c)
+    else:
+        m, s, a = lane_fold(y, m, s, a, c)
+    if HAS_SUM:
+        y_sum += y
+    return y, m, s, a, s2, y_sum
 
 
 @triton.jit
@@ -550,7 +566,8 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, transfor
 
 
 def aot_launches():
-    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel without bias and with a bias of each dtype;
+    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel without bias and with a bias of each dtype,
+    and with the extra statistics (``_extras`` and TRL's trainers' sets: ``_top1``, ``_mean``, ``_mean_top1``);
     the d-logits epilogue for every (dtype, bias, entropy) combination; the loss-gradient epilogue per policy kind
     in bf16, plain and with every option (old, ref, is_ratio, delta, bias, entropy), and per other dtype the plain
     and the every-option clipped one; each of these kernels also with the soft cap on (names ending in
@@ -559,11 +576,14 @@ def aot_launches():
     from ..loss_types import POLICY_TERMS
     from .linear_tiles import aot_inputs
 
-    def fold(dtype, has_bias, softcap=None):
+    from ..config import TokenExtras
+    from .linear_forward_kernels import EXTRAS_SETS
+
+    def fold(dtype, has_bias, softcap=None, extras=None):
         def thunk():
             hidden, weight, bias, ids = aot_inputs(dtype, has_bias)
             head_logprobs_chunked(hidden, weight, bias, ids, 0.7, chunk_bytes=64 * 4 * weight.shape[0],
-                                  softcap=softcap)
+                                  softcap=softcap, extras=None if extras is None else TokenExtras.of(extras))
         return thunk
 
     def loss(dtype, kind, full, softcap=None):
@@ -587,7 +607,12 @@ def aot_launches():
                           softcap=softcap)
         return thunk
 
-    scenarios = []
+    # The fold with the extra statistics (``_extras``: every one; in bf16 also TRL's trainers' sets, EXTRAS_SETS)
+    scenarios = [(f"head_fold_{base}_{name}", fold(dtype, has_bias, None, names))
+                 for base, dtype, has_bias in (("nobias", torch.bfloat16, False), ("bias", torch.bfloat16, True),
+                                               ("bias_fp16", torch.float16, True), ("bias_fp32", torch.float32, True))
+                 for name, names in EXTRAS_SETS.items() if name == "extras" or base == "bias"]
+    scenarios.append(("head_fold_bias_softcap_extras", fold(torch.bfloat16, True, 30.0, EXTRAS_SETS["extras"])))
     for cap, suffix in ((None, ""), (30.0, "_softcap")):
         # The fold reads fp32 logits whatever the dtype; only the bias' dtype makes a variant (no suffix: bf16).
         scenarios += [(f"head_fold_nobias{suffix}", fold(torch.bfloat16, False, cap))]

@@ -146,12 +146,14 @@ def linear_fwd_merge_kernel(part_ptr, logp_ptr, lse_ptr, ent_ptr, N, n_splits, B
         tl.store(top1_ptr + rows, (t >= m) & (t > b) & (t - lse == t - lse), mask=row_ok)
 
 
-def forward_splits(N: int, V: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
-    """(vocab columns per split, number of splits) of the forward's (token block, vocab split) grid."""
+def forward_splits(N: int, V: int, dtype: torch.dtype, device: torch.device,
+                   kind: str = "fwd") -> tuple[int, int]:
+    """(vocab columns per split, number of splits) of the forward's (token block, vocab split) grid; kind: the tile
+    table's "fwd", or "fwd_extras" for a forward with extra statistics."""
     if device.type == "meta":  # a plan made without data: the sm_90 table on 132 SMs
-        tile, sms = tiles.TILES[(90, "fwd", "fp32" if dtype == torch.float32 else "half")], GENERATIONS[90].sms
+        tile, sms = tiles.TILES[(90, kind, "fp32" if dtype == torch.float32 else "half")], GENERATIONS[90].sms
     else:
-        tile, sms, _ = tiles.launch_params("fwd", dtype, device)
+        tile, sms, _ = tiles.launch_params(kind, dtype, device)
     n_m = cdiv(N, tile.block_m)
     n_vb = cdiv(V, tile.block_v)
     # Why: enough (token block, vocab split) programs for ~tiles.WAVES waves, each split at least one vocab block.
@@ -162,7 +164,8 @@ def forward_splits(N: int, V: int, dtype: torch.dtype, device: torch.device) -> 
 def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.device, extra_planes: int = 0) -> int:
     """Bytes of the forward's fp32 (4 + extra_planes, n_splits, N) partial statistics: its only memory beyond the
     outputs (one plane more per extra statistic, ``config.TokenExtras``)."""
-    return 4 * (4 + extra_planes) * forward_splits(N, V, dtype, device)[1] * N if N else 0
+    kind = "fwd_extras" if extra_planes else "fwd"
+    return 4 * (4 + extra_planes) * forward_splits(N, V, dtype, device, kind)[1] * N if N else 0
 
 
 def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor,
@@ -184,9 +187,10 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
     more = extra_outputs(N, dev, extras) if extras else None
     if N == 0:
         return (logp, lse, ent) if more is None else (logp, lse, ent, more)
-    tile, _, dot_fp32 = tiles.launch_params("fwd", hidden.dtype, dev)
+    kind = "fwd" if more is None else "fwd_extras"
+    tile, _, dot_fp32 = tiles.launch_params(kind, hidden.dtype, dev)
     n_m = cdiv(N, tile.block_m)
-    v_per_split, n_splits = forward_splits(N, V, hidden.dtype, dev)
+    v_per_split, n_splits = forward_splits(N, V, hidden.dtype, dev, kind)
     flags = {} if more is None else {"HAS_SQ": more[0] is not None, "HAS_SUM": more[1] is not None,
                                      "HAS_TOP1": more[2] is not None}
     part = alloc((4 + sum(flags.values()), n_splits, N), torch.float32, dev)
@@ -204,10 +208,25 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
 
 def aot_launches():
     """(name, thunk) scenarios for ``tools/aot.py``: the forward launcher per dtype, with and without bias, and with
-    bias and the soft cap on (``_softcap``); fp32 ones are recorded under TF32 too (``_tf32``)."""
-    def scenario(dtype, has_bias, softcap=None):
-        return lambda: linear_logprobs_forward(*tiles.aot_inputs(dtype, has_bias), 1.0, softcap=softcap)
+    bias and the soft cap on (``_softcap``); with bias and every extra statistic per dtype (``_extras``), and in bf16
+    the sets TRL's trainers ask for (``EXTRAS_SETS``: SFT's ``_top1``, KTO's ``_mean``, DPO's ``_mean_top1``); fp32
+    ones are recorded under TF32 too (``_tf32``)."""
+    from ..config import TokenExtras
+
+    def scenario(dtype, has_bias, softcap=None, extras=None):
+        return lambda: linear_logprobs_forward(*tiles.aot_inputs(dtype, has_bias), 1.0, softcap=softcap,
+                                               extras=None if extras is None else TokenExtras.of(extras))
 
     return [(f"linear_fwd_{ty}_{'bias' if has_bias else 'nobias'}", scenario(dtype, has_bias))
             for dtype, ty in TRITON_DTYPES.items() for has_bias in (False, True)] + \
-        [(f"linear_fwd_{ty}_bias_softcap", scenario(dtype, True, 30.0)) for dtype, ty in TRITON_DTYPES.items()]
+        [(f"linear_fwd_{ty}_bias_softcap", scenario(dtype, True, 30.0)) for dtype, ty in TRITON_DTYPES.items()] + \
+        [(f"linear_fwd_{ty}_bias_extras", scenario(dtype, True, extras=EXTRAS_SETS["extras"]))
+         for dtype, ty in TRITON_DTYPES.items()] + \
+        [(f"linear_fwd_bf16_bias_{name}", scenario(torch.bfloat16, True, extras=names))
+         for name, names in EXTRAS_SETS.items() if name != "extras"]
+
+
+# The extra-statistics sets the AOT scenarios compile (``config.EXTRA_OUTPUTS``): every one, and those TRL's
+# trainers ask for (SFT: is_top1; KTO: mean_logits; DPO: both; DPO with WPO weights: every one).
+EXTRAS_SETS = {"extras": ("log_sum_sq_probs", "mean_logits", "is_top1"), "top1": ("is_top1",),
+               "mean": ("mean_logits",), "mean_top1": ("mean_logits", "is_top1")}
