@@ -371,8 +371,8 @@ def patch_trl(strict: bool = False) -> TRLPatchReport:
                             routes=_routes(strict), newly_patched=newly)
     fallbacks = "; ".join(r.calls for r in report.fallbacks)
     logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s): policy (GRPO, RLOO, SFT, DPO, KTO), reference and "
-                "padding-free log-probs run on grpo_kernels [%s]; TRL's own kernel for: %s", version, "patched" if newly else "already patched",
-                strict, _backend(), fallbacks)
+                "padding-free log-probs run on grpo_kernels [%s]; TRL's own kernel for: %s", version,
+                "patched" if newly else "already patched", strict, _backend(), fallbacks)
     return report
 
 

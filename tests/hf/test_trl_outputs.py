@@ -42,7 +42,8 @@ pytestmark = pytest.mark.usefixtures("unpatched_trl")
 N, H, V = 24, 16, 45
 TIED = (4, 21, 33)  # duplicate weight rows (and bias): exactly tied columns
 FLOATS = ("log_sum_sq_probs", "mean_logits")
-SETS = [("log_probs", *c) for k in range(len(OPTIONAL_OUTPUTS) + 1) for c in itertools.combinations(OPTIONAL_OUTPUTS, k)]
+SETS = [("log_probs", *c) for k in range(len(OPTIONAL_OUTPUTS) + 1)
+        for c in itertools.combinations(OPTIONAL_OUTPUTS, k)]
 # What the trainers ask for: SFT; DPO; DPO with WPO weights; KTO.
 TRAINER_SETS = [("log_probs", "entropy", "is_top1"), ("log_probs", "entropy", "mean_logits", "is_top1"),
                 ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs"),
