@@ -53,6 +53,7 @@ TRL scores ``cap * tanh(logit_scale * x / cap) / temperature`` (scale, cap, temp
 
 Calls the fused path cannot express are served by TRL's own ``ChunkedLogProbFunction``, unchanged:
 - a logit scale or a ``final_logit_softcapping`` that is not a finite number > 0: warned once;
+- an output TRL computes and grpo_kernels does not (none in TRL 1.16; a later TRL might add one): silent;
 - an empty batch of scored positions (TRL's compact path): silent, TRL's function keeps the graph connected;
 - float64 on a GPU (the Triton kernels take fp32 / bf16 / fp16): silent.
 Numbers: in fp32 the patched trainer matches TRL to float rounding (docs/api.md, "TRL"). Under bf16

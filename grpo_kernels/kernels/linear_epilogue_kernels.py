@@ -4,7 +4,9 @@ them (docs/DESIGN.md section 3).
 Per chunk of R hidden rows, cuBLAS writes the logits z = h W^T as an fp32 (R, V) buffer (``fp32_gemm.logits_f32``); one
 Triton program per row then sweeps that row:
 - ``head_fold_kernel`` (log-probs, no gradient): online logsumexp / entropy over the row, target logit -> logp,
-  lse, entropy. ``head_logprobs_chunked`` is the no-grad old / reference-policy pass: GEMM + fold, 2NHV.
+  lse, entropy, and the extra statistics ``config.TokenExtras`` asks for (log sum p^2, mean logit, is_top1) from
+  the same sweep. ``head_logprobs_chunked`` is the no-grad old / reference-policy pass: GEMM + fold, 2NHV.
+  The row sweeps themselves are in ``linear_rows.py``.
 - ``head_loss_grad_kernel`` (the gradient-in-forward path): the same fold, then ``token_terms`` (ratio, clipping,
   KL, per-token loss and d loss / d logp) with the precomputed reduction weight, per-row metric terms, and a
   second sweep that rewrites the row in place as d logits in the GEMM input dtype. cuBLAS then forms
@@ -38,11 +40,11 @@ import torch
 from .._checks import alloc
 from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
-from .common import (LOG2E, dlogits_values, lane_fold, lane_fold_sq, lanes_sq_to_row, lanes_to_row, row_lse_entropy,
-                     soft_cap, soft_cap_grad)
+from .common import dlogits_values, soft_cap, soft_cap_grad
 from .fp32_gemm import addmm_f32_, logits_f32
 from .host import TRITON_DTYPES, cap_args, half_view
 from .launch import launch, target_arch
+from .linear_rows import extra_outputs, head_row_lse_entropy, head_row_stats, store_extras, target_logit
 from .linear_tiles import to_input_dtype
 from .token_terms import token_terms_at
 
@@ -68,138 +70,6 @@ LOGPROBS_CHUNK_BYTES = 256 << 20
 
 def _row_block() -> int:
     return INTERPRET_ROW_BLOCK if target_arch() is None and interpreting() else ROW_BLOCK
-
-
-@triton.jit
-def _lane_offsets(BLOCK: tl.constexpr, LANE: tl.constexpr):
-    """(BLOCK // LANE, LANE) offsets 0 .. BLOCK - 1, row-major: LANE contiguous values per lane."""
-    return tl.arange(0, BLOCK // LANE)[:, None] * LANE + tl.arange(0, LANE)[None, :]
-
-
-@triton.jit
-def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """(logsumexp, entropy) of one row of fp32 logits, z = soft_cap(x + b) * inv_temperature (``_row_stats``
-    without the extra statistics)."""
-    lse, ent, _s, _s2, _y_sum, _m, _y_before = _row_stats(z_row, b_ptr, V, 0, inv_temperature, softcap, HAS_BIAS,
-                                                          SOFTCAP, False, False, False, BLOCK)
-    return lse, ent
-
-
-@triton.jit
-def _row_stats(z_row, b_ptr, V, target, inv_temperature, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-               HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr, HAS_TOP1: tl.constexpr, BLOCK: tl.constexpr):
-    """(lse, entropy, s, s2, sum y, max y, max y before ``target``) of one row of fp32 logits x, y = soft_cap(x + b),
-    z = y * inv_temperature: per-lane online statistics over unmasked (16-byte vector) full blocks and one masked
-    tail, lanes combined once. The extras, each only when its flag is on (else 0): s2 = sum e^(2 (z - m)) with
-    s = sum e^(z - m) (``log sum p^2 = log s2 - 2 log s``), the plain sum of y, and the max of y over the columns
-    before ``target`` with the row max (is_top1). They ride on the same loads: no second pass over the row.
-
-    Why the lane width: a lane must sit in one thread (common.lane_fold). Four fp32 logits are one 16-byte vector;
-    with a half-precision bias, eight (one 16-byte vector of bias, two of logits), else the bias load alone would
-    be split into 8-byte pieces or the lane across two threads."""
-    LANE: tl.constexpr = 8 if HAS_BIAS and b_ptr.dtype.element_ty.primitive_bitwidth == 16 else 4
-    offs = _lane_offsets(BLOCK, LANE)
-    c = inv_temperature * LOG2E
-    m = tl.full([BLOCK // LANE], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK // LANE], tl.float32)
-    a = tl.zeros([BLOCK // LANE], tl.float32)
-    s2 = tl.zeros([BLOCK // LANE], tl.float32)
-    # Why a block-shaped sum of y, reduced once after the sweep: one FADD per element and no reduction in the loop
-    # (a loop-carried sum of a per-lane reduction makes Triton 3.6's thread-locality pass assert when the sweep is
-    # split around the target's block, as for is_top1).
-    y_sum = tl.zeros([BLOCK // LANE, LANE], tl.float32)
-    y_before = tl.full([BLOCK // LANE], float("-inf"), tl.float32)
-    v_main = (V // BLOCK) * BLOCK
-    # Why an unmasked main loop: full blocks need no predicate, so the loads vectorize to 16 bytes.
-    if HAS_TOP1:
-        # Why three loops, the blocks before the target's, its own and those after: the max before the target of
-        # a wholly earlier block is its lanes' max (m after the first loop), so that only the target's own block
-        # compares columns; no instruction per element is added to the other blocks.
-        t_block = tl.minimum((target.to(tl.int32) // BLOCK) * BLOCK, v_main)
-        for v0 in range(0, t_block, BLOCK):
-            _y, m, s, a, s2, y_sum = _fold_full_block(z_row, b_ptr, v0, offs, m, s, a, s2, y_sum, c, softcap,
-                                                      HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM)
-        y_before = m
-        after = t_block
-        if t_block < v_main:
-            y, m, s, a, s2, y_sum = _fold_full_block(z_row, b_ptr, t_block, offs, m, s, a, s2, y_sum, c, softcap,
-                                                     HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM)
-            y_before = tl.maximum(y_before, tl.max(tl.where(t_block + offs < target, y, float("-inf")), axis=1))
-            after = t_block + BLOCK
-        for v0 in range(after, v_main, BLOCK):
-            _y, m, s, a, s2, y_sum = _fold_full_block(z_row, b_ptr, v0, offs, m, s, a, s2, y_sum, c, softcap,
-                                                      HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM)
-    else:
-        for v0 in range(0, v_main, BLOCK):
-            _y, m, s, a, s2, y_sum = _fold_full_block(z_row, b_ptr, v0, offs, m, s, a, s2, y_sum, c, softcap,
-                                                      HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM)
-    cols = v_main + offs
-    ok = cols < V
-    x = tl.load(z_row + cols, mask=ok, other=float("-inf"))
-    if HAS_BIAS:
-        x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if SOFTCAP:
-        # Why the select: the cap maps the masked lanes' -inf to -softcap, a finite logit that would count in the
-        # sum; they must keep weight 0.
-        x = tl.where(ok, soft_cap(x, softcap, SOFTCAP), float("-inf"))
-    if HAS_SQ:
-        m, s, a, s2 = lane_fold_sq(x, m, s, a, s2, c)
-    else:
-        m, s, a = lane_fold(x, m, s, a, c)
-    if HAS_SUM:
-        y_sum += tl.where(ok, x, 0.0)
-    if HAS_TOP1:
-        # the tail is the last block: no block after it, and every column before the target is a valid one
-        y_before = tl.maximum(y_before, tl.max(tl.where(cols < target, x, float("-inf")), axis=1))
-    m_row, s_row, a_row = lanes_to_row(m, s, a, c)
-    s2_row = 0.0
-    if HAS_SQ:
-        s2_row = lanes_sq_to_row(m, s2, c)
-    lse, ent = row_lse_entropy(m_row, s_row, a_row, inv_temperature)
-    return lse, ent, s_row, s2_row, tl.sum(tl.sum(y_sum, axis=1), axis=0), m_row, tl.max(y_before, axis=0)
-
-
-@triton.jit
-def _fold_full_block(z_row, b_ptr, v0, offs, m, s, a, s2, y_sum, c, softcap, HAS_BIAS: tl.constexpr,
-                     SOFTCAP: tl.constexpr, HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr):
-    """Fold the full block of the row at column v0 into the lanes' statistics (``_row_stats``); returns its capped
-    logits y with (m, s, a, s2, y_sum)."""
-    x = tl.load(z_row + v0 + offs)
-    if HAS_BIAS:
-        x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-    y = soft_cap(x, softcap, SOFTCAP)
-    if HAS_SQ:
-        m, s, a, s2 = lane_fold_sq(y, m, s, a, s2, c)
-    else:
-        m, s, a = lane_fold(y, m, s, a, c)
-    if HAS_SUM:
-        y_sum += y
-    return y, m, s, a, s2, y_sum
-
-
-@triton.jit
-def _store_extras(sq_ptr, mean_ptr, top1_ptr, tok, logp, z_t, s_row, s2_row, y_sum, m_row, y_before, V,
-                  inv_temperature, HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr, HAS_TOP1: tl.constexpr):
-    """A token's extra outputs from ``_row_stats`` (z_t: its target's z): log sum p^2 = log s2 - 2 log s; the mean
-    of z = (sum y) / T / V; is_top1 = z_t >= max z and z_t > max z before the target (TRL's rule: the first maximum
-    wins), compared in z (y / T rounded: a tie in z is a tie, as TRL sees it), False where logp is NaN."""
-    if HAS_SQ:
-        tl.store(sq_ptr + tok, tl.log(s2_row) - 2.0 * tl.log(s_row))
-    if HAS_SUM:
-        tl.store(mean_ptr + tok, y_sum * inv_temperature / V)
-    if HAS_TOP1:
-        top1 = (z_t >= m_row * inv_temperature) & (z_t > y_before * inv_temperature) & (logp == logp)
-        tl.store(top1_ptr + tok, top1)
-
-
-@triton.jit
-def _target_logit(z_row, b_ptr, target, ok, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
-    """The capped logit soft_cap(x + b) of column ``target``, before the temperature (0 where ``ok`` is false)."""
-    x = tl.load(z_row + target, mask=ok, other=0.0)
-    if HAS_BIAS:
-        x += tl.load(b_ptr + target, mask=ok, other=0.0).to(tl.float32)
-    return soft_cap(x, softcap, SOFTCAP)
 
 
 @triton.jit
@@ -270,7 +140,7 @@ def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V,
                      HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr, HAS_TOP1: tl.constexpr, BLOCK: tl.constexpr):
     """Row r of the fp32 chunk z_ptr (row stride stride_z) -> logp, lse, entropy of token row0 + r (softcap: the
     cap of the raw logits when SOFTCAP, any value otherwise); with HAS_SQ / HAS_SUM / HAS_TOP1, its log sum p^2
-    (fp32), mean logit (fp32) and is_top1 (bool) too, from the same sweep (``_row_stats``)."""
+    (fp32), mean logit (fp32) and is_top1 (bool) too, from the same sweep (``head_row_stats``)."""
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
@@ -279,15 +149,15 @@ def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V,
     target = 0
     if HAS_TOP1:
         target = tl.load(ids_ptr + tok)
-    lse, ent, s_row, s2_row, y_sum, m_row, y_before = _row_stats(z_row, b_ptr, V, target, inv_temperature, softcap,
-                                                                 HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM, HAS_TOP1,
-                                                                 BLOCK)
-    zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), True, softcap, HAS_BIAS, SOFTCAP) * inv_temperature
+    lse, ent, s_row, s2_row, y_sum, m_row, y_before = head_row_stats(z_row, b_ptr, V, target, inv_temperature,
+                                                                     softcap, HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM,
+                                                                     HAS_TOP1, BLOCK)
+    zt = target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), True, softcap, HAS_BIAS, SOFTCAP) * inv_temperature
     tl.store(lse_ptr + tok, lse)
     tl.store(logp_ptr + tok, zt - lse)
     tl.store(ent_ptr + tok, ent)
-    _store_extras(sq_ptr, mean_ptr, top1_ptr, tok, zt - lse, zt, s_row, s2_row, y_sum, m_row, y_before, V,
-                  inv_temperature, HAS_SQ, HAS_SUM, HAS_TOP1)
+    store_extras(sq_ptr, mean_ptr, top1_ptr, tok, zt - lse, zt, s_row, s2_row, y_sum, m_row, y_before, V,
+                 inv_temperature, HAS_SQ, HAS_SUM, HAS_TOP1)
 
 
 @triton.jit(do_not_specialize=["row0", "V"])
@@ -309,9 +179,9 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS, SOFTCAP, BLOCK)
+    lse, ent = head_row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS, SOFTCAP, BLOCK)
     target = tl.load(ids_ptr + tok)
-    y_target = _target_logit(z_row, b_ptr, target, True, softcap, HAS_BIAS, SOFTCAP)
+    y_target = target_logit(z_row, b_ptr, target, True, softcap, HAS_BIAS, SOFTCAP)
     logp = y_target * inv_temperature - lse
     # The per-token GRPO maths, defined once (token_terms.py); the reduction is the precomputed weight w.
     adv = tl.load(adv_ptr + tok)
@@ -369,8 +239,8 @@ def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     lse = tl.load(lse_ptr + r)
     g = tl.load(gl_ptr + r)
     local_target = tl.load(ids_ptr + r) - v0
-    y_target = _target_logit(z_row, b_ptr, local_target, (local_target >= 0) & (local_target < Vc), softcap,
-                             HAS_BIAS, SOFTCAP)
+    y_target = target_logit(z_row, b_ptr, local_target, (local_target >= 0) & (local_target < Vc), softcap,
+                            HAS_BIAS, SOFTCAP)
     g_h = 0.0
     ent = 0.0
     if HAS_ENTROPY_GRAD:
@@ -410,14 +280,6 @@ def _extras_args(sq, mean, top1, extras: tuple) -> dict:
     """The fold kernel's extra output pointers and flags (the pointers after the cap's runtime argument)."""
     return {"sq_ptr": sq, "mean_ptr": mean, "top1_ptr": top1, "HAS_SQ": extras[0] is not None,
             "HAS_SUM": extras[1] is not None, "HAS_TOP1": extras[2] is not None}
-
-
-def extra_outputs(N: int, device, extras) -> tuple:
-    """(log_sum_sq_probs fp32 | None, mean_logits fp32 | None, is_top1 bool | None), (N,) each, for a
-    ``config.TokenExtras``."""
-    return (alloc((N,), torch.float32, device) if extras.log_sum_sq_probs else None,
-            alloc((N,), torch.float32, device) if extras.mean_logits else None,
-            alloc((N,), torch.bool, device) if extras.is_top1 else None)
 
 
 def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: int, inv_temperature: float,

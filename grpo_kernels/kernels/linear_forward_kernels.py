@@ -18,6 +18,7 @@ from . import linear_tiles as tiles
 from .common import LN2, LOG2E, lane_fold, lane_fold_sq
 from .host import GENERATIONS, TRITON_DTYPES, cap_args, cdiv, check_inputs
 from .launch import launch
+from .linear_rows import extra_outputs
 from .linear_tiles import NEG_BIG, logits_tile, tl, triton
 
 MERGE_BLOCK_N = 256
@@ -179,7 +180,6 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
     lse = logsumexp(z); entropy = lse - sum softmax(z) * z. Extra memory: 4 (4 + k) n_splits N bytes, k the
     number of extras.
     """
-    from .linear_epilogue_kernels import extra_outputs  # the extras' output buffers, allocated alike by both paths
 
     N, V, H = check_inputs(hidden, weight, bias, ids)
     dev = hidden.device
