@@ -91,6 +91,7 @@ def _assert_no_near_ties(exact, softcap=None):
     z = z.reshape(-1, V)
     top = z.amax(-1, keepdim=True)
     next_distinct = torch.where(z < top, z, float("-inf")).amax(-1, keepdim=True)
+    # bound: not a tolerance but a margin, 1e-3 relative: > 100 x gamma_17(fp32) ~ 1e-6 of the logits' sums (above)
     assert ((top - next_distinct) > 1e-3 * top.abs().clamp(min=1)).all()
 
 
