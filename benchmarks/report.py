@@ -10,8 +10,9 @@ declared work model (``work.py``: matmul FLOPs as a multiple of R*H*V, or logits
 fraction of the ceiling measured in the same run (a bare matmul of the same shape; a device copy of the logits);
 and the loss (or mean log-prob) relative to the eager reference's. Then the benchmarks that did not run, with the
 reason (no CUDA, a peer that failed or ran out of memory, a warm-up over its limit, the time budget), one line per
-reason. Two trainer tables when their results exist: the time per optimizer step of ``grpo.train`` against TRL's
-GRPOTrainer (``benchmarks/test_trainer_speed.py``, in the same JSON) and the end-to-end GRPO step of
+reason. Trainer tables when their results exist: the time per optimizer step of ``grpo.train`` against TRL's
+GRPOTrainer (``benchmarks/test_trainer_speed.py``, in the same JSON), of TRL's SFTTrainer stock against
+``patch_trl()`` (``benchmarks/test_sft_step.py``, same JSON) and the end-to-end GRPO step of
 ``benchmarks/e2e_step.py`` (``e2e_step.json`` next to RESULTS.json, or ``--e2e``). Plots (matplotlib): a bar chart
 per case of every run; line plots against N where a shape ran at two or more N (``--bench-grid full``).
 """
@@ -273,6 +274,25 @@ def trainer_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def sft_table(rows: list[dict]) -> str:
+    """TRL's SFTTrainer per optimizer step, stock against patch_trl() (benchmarks/test_sft_step.py), or ""."""
+    trs = [r for r in rows if r.get("path") == "trl_sft" and r.get("stock_step_s") and r.get("patched_step_s")]
+    if not trs:
+        return ""
+    out = ["### TRL SFTTrainer step: stock against patch_trl()", "",
+           "Same tiny Llama (hidden 64, V = 8000, untied head), 64 random 64-token texts, batch 8, AdamW, fp32; a step "
+           "is forward, backward, metrics and optimizer (median over the timed steps; "
+           "`benchmarks/test_sft_step.py`).", "",
+           "| SFTTrainer | median step (ms) | / stock | steps timed | device | CPU threads |",
+           "|---|---:|---:|---:|---|---:|"]
+    for r in trs:
+        common = f"{r.get('steps_timed', '?')} | {r.get('device', '?')} | {r.get('threads') or '?'} |"
+        out.append(f"| with patch_trl() | {1e3 * r['patched_step_s']:.1f} | "
+                   f"{r['patched_step_s'] / r['stock_step_s']:.2f}x | {common}")
+        out.append(f"| stock TRL | {1e3 * r['stock_step_s']:.1f} | 1.00x | {common}")
+    return "\n".join(out) + "\n"
+
+
 def e2e_table(e2e: dict | None) -> str:
     """The end-to-end GRPO step of benchmarks/e2e_step.py (its JSON), or "" when there is none."""
     if not e2e or not e2e.get("results"):
@@ -341,7 +361,7 @@ def header(data: dict, rows: list[dict]) -> str:
 
 
 def trainers(rows: list[dict], e2e: dict | None) -> str:
-    parts = [t for t in (trainer_table(rows), e2e_table(e2e)) if t]
+    parts = [t for t in (trainer_table(rows), sft_table(rows), e2e_table(e2e)) if t]
     return "\n".join(parts)
 
 
@@ -385,7 +405,7 @@ def main(argv=None) -> int:
         print(f"{args.results}: not a pytest-benchmark JSON file ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 1
     e2e = load_e2e(args.results, args.e2e)
-    if not any(r.get("path") in PATH_TITLES or r.get("path") == "trainer" for r in rows) and not not_run:
+    if not any(r.get("path") in PATH_TITLES or r.get("path") in ("trainer", "trl_sft") for r in rows) and not not_run:
         print(f"{args.results}: no benchmark of this suite in the file", file=sys.stderr)
         return 1
     out = args.results.parent if args.out is None else args.out

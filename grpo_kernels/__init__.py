@@ -1,13 +1,14 @@
 """grpo-kernels: fused Triton kernels for the GRPO loss, with TRL's semantics.
 
 Public API: ``GRPOLossConfig``, ``group_advantages``, ``token_logprobs``, ``grpo_loss``, ``GRPOLoss``,
-``linear_token_logprobs``, ``fused_linear_grpo_loss``, ``FusedLinearGRPOLoss``, ``zero3_gather_head``, ``explain``
+``linear_token_logprobs`` (``TokenOutputs`` with ``extra_outputs=``), ``fused_linear_grpo_loss``, ``FusedLinearGRPOLoss``,
+``zero3_gather_head``, ``explain``
 (which path a call takes, why, and its transient memory). Triton is imported lazily, on the first kernel launch.
 """
 from .config import GRPOLossConfig
 from .distributed.sharded_head import zero3_gather_head
 from .explain import explain
-from .logprobs import linear_token_logprobs, token_logprobs
+from .logprobs import TokenOutputs, linear_token_logprobs, token_logprobs
 from .loss import FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_loss
 from .reference import group_advantages
 
@@ -31,6 +32,7 @@ __all__ = [
     "grpo_loss",
     "GRPOLoss",
     "linear_token_logprobs",
+    "TokenOutputs",
     "fused_linear_grpo_loss",
     "FusedLinearGRPOLoss",
     "zero3_gather_head",

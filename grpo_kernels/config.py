@@ -44,6 +44,42 @@ class LogitTransform:
         return 1.0 / self.temperature
 
 
+# The per-token statistics a log-prob sweep can add beyond logp / lse / entropy (TRL's ``ChunkedLogProbFunction``
+# outputs of the same names; ``reference.token_extras`` defines them): log sum_v p_v^2, the mean over V of the
+# transformed logits z, and whether the target is the argmax of z (the first maximum winning ties).
+EXTRA_OUTPUTS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+@dataclass(frozen=True)
+class TokenExtras:
+    """Which of ``EXTRA_OUTPUTS`` a sweep computes (all off: the sweep is exactly the log-prob one). They are
+    statistics of the same sweep over V, never differentiable."""
+
+    log_sum_sq_probs: bool = False
+    mean_logits: bool = False
+    is_top1: bool = False
+
+    @classmethod
+    def of(cls, names, arg: str = "extra_outputs") -> "TokenExtras":
+        """From a tuple / list of names among ``EXTRA_OUTPUTS`` (each at most once); a ValueError naming ``arg``
+        otherwise."""
+        if isinstance(names, str) or not isinstance(names, (tuple, list)):
+            raise ValueError(f"{arg} must be a tuple of names among {EXTRA_OUTPUTS}, got {names!r}")
+        unknown = [n for n in names if n not in EXTRA_OUTPUTS]
+        if unknown:
+            raise ValueError(f"{arg}: unknown output {unknown[0]!r}; expected names among {EXTRA_OUTPUTS}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{arg} names an output more than once: {tuple(names)!r}")
+        return cls(**{n: True for n in names})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in EXTRA_OUTPUTS if getattr(self, n))
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+
 @dataclass(frozen=True)
 class GRPOLossConfig:
     """Every non-tensor option of the GRPO loss (docs/DESIGN.md section 2).

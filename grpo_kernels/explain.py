@@ -10,10 +10,10 @@ import inspect
 
 import torch
 
-from .config import GRPOLossConfig, LogitTransform, resolve_config
+from .config import GRPOLossConfig, LogitTransform, TokenExtras, resolve_config
 from .inputs import LogitsInputs, LossArguments
 from .paths import HEAD_GEMM_PATHS
-from .logprobs import validate_head_logprobs, linear_token_logprobs, plan_linear_token_logprobs, plan_token_logprobs, \
+from .logprobs import HeadCallArgs, validate_head_logprobs, linear_token_logprobs, plan_linear_token_logprobs, plan_token_logprobs, \
     token_logprobs
 from .loss import validate_head_loss, validate_logits_loss, fused_linear_grpo_loss, grpo_loss, plan_head_loss
 
@@ -60,8 +60,10 @@ def plan_call(*args, **kwargs):
         inputs = LogitsInputs.validate(a["logits"], a["ids"], LogitTransform(a["temperature"], a["softcap"]),
                                        a["impl"], inplace_backward=a["inplace_backward"])
         return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"], a["batch_invariant"])
-    inputs, shard, rows = validate_head_logprobs(**a)
-    return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"])
+    inputs, shard, rows = validate_head_logprobs(a["hidden"], a["weight"], a["ids"], a["bias"], a["mask"],
+                                                 HeadCallArgs.of(a))
+    return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"],
+                                      TokenExtras.of(a["extra_outputs"]))
 
 
 def _config(arguments: dict) -> GRPOLossConfig:

@@ -4,10 +4,12 @@ dispatches on its path (docs/DESIGN.md, "The planner").
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import _checks, ops, planner
-from .config import LogitTransform
+from .config import LogitTransform, TokenExtras
 from .distributed import sharded_head, vocab_parallel
 from .head.light import head_token_logprobs
 from .inputs import HeadInputs, LogitsInputs, ValidRows
@@ -52,38 +54,76 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return (logp, entropy) if return_entropy else logp
 
 
-def validate_head_logprobs(*, hidden, weight, ids, bias=None, temperature=1.0, impl="auto", mask=None,
-                           process_group=None, vocab_start=None, softcap=None, capturable=False, hidden_grad="reduced",
-                           **_ignored):
+@dataclass(frozen=True)
+class TokenOutputs:
+    """What ``linear_token_logprobs(..., extra_outputs=...)`` returns, each tensor shaped like ids: ``logp`` (fp32;
+    float64 for float64 inputs on the torch path), ``entropy`` (None unless ``return_entropy``), and each extra
+    output named in ``extra_outputs`` (None otherwise): ``log_sum_sq_probs`` (log sum_v p_v^2) and ``mean_logits``
+    (the mean over V of the transformed logits) in logp's dtype, ``is_top1`` bool (the id is the argmax, the first
+    maximum winning ties). The extras are not differentiable; rows that ``mask`` drops hold 0 / False."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class HeadCallArgs:
+    """A ``linear_token_logprobs`` call's arguments beside its tensors, as passed (what the validator and ``explain``
+    take): the logits transform, impl, capturable, the vocab-parallel options and the extra outputs asked for."""
+
+    transform: LogitTransform
+    impl: str = "auto"
+    capturable: bool = False
+    process_group: object = None
+    vocab_start: int | None = None
+    hidden_grad: str = "reduced"
+    extra_outputs: tuple = ()
+
+    @classmethod
+    def of(cls, named: dict) -> "HeadCallArgs":
+        """From a call's bound arguments (temperature and softcap make the transform)."""
+        return cls(LogitTransform(named["temperature"], named["softcap"]), named["impl"], named["capturable"],
+                   named["process_group"], named["vocab_start"], named["hidden_grad"], named["extra_outputs"])
+
+
+def validate_head_logprobs(hidden, weight, ids, bias, mask, args: HeadCallArgs):
     """(inputs, shard | None, ValidRows) of one ``linear_token_logprobs`` call (also what ``explain`` shows)."""
+    group = args.process_group
+    if TokenExtras.of(args.extra_outputs) and group is not None:
+        raise ValueError("extra_outputs is not supported with process_group (a vocab-parallel head): the shards "
+                         "would have to combine each statistic; call without extra_outputs")
+
     def local():
-        vocab_parallel.check_hidden_grad(hidden_grad, process_group)
-        inputs = HeadInputs.validate(hidden, weight, ids, bias, LogitTransform(temperature, softcap), impl,
-                                     check_ids=process_group is None)
+        vocab_parallel.check_hidden_grad(args.hidden_grad, group)
+        inputs = HeadInputs.validate(hidden, weight, ids, bias, args.transform, args.impl, check_ids=group is None)
         _checks.mask_like(mask, tuple(ids.shape), " (the shape of ids)")
         return inputs, mask, None
 
-    if process_group is None:
+    if group is None:
         inputs, _, _ = local()
-        return inputs, None, ValidRows.of(mask, inputs.ids.numel(), keep_padding=bool(capturable))
-    inputs, _, _, shard, rows = vocab_parallel.validate(process_group, vocab_start, hidden, local, bool(capturable),
-                                                        hidden_grad)
+        return inputs, None, ValidRows.of(mask, inputs.ids.numel(), keep_padding=bool(args.capturable))
+    inputs, _, _, shard, rows = vocab_parallel.validate(group, args.vocab_start, hidden, local,
+                                                        bool(args.capturable), args.hidden_grad)
     return inputs, shard, rows
 
 
 def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, memory_budget=None,
-                               deterministic: bool = True) -> planner.Plan:
+                               deterministic: bool = True, extras: TokenExtras | None = None) -> planner.Plan:
     wants = torch.is_grad_enabled()
     needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
     return planner.plan_head(planner.HeadCall("linear_token_logprobs", inputs, None, planner.Budget.of(memory_budget),
-                                              needs, rows.count, bool(deterministic), shard=shard))
+                                              needs, rows.count, bool(deterministic), shard=shard, extras=extras))
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
                           temperature: float = 1.0, return_entropy: bool = False, impl: str = "auto",
                           deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
                           vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None,
-                          softcap: float | None = None, capturable: bool = False, hidden_grad: str = "reduced"):
+                          softcap: float | None = None, capturable: bool = False, hidden_grad: str = "reduced",
+                          extra_outputs: tuple[str, ...] = ()):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``, or under
     ``softmax(softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature)`` with ``softcap`` (Gemma 2's
     ``final_logit_softcapping``, applied inside the kernels on every path).
@@ -97,6 +137,12 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     allocate (GRPOLossConfig.memory_budget's meaning); ``grpo_kernels.explain`` shows the plan. capturable: no host
     sync (CUDA graph capture; GRPOLossConfig.capturable's meaning): the rows ``mask`` drops are computed too, then
     zeroed.
+
+    extra_outputs: names among ``"log_sum_sq_probs"`` (log sum_v p_v^2), ``"mean_logits"`` (the mean over V of the
+    logits after the soft cap and the temperature) and ``"is_top1"`` (whether the id is the argmax, the first maximum
+    winning ties), TRL's ``ChunkedLogProbFunction`` outputs of those names (``reference.token_extras``), computed in
+    the same sweep over V, not differentiable; not with ``process_group``. When given, the result is a
+    ``TokenOutputs`` (logp, entropy if ``return_entropy``, and the extras named) instead of the tensors.
 
     Vocab-parallel (``process_group``, a torch.distributed group): ``weight`` / ``bias`` are this rank's contiguous
     shard (V_r, H) / (V_r,) of the vocabulary, starting at full-vocabulary id ``vocab_start`` (None: the sum of
@@ -117,17 +163,23 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     ops.check_head_compilable(process_group, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
-        inputs, shard, rows = validate_head_logprobs(hidden=hidden, weight=weight, ids=ids, bias=bias,
-                                                     temperature=temperature, impl=impl, mask=mask,
-                                                     process_group=process_group, vocab_start=vocab_start,
-                                                     softcap=softcap, capturable=capturable, hidden_grad=hidden_grad)
-        plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic)
+        args = HeadCallArgs(LogitTransform(temperature, softcap), impl, capturable, process_group, vocab_start,
+                            hidden_grad, extra_outputs)
+        inputs, shard, rows = validate_head_logprobs(hidden, weight, ids, bias, mask, args)
+        extras = TokenExtras.of(extra_outputs)
+        plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic, extras)
         if shard is not None:
             logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows,
                                                                     reduce_hidden_grad=hidden_grad == "reduced")
+            more = (None, None, None)
         else:
-            logp, entropy, _ = head_token_logprobs(inputs, plan, rows, sharded_head.backward_context(gather_head))
+            logp, entropy, _, more = head_token_logprobs(inputs, plan, rows, sharded_head.backward_context(gather_head),
+                                                         extras)
     if capturable and mask is not None:  # the rows the mask drops were computed: 0 there, and no gradient
         keep = mask.reshape(logp.shape) != 0
         logp, entropy = torch.where(keep, logp, 0.0), torch.where(keep, entropy, 0.0)
+        more = tuple(None if t is None else torch.where(keep, t, False if t.dtype == torch.bool else 0.0)
+                     for t in more)
+    if extras:
+        return TokenOutputs(logp, entropy if return_entropy else None, *more)
     return (logp, entropy) if return_entropy else logp

@@ -168,7 +168,7 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
         if shard is not None:
             logps, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows)
         else:
-            logps, entropy, _ = head_token_logprobs(inputs, plan, rows, sharded_head.backward_context(gather_head))
+            logps, entropy, _, _ = head_token_logprobs(inputs, plan, rows, sharded_head.backward_context(gather_head))
     return loss_from_token_logprobs(logps, entropy, batch, cfg, plan.token_stage)
 
 

@@ -27,7 +27,7 @@ import typing
 
 import torch
 
-from .config import IMPORTANCE_SAMPLING_LEVELS, GRPOLossConfig, LogitTransform
+from .config import IMPORTANCE_SAMPLING_LEVELS, GRPOLossConfig, LogitTransform, TokenExtras
 from .loss_types import LOSS_TYPES
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -113,6 +113,7 @@ def _decode_from(cls, floats, ints, pos: list):
 
 
 options_type(LogitTransform)
+options_type(TokenExtras)
 options_type(GRPOLossConfig, choices={"loss_type": LOSS_TYPES,
                                       "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS})
 

@@ -19,7 +19,7 @@ import torch
 
 from ._testing import knobs
 from .invariance import block_rows
-from .config import GRPOLossConfig
+from .config import GRPOLossConfig, TokenExtras
 from .head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
 from .inputs import HeadInputs, LogitsInputs
 from .logits.logprobs import TORCH_LOGITS_TEMPS
@@ -80,7 +80,8 @@ class HeadCall:
     """What the planner needs of a fused-head call: the validated inputs, the loss options (None: log-probs only),
     the budget, the gradients wanted (hidden, weight, bias), the rows computed after compaction, the backward's
     determinism, the valid tokens per sequence (a zero-argument callable: a host sync, asked only when a
-    sequence-level fast path is possible) and the vocabulary shard (``distributed.vocab_parallel.VocabShard``)."""
+    sequence-level fast path is possible), the vocabulary shard (``distributed.vocab_parallel.VocabShard``) and the
+    extra per-token statistics asked of the forward (``config.TokenExtras``; None: log-probs only)."""
 
     op: str
     inputs: HeadInputs
@@ -92,6 +93,7 @@ class HeadCall:
     sequence_counts: object = None
     shard: object = None
     batch_invariant: bool = False
+    extras: TokenExtras | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,17 @@ def _even_rows(n: int, max_rows: int) -> int:
 
 def _per_token_bytes(n: int, k: int) -> int:
     return 4 * k * n
+
+
+def _extra_bytes(call, state_bytes: int = 0) -> int:
+    """Bytes of a head call's extra outputs (``config.TokenExtras``: 4 per fp32 statistic, 1 for is_top1, per
+    row), plus ``state_bytes`` per row and per statistic for a path that carries its own running sums (is_top1:
+    one more bool)."""
+    ex = call.extras
+    if not ex:
+        return 0
+    return call.n_valid * ((4 + state_bytes) * (ex.log_sum_sq_probs + ex.mean_logits)
+                           + (1 + (state_bytes + 1 if state_bytes else 0)) * ex.is_top1)
 
 
 # ------------------------------------------------------------------------------------------------- logits inputs
@@ -396,7 +409,7 @@ def _head_torch(call: HeadCall, costs: _HeadCosts) -> Plan:
             accum.append(("fp32 d weight accumulator", 4 * V * H))
     loop_fixed = 4 * vt * H if half else 0  # the weight tile in fp32, alive with the logits tiles
     per_row = TORCH_HEAD_TEMPS * acc * vt + (acc * H if half else 0)
-    small = _per_token_bytes(N, 4)
+    small = _per_token_bytes(N, 4) + _extra_bytes(call, acc)
     need = costs.fixed + sum(b for _, b in accum) + small + loop_fixed + per_row
     if budget < need:
         raise call.budget.error(call.op, HEAD_TORCH, need)
@@ -412,11 +425,12 @@ def _head_no_grad(call: HeadCall, costs: _HeadCosts) -> Plan:
     """Row chunks of fp32 logits for the GEMM + fold, at most ``NO_GRAD_CHUNK_CAP`` bytes each."""
     V, N = call.inputs.weight.shape[0], call.n_valid
     budget = call.budget.working()
-    room = min(budget - costs.fixed - _per_token_bytes(N, 3), knobs().no_grad_chunk_cap or NO_GRAD_CHUNK_CAP)
+    small = _per_token_bytes(N, 3) + _extra_bytes(call)
+    room = min(budget - costs.fixed - small, knobs().no_grad_chunk_cap or NO_GRAD_CHUNK_CAP)
     if room < 4 * V:
-        raise call.budget.error(call.op, HEAD_NO_GRAD, costs.fixed + _per_token_bytes(N, 3) + 4 * V)
+        raise call.budget.error(call.op, HEAD_NO_GRAD, costs.fixed + small + 4 * V)
     rows = _even_rows(N, room // (4 * V))
-    items = [("fp32 logits chunk", min(rows, max(N, 1)) * 4 * V), ("per-token values", _per_token_bytes(N, 3))]
+    items = [("fp32 logits chunk", min(rows, max(N, 1)) * 4 * V), ("per-token values", small)]
     return _head_plan(call, costs, HEAD_NO_GRAD, "no gradient wanted", budget, items, chunk_rows=rows,
                       flops_nhv=_flops(call, 2))
 
@@ -532,7 +546,7 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
     from .kernels.linear_backward_kernels import backward_layout  # lazy: the Triton path's geometry
     from .kernels.linear_forward_kernels import forward_partial_bytes
     inputs, (V, H), N = call.inputs, call.inputs.weight.shape, call.n_valid
-    budget, small = call.budget.working(), _per_token_bytes(N, 8)
+    budget, small = call.budget.working(), _per_token_bytes(N, 8) + _extra_bytes(call)
     needs = (call.needs[0], call.needs[1], call.needs[2] and inputs.bias is not None)
     if torch.compiler.is_compiling():
         # Why deferred: the layout's geometry reads the device and torch's matmul precision, which the compiler
@@ -540,7 +554,8 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
         return _head_plan(call, costs, HEAD_LIGHT, why, budget, [("per-token values", small)], flops_nhv=8,
                           working_bytes=budget - costs.fixed - small,
                           notes=("backward layout chosen when the op runs (torch.compile)",))
-    forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device)
+    forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device,
+                                    len(call.extras.names) if call.extras else 0)
     geometry = (N, V, H, inputs.dtype, inputs.hidden.device)
     layout = backward_layout(*geometry, budget - costs.fixed - small, *needs, call.deterministic)
     if layout is None:

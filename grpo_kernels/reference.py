@@ -50,6 +50,31 @@ def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: f
     return logp, entropy
 
 
+def token_extras(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, softcap: float | None = None):
+    """The per-token statistics ``config.EXTRA_OUTPUTS`` of ``z = soft_cap(logits, softcap) / temperature``, as
+    TRL 1.16's ``ChunkedLogProbFunction`` defines them: (log_sum_sq_probs, mean_logits, is_top1), each shaped like
+    ids; the first two fp32 (float64 for float64 logits), is_top1 bool. Not differentiable.
+
+    - ``log_sum_sq_probs = log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)`` (p = softmax(z));
+    - ``mean_logits = sum_v z_v / V``;
+    - ``is_top1 = (z_t >= max_v z_v) & (z_t > max_{v < t} z_v)`` with t = ids (an empty max is -inf): the target is
+      the argmax, the first maximum winning ties (``torch.argmax``), and False on a row whose log-prob is NaN (a NaN
+      or +inf logit; a row of -inf only).
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        z = soft_cap(logits.to(dtype), softcap) / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        log_sum_sq = torch.logsumexp(2 * z, dim=-1) - 2 * lse
+        mean = z.mean(dim=-1)
+        t = ids.long().unsqueeze(-1)
+        z_t = z.gather(-1, t).squeeze(-1)
+        before = torch.arange(z.shape[-1], device=z.device) < t
+        max_before = torch.where(before, z, float("-inf")).amax(dim=-1)
+        is_top1 = (z_t >= z.amax(dim=-1)) & (z_t > max_before) & ~torch.isnan(z_t - lse)
+    return log_sum_sq, mean, is_top1
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
                      weights=None) -> torch.Tensor:
     """Group-normalized advantages: ``(r - mean_group(r)) / (std + eps)``, NaN -> 0.

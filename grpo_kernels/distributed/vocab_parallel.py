@@ -366,7 +366,7 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: Val
     owned = (ids >= shard.start) & (ids < shard.start + shard.size)
     local_ids = (ids - shard.start).clamp(0, shard.size - 1)
     local = replace(inputs, hidden=hidden, ids=local_ids, shape=local_ids.shape)
-    logp_r, entropy_r, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()))
+    logp_r, entropy_r, _, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()))
     z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.transform, plan.deterministic)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
     table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]), shard)

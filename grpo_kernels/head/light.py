@@ -8,6 +8,9 @@ logits = hidden @ weight.T (+ bias) are never written whole:
 - ``head.no_grad`` (Triton): per row chunk, cuBLAS fp32 logits + one fold kernel; no backward;
 - ``head.torch``: tiles with an online logsumexp, recomputed in the backward (``torch_tiles.py``).
 
+Each path can add the extra per-token statistics of ``config.TokenExtras`` (log sum p^2, the mean logit, is_top1) to
+its forward sweep, never differentiable (docs/kernels.md, "Extra outputs").
+
 ``light_forward`` / ``light_backward`` are the paths' one body (``ops.py``), called by the eager Function and by the
 registered ops. Eager-only: a context the caller gives (a ZeRO-3 head's gather, ``backward_context``) is entered again
 around the backward, and the valid rows are compacted before the call (differentiably); the ops compact inside,
@@ -24,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from torch.library import custom_op
 
 from .. import ops
-from ..config import LogitTransform
+from ..config import EXTRA_OUTPUTS, LogitTransform, TokenExtras
 from ..inputs import HeadInputs, LogprobGrads, ValidRows
 from ..paths import HEAD_LIGHT, HEAD_LOGPROB_PATHS, HEAD_NO_GRAD, HEAD_TORCH
 from .torch_tiles import torch_linear_logprobs_backward, torch_linear_logprobs_forward
@@ -35,7 +38,8 @@ from .torch_tiles import torch_linear_logprobs_backward, torch_linear_logprobs_f
 class LightOptions:
     """The non-tensor inputs of the paths: the plan's path and layout, and the logits transform. chunk_rows: rows
     per chunk (``head.no_grad``, ``head.torch``); chunk_bytes / row_block: the light backward's layout (0: chosen
-    when the op runs, within ``working_bytes``: a plan made under torch.compile leaves it to run time)."""
+    when the op runs, within ``working_bytes``: a plan made under torch.compile leaves it to run time); extras: the
+    extra statistics the forward adds."""
 
     path: str
     transform: LogitTransform
@@ -44,20 +48,29 @@ class LightOptions:
     chunk_bytes: int = 0
     row_block: int = 0
     working_bytes: int = 0
+    extras: TokenExtras = TokenExtras()
+
+
+NO_EXTRAS = (None, None, None)
 
 
 def light_forward(hidden, weight, bias, ids, o: LightOptions):
-    """(logp, lse, entropy) (N,) in the accumulation dtype of ``o.path``."""
-    t = o.transform
+    """(logp, lse, entropy, extras) (N,) in the accumulation dtype of ``o.path``; extras: (log_sum_sq_probs,
+    mean_logits, is_top1 bool), None for each that ``o.extras`` does not ask for."""
+    t, extras = o.transform, o.extras or None
     with torch.autocast(hidden.device.type, enabled=False):  # the tiles keep their fp32 accumulation
         if o.path == HEAD_NO_GRAD:
             from ..kernels.linear_epilogue_kernels import head_logprobs_chunked  # lazy: creates the Triton kernels
-            return head_logprobs_chunked(hidden, weight, bias, ids, t.temperature, o.chunk_rows * 4 * weight.shape[0],
-                                         softcap=t.softcap)
-        if o.path == HEAD_LIGHT:
+            out = head_logprobs_chunked(hidden, weight, bias, ids, t.temperature, o.chunk_rows * 4 * weight.shape[0],
+                                        softcap=t.softcap, extras=extras)
+        elif o.path == HEAD_LIGHT:
             from ..kernels.linear_forward_kernels import linear_logprobs_forward
-            return linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap)
-        return torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows)
+            out = linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap, extras=extras)
+        elif extras is None:
+            out = torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows)
+        else:
+            out = torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows, extras)
+    return out if extras is not None else (*out, NO_EXTRAS)
 
 
 def light_backward(hidden, weight, bias, ids, stats: LogprobGrads, needs: tuple, o: LightOptions):
@@ -96,21 +109,23 @@ def _needs(ctx, bias) -> tuple:
 
 
 class _HeadLogprobs(torch.autograd.Function):
-    """(hidden (N, H), weight, bias, ids) -> (logp, entropy, lse); saves inputs plus two fp32 values per token."""
+    """(hidden (N, H), weight, bias, ids) -> (logp, entropy, lse, log_sum_sq_probs, mean_logits, is_top1), the last
+    three None unless ``o.extras`` asks for them (not differentiable, like lse); saves inputs plus two fp32 values
+    per token."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, o: LightOptions, backward_context):
-        logp, lse, entropy = light_forward(hidden, weight, bias, ids, o)
+        logp, lse, entropy, extras = light_forward(hidden, weight, bias, ids, o)
         if o.path != HEAD_NO_GRAD:
             ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
         ctx.options, ctx.backward_context = o, backward_context
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(lse)
-        return logp, entropy, lse
+        ctx.mark_non_differentiable(lse, *(t for t in extras if t is not None))
+        return logp, entropy, lse, *extras
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse, *_grad_extras):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         needs = _needs(ctx, bias)
         if (grad_logp is None and grad_entropy is None) or not any(needs):
@@ -124,22 +139,29 @@ class _HeadLogprobs(torch.autograd.Function):
 
 @custom_op("grpo_kernels::head_logprobs", mutates_args=())
 def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
-                   row_mask: Optional[torch.Tensor],
-                   floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, lse) (N,) of ``light_forward``, 0 at the rows ``row_mask`` drops (``ValidRows.deferred``);
-    floats, ints: ``ops.encode(LightOptions)``."""
+                   row_mask: Optional[torch.Tensor], floats: list[float],
+                   ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                             torch.Tensor]:
+    """(logp, entropy, lse, log_sum_sq_probs, mean_logits, is_top1) (N,) of ``light_forward``, 0 (False) at the rows
+    ``row_mask`` drops (``ValidRows.deferred``), an empty (0,) tensor for an extra not asked for; floats, ints:
+    ``ops.encode(LightOptions)``."""
     N = hidden.shape[0]
     index = ops.valid_index(row_mask, N)
     h, i = ops.take_rows(index, hidden, ids)
-    logp, lse, entropy = light_forward(h, weight, bias, i, ops.decode(LightOptions, floats, ints))
-    return ops.put_rows(index, N, logp), ops.put_rows(index, N, entropy), ops.put_rows(index, N, lse)
+    logp, lse, entropy, extras = light_forward(h, weight, bias, i, ops.decode(LightOptions, floats, ints))
+    extras = tuple(hidden.new_empty((0,), dtype=dtype) if t is None else ops.put_rows(index, N, t)
+                   for t, dtype in zip(extras, (lse.dtype, lse.dtype, torch.bool)))
+    return ops.put_rows(index, N, logp), ops.put_rows(index, N, entropy), ops.put_rows(index, N, lse), *extras
 
 
 @_head_logprobs.register_fake
 def _(hidden, weight, bias, ids, row_mask, floats, ints):
-    path = ops.decode(LightOptions, floats, ints).path
-    dtype = ops.acc_dtype(hidden) if path == HEAD_TORCH else torch.float32
-    return tuple(hidden.new_empty((hidden.shape[0],), dtype=dtype) for _ in range(3))
+    o = ops.decode(LightOptions, floats, ints)
+    dtype = ops.acc_dtype(hidden) if o.path == HEAD_TORCH else torch.float32
+    N = hidden.shape[0]
+    extras = tuple(hidden.new_empty((N if getattr(o.extras, name) else 0,), dtype=ty)
+                   for name, ty in zip(EXTRA_OUTPUTS, (dtype, dtype, torch.bool)))
+    return (*(hidden.new_empty((N,), dtype=dtype) for _ in range(3)), *extras)
 
 
 @custom_op("grpo_kernels::head_logprobs_backward", mutates_args=())
@@ -166,12 +188,13 @@ def _(hidden, weight, bias, ids, row_mask, stats, needs, floats, ints):
 
 def _head_setup(ctx, inputs, output):
     hidden, weight, bias, ids, row_mask, floats, ints = inputs
-    _logp, entropy, lse = output
+    _logp, entropy, lse, *extras = output
     ctx.save_for_backward(hidden, weight, bias, ids, row_mask, lse, entropy)
+    ctx.mark_non_differentiable(lse, *extras)
     ctx.options = (floats, ints)
 
 
-def _head_backward(ctx, grad_logp, grad_entropy, _grad_lse):
+def _head_backward(ctx, grad_logp, grad_entropy, _grad_lse, *_grad_extras):
     hidden, weight, bias, ids, row_mask, lse, entropy = ctx.saved_tensors
     needs = _needs(ctx, bias)
     stats = LogprobGrads.incoming(lse, entropy, grad_logp, grad_entropy)
@@ -182,20 +205,26 @@ def _head_backward(ctx, grad_logp, grad_entropy, _grad_lse):
 _head_logprobs.register_autograd(_head_backward, setup_context=_head_setup)
 
 
-def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, backward_context=None):
-    """(logp, entropy, lse) shaped like the caller's ids, from validated inputs and their plan.
+def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, backward_context=None,
+                        extras: TokenExtras | None = None):
+    """(logp, entropy, lse, (log_sum_sq_probs, mean_logits, is_top1)) shaped like the caller's ids, from validated
+    inputs and their plan; each extra None unless ``extras`` asks for it.
 
-    Only the rows ``rows`` keeps are computed (the others get 0 and no gradient): padding costs neither the
+    Only the rows ``rows`` keeps are computed (the others get 0 / False and no gradient): padding costs neither the
     N x V x H matmuls nor their backward. backward_context: None, or a zero-argument callable returning a context
     manager entered around the backward (a ZeRO-3 head's gather; the caller holds it open around this call)."""
+    extras = extras or TokenExtras()
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     o = LightOptions(plan.path, inputs.transform, plan.deterministic, plan.chunk_rows or 0, plan.chunk_bytes or 0,
-                     plan.row_block or 0, plan.working_bytes or 0)
+                     plan.row_block or 0, plan.working_bytes or 0, extras)
     if ops.compiling():  # the Function does not trace: its registered op does
-        logp, entropy, lse = _head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred, *ops.encode(o))
+        logp, entropy, lse, *more = _head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred,
+                                                   *ops.encode(o))
+        more = [t if getattr(extras, name) else None for t, name in zip(more, EXTRA_OUTPUTS)]
     else:
-        logp, entropy, lse = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, o, backward_context)
+        logp, entropy, lse, *more = _HeadLogprobs.apply(hidden, inputs.weight, inputs.bias, ids, o, backward_context)
     logp, entropy, lse = rows.scatter(logp, entropy, lse)
     shape = inputs.shape
-    return logp.view(shape), entropy.view(shape), lse.view(shape)
+    more = tuple(None if t is None else rows.scatter(t)[0].view(shape) for t in more)
+    return logp.view(shape), entropy.view(shape), lse.view(shape), more

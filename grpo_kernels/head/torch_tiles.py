@@ -4,11 +4,16 @@ Tiles of ``tile_rows`` x ``TORCH_HEAD_TILE_VOCAB`` logits (rows from the plan, s
 memory budget) with an online logsumexp; the backward recomputes each tile. Never holds an N x V tensor. A soft cap
 (``softcap``) is applied to each tile in place, before the temperature (``torch_chunks.soft_cap_``), and its derivative
 multiplies the tile's d logits in the backward.
+
+The extra statistics (``config.TokenExtras``: log sum p^2, the mean logit, is_top1) are folded from the same tiles
+(``_TileExtras``) with no further tile-sized temporary: per tile one more row reduction for the mean (``sum``), a
+row dot product ``e . e`` for sum p^2, and ``max`` with its (first) index in place of ``amax`` for is_top1.
 """
 from __future__ import annotations
 
 import torch
 
+from ..config import TokenExtras
 from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
 
 # Vocab columns per tile (the tile's row count follows from the memory budget, ``planner.plan_head``).
@@ -34,9 +39,11 @@ def _tile_raw_logits(h, w_tile, bias, v0, v1, acc):
     return z
 
 
-def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_rows: int):
+def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_rows: int,
+                                  extras: TokenExtras | None = None):
     """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy)
-    of the logits under ``transform`` (temperature, soft cap).
+    of the logits under ``transform`` (temperature, soft cap); with ``extras``, a fourth item
+    (log_sum_sq_probs | None, mean_logits | None, is_top1 | None) (N,) (``reference.token_extras``).
 
     At most two (tile_rows, TORCH_HEAD_TILE_VOCAB) temporaries at a time (the logits tile and its exponentials),
     plus, for half-precision inputs, the weight tile and the hidden rows in the accumulation dtype."""
@@ -44,6 +51,7 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_row
     acc = accumulation_dtype(hidden)
     inv_t, softcap = transform.inv_temperature, transform.softcap
     logp, lse, entropy = (torch.empty(N, dtype=acc, device=hidden.device) for _ in range(3))
+    out_extras = _TileExtras.outputs(N, acc, hidden.device, extras)
     for r0 in range(0, N, tile_rows):
         h = hidden[r0:r0 + tile_rows].to(acc)
         tgt = ids[r0:r0 + tile_rows]
@@ -52,13 +60,14 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_row
         s = torch.zeros(n, dtype=acc, device=h.device)
         a = torch.zeros(n, dtype=acc, device=h.device)
         z_target = torch.zeros(n, dtype=acc, device=h.device)
+        extra = _TileExtras(tgt, acc, extras) if extras else None
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
             z = soft_cap_(_tile_raw_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, acc), softcap)
             z.mul_(inv_t)
             # online logsumexp; `a` carries sum exp(z - m) (z - m) for the entropy, relative to the running max so
             # that H = log s - a / s never subtracts two large numbers (low temperatures)
-            m_new = torch.maximum(m, z.amax(-1))
+            m_new = torch.maximum(m, z.amax(-1) if extra is None else extra.fold_logits(z, v0, v1))
             m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
             alpha = torch.exp(m - m_safe)
             inside = (tgt >= v0) & (tgt < v1)
@@ -67,6 +76,8 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_row
             shift = torch.where(s > 0, (m - m_safe) * s, 0.0)  # moving a's reference from m to m_new
             z.sub_(m_safe.unsqueeze(-1))
             e = z.exp()
+            if extra is not None:
+                extra.fold_exp(e, alpha)
             s_tile = e.sum(-1)
             a = alpha * (a + shift) + e.mul_(z.clamp_(min=NEG_BIG)).sum(-1)
             s = s * alpha + s_tile
@@ -76,7 +87,62 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_row
         lse[r0:r0 + n] = m + log_s
         entropy[r0:r0 + n] = log_s - a / s
         logp[r0:r0 + n] = z_target - (m + log_s)
-    return logp, lse, entropy
+        if extra is not None:
+            extra.finish(out_extras, slice(r0, r0 + n), V, z_target, m, log_s, logp[r0:r0 + n])
+    return (logp, lse, entropy) if not extras else (logp, lse, entropy, out_extras)
+
+
+class _TileExtras:
+    """The extra statistics of one block of rows, folded tile by tile (``config.TokenExtras``).
+
+    log sum p^2: ``s2 = sum e^2`` with ``e = exp(z - m)``, rescaled by alpha^2 like s by alpha, so that
+    ``log sum p^2 = log s2 - 2 log s``. mean: the plain sum of z. is_top1: the largest z over the tiles wholly before
+    the target's tile, and whether the target is its own tile's first maximum (``max``'s index is the first one),
+    so that ``is_top1 = z_t >= m & z_t > max_before & first`` (``reference.token_extras``)."""
+
+    def __init__(self, tgt, acc, extras: TokenExtras):
+        n, dev = tgt.shape[0], tgt.device
+        self.tgt, self.extras = tgt, extras
+        self.s2 = torch.zeros(n, dtype=acc, device=dev) if extras.log_sum_sq_probs else None
+        self.z_sum = torch.zeros(n, dtype=acc, device=dev) if extras.mean_logits else None
+        if extras.is_top1:
+            self.max_before = torch.full((n,), float("-inf"), dtype=acc, device=dev)
+            self.first = torch.zeros(n, dtype=torch.bool, device=dev)
+
+    @staticmethod
+    def outputs(N: int, acc, device, extras: TokenExtras | None) -> tuple:
+        if not extras:
+            return None, None, None
+        return (torch.empty(N, dtype=acc, device=device) if extras.log_sum_sq_probs else None,
+                torch.empty(N, dtype=acc, device=device) if extras.mean_logits else None,
+                torch.empty(N, dtype=torch.bool, device=device) if extras.is_top1 else None)
+
+    def fold_logits(self, z, v0: int, v1: int):
+        """Fold a tile of transformed logits z (n, v1 - v0) before the online logsumexp shifts it; returns its row
+        maxima (NaN where the tile holds a NaN)."""
+        if self.z_sum is not None:
+            self.z_sum += z.sum(-1)
+        if not self.extras.is_top1:
+            return z.amax(-1)
+        tile_max, first_index = z.max(-1)
+        self.max_before = torch.where(self.tgt >= v1, torch.maximum(self.max_before, tile_max), self.max_before)
+        here = (self.tgt >= v0) & (self.tgt < v1)
+        self.first = torch.where(here, first_index == self.tgt - v0, self.first)
+        return tile_max
+
+    def fold_exp(self, e, alpha) -> None:
+        """Fold the tile's e = exp(z - m_new) (n, Vt); alpha = exp(m_old - m_new) rescales the running sum."""
+        if self.s2 is not None:
+            self.s2 = self.s2 * (alpha * alpha) + (e.unsqueeze(-2) @ e.unsqueeze(-1)).view(-1)
+
+    def finish(self, out: tuple, rows: slice, V: int, z_target, m, log_s, logp) -> None:
+        sq, mean, top1 = out
+        if sq is not None:
+            sq[rows] = torch.log(self.s2) - 2.0 * log_s
+        if mean is not None:
+            mean[rows] = self.z_sum / V
+        if top1 is not None:
+            top1[rows] = (z_target >= m) & (z_target > self.max_before) & self.first & ~torch.isnan(logp)
 
 
 def torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs: tuple, tile_rows: int):

@@ -18,9 +18,14 @@ final_logit_softcapping, logit_scale, outputs)``, looked up as a global of ``trl
 ``patch_trl`` replaces that one global with ``TRLLogProbFunction``, which calls
 ``grpo_kernels.linear_token_logprobs``. Everything around it, TRL's output object and TRL's whole loss, stays TRL's
 own: this is the narrowest seam that removes the (N x V) work, and ``unpatch_trl`` restores it with one assignment.
-The global is shared by every TRL trainer: GRPO's policy and reference model are what this targets and tests; RLOO's
-policy and every trainer's reference model (log_probs only) take the same path; SFT, DPO and KTO policies request
-extra outputs and stay on TRL's kernel (below).
+The global is shared by every TRL trainer, and every ``outputs`` set TRL's function accepts is served:
+``log_probs`` and ``entropy`` (differentiable), and the non-differentiable ``log_sum_sq_probs`` (log sum_v p_v^2, DPO's
+WPO weights), ``mean_logits`` (the mean over V of the transformed logits, DPO's and KTO's ``logits/chosen`` and
+``logits/rejected``) and ``is_top1`` (the target is the argmax, the first maximum winning ties: SFT's and DPO's
+``mean_token_accuracy``), computed by ``linear_token_logprobs(..., extra_outputs=...)`` in the same sweep over V.
+So GRPO's and RLOO's policies, SFTTrainer's, DPOTrainer's and KTOTrainer's policies, and every trainer's reference
+model run on grpo_kernels; ``patch_trl`` also wraps each of those trainers' ``add_fused_lm_head`` for its setup-time
+check (below).
 
 Padding-free rows (TRL's ``AsyncGRPOTrainer``, ``trl.experimental.async_grpo``) take the same seam. Its
 ``compute_loss`` packs a rank's samples into one row, ``model(input_ids (1, N), position_ids (1, N), shift_labels
@@ -48,15 +53,14 @@ TRL scores ``cap * tanh(logit_scale * x / cap) / temperature`` (scale, cap, temp
 
 Calls the fused path cannot express are served by TRL's own ``ChunkedLogProbFunction``, unchanged:
 - a logit scale or a ``final_logit_softcapping`` that is not a finite number > 0: warned once;
-- requested outputs other than ``log_probs`` / ``entropy`` (SFT's ``is_top1``, DPO's ``mean_logits``...): silent,
-  since those trainers are not what this patch targets;
+- an output TRL computes and grpo_kernels does not (none in TRL 1.16; a later TRL might add one): silent;
 - an empty batch of scored positions (TRL's compact path): silent, TRL's function keeps the graph connected;
 - float64 on a GPU (the Triton kernels take fp32 / bf16 / fp16): silent.
 Numbers: in fp32 the patched trainer matches TRL to float rounding (docs/api.md, "TRL"). Under bf16
 autocast both cast hidden and head to bf16, but TRL also rounds every logits tile to bf16 while grpo_kernels keeps
 the logits in fp32, so the two differ at bf16 precision, grpo_kernels being the closer to the exact value.
 ``patch_trl(strict=True)`` turns the warned fallbacks into ValueErrors, raised at trainer setup where TRL calls
-``add_fused_lm_head`` on the GRPO policy and reference models.
+``add_fused_lm_head`` on the policy and reference models (GRPO, RLOO, SFT, DPO, KTO, AsyncGRPO).
 
 Sharded heads stay on our kernels:
 - DeepSpeed ZeRO-3: TRL's forward gathers the partitioned ``lm_head`` around the call (``maybe_gather_lm_head_ctx``)
@@ -77,6 +81,7 @@ import warnings
 
 import torch
 
+from ..config import EXTRA_OUTPUTS
 from .transformers import zero3_enabled, cast_to, fold_logit_scale, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction",
@@ -87,8 +92,14 @@ logger = logging.getLogger("grpo_kernels")
 # TRL release series (major.minor) whose fused-LM-head seam this module was written against and tested with.
 SUPPORTED_TRL_VERSIONS = ("1.16",)
 
-# Outputs of TRL's ChunkedLogProbFunction that grpo_kernels computes; any other requested output falls back.
-_ROUTED_OUTPUTS = frozenset({"log_probs", "entropy"})
+# Outputs of TRL's ChunkedLogProbFunction that grpo_kernels computes: all five of TRL 1.16 (log_probs always; TRL
+# ignores a name it does not know, and so does TRLLogProbFunction; one TRL knows and this set does not, as a later
+# TRL might add, falls back to TRL's kernel).
+_ROUTED_OUTPUTS = frozenset({"log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"})
+# TRL's trainer modules whose ``add_fused_lm_head`` patch_trl wraps with its setup-time check (each imported it by
+# name); the kernel swap serves every trainer whether its module is listed or not.
+_TRAINER_MODULES = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer", "trl.trainer.sft_trainer",
+                    "trl.trainer.dpo_trainer", "trl.trainer.kto_trainer")
 
 # (module, attribute) -> original value, filled by patch_trl and emptied by unpatch_trl.
 _ORIGINALS: dict = {}
@@ -130,10 +141,12 @@ class TRLLogProbFunction:
     ``grpo_kernels.linear_token_logprobs``.
 
     ``apply(hidden (N, H), weight (V, H), bias (V,) | None, targets (N,) int64, temperature, chunk_size,
-    final_logit_softcapping=None, logit_scale=1.0, outputs=(...))`` returns TRL's 5-tuple
-    ``(log_probs (N,) fp32, entropy (N,) fp32 | None, None, None, None)`` of
-    ``z = cap * tanh(logit_scale * (hidden @ weight.T + bias) / cap) / temperature`` (no cap when None), TRL's order.
-    ``chunk_size`` (TRL's vocabulary tile) is ignored: grpo_kernels' planner chooses its own chunking.
+    final_logit_softcapping=None, logit_scale=1.0, outputs=(...))`` returns TRL's 5-tuple in TRL's order
+    ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each (N,) and None unless ``outputs`` names it
+    (log_probs always): fp32 (float64 for float64 inputs on CPU), is_top1 bool; of
+    ``z = cap * tanh(logit_scale * (hidden @ weight.T + bias) / cap) / temperature`` (no cap when None). Only
+    log_probs and entropy are differentiable, as in TRL. ``chunk_size`` (TRL's vocabulary tile) is ignored:
+    grpo_kernels' planner chooses its own chunking.
     """
 
     @staticmethod
@@ -144,9 +157,9 @@ class TRLLogProbFunction:
             from trl.kernels import ChunkedLogProbFunction as original
         args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
                 outputs)
-        # Silent fallbacks first: other trainers' extra outputs, TRL's empty compact batch, and fp64 on a GPU (the
-        # Triton kernels take fp32/bf16/fp16; TRL's cuBLAS tiles take fp64).
-        if not set(outputs) <= _ROUTED_OUTPUTS or hidden.shape[0] == 0 or \
+        # Silent fallbacks first: an output of TRL's that grpo_kernels does not compute (none in TRL 1.16), TRL's
+        # empty compact batch, and fp64 on a GPU (the Triton kernels take fp32/bf16/fp16; TRL's tiles take fp64).
+        if not set(outputs) & _trl_outputs() <= _ROUTED_OUTPUTS or hidden.shape[0] == 0 or \
                 (hidden.dtype == torch.float64 and hidden.device.type != "cpu"):
             return original.apply(*args)
         blocker = fused_head_blocker(final_logit_softcapping, logit_scale)
@@ -157,6 +170,7 @@ class TRLLogProbFunction:
         import grpo_kernels as gk  # at call time: grpo_kernels/__init__.py may import this package
 
         want_entropy = "entropy" in outputs
+        extras = tuple(name for name in EXTRA_OUTPUTS if name in outputs)  # TRL ignores any other name
         # TRL multiplies in hidden's dtype outside autocast (fp32 under cast_lm_head_to_fp32, where TRL has already
         # upcast hidden and disabled autocast), casting the head to it; under autocast linear_token_logprobs runs
         # the head in the autocast dtype, as TRL's cuBLAS tiles do.
@@ -166,9 +180,18 @@ class TRLLogProbFunction:
         kernel_temperature, kernel_softcap = fold_logit_scale(temperature, logit_scale, final_logit_softcapping)
         out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=kernel_temperature,
                                        softcap=kernel_softcap, return_entropy=want_entropy,
-                                       gather_head=_zero3_gather(*head_params))
+                                       gather_head=_zero3_gather(*head_params), extra_outputs=extras)
+        if extras:
+            return out.logp, out.entropy, out.log_sum_sq_probs, out.mean_logits, out.is_top1
         logp, entropy = out if want_entropy else (out, None)
         return logp, entropy, None, None, None
+
+
+def _trl_outputs() -> frozenset:
+    """The output names TRL's ChunkedLogProbFunction computes (``log_probs`` and its ``OPTIONAL_OUTPUTS``)."""
+    from trl.kernels.chunked_logprob import OPTIONAL_OUTPUTS
+
+    return frozenset(("log_probs", *OPTIONAL_OUTPUTS))
 
 
 def _zero3_gather(weight, bias):
@@ -227,13 +250,13 @@ def _targets():
     import importlib
 
     utils = importlib.import_module("trl.trainer.utils")
-    grpo = importlib.import_module("trl.trainer.grpo_trainer")
-    for module, name in ((utils, "_ChunkedLogProbFunction"), (grpo, "add_fused_lm_head")):
+    trainers = [importlib.import_module(name) for name in _TRAINER_MODULES]
+    for module, name in ((utils, "_ChunkedLogProbFunction"), *((t, "add_fused_lm_head") for t in trainers)):
         if not hasattr(module, name):
             raise RuntimeError(f"{module.__name__}.{name} not found: this TRL does not have the fused-LM-head seam "
                                f"grpo_kernels patches (supported TRL series: {', '.join(SUPPORTED_TRL_VERSIONS)})")
-    targets = [(utils, "_ChunkedLogProbFunction", TRLLogProbFunction),
-               (grpo, "add_fused_lm_head", _checked_add_fused_lm_head(grpo.__name__))]
+    targets = [(utils, "_ChunkedLogProbFunction", TRLLogProbFunction)]
+    targets += [(t, "add_fused_lm_head", _checked_add_fused_lm_head(t.__name__)) for t in trainers]
     async_grpo = _async_grpo_module()
     if async_grpo is not None and hasattr(async_grpo, "add_fused_lm_head"):
         targets.append((async_grpo, "add_fused_lm_head", _checked_add_fused_lm_head(async_grpo.__name__)))
@@ -305,12 +328,13 @@ def _routes(strict: bool) -> tuple[Route, ...]:
     refused = "strict: ValueError at trainer setup" if strict else "warned once"
     return (
         Route("GRPO/RLOO policy log-probs + entropy", "grpo_kernels", _backend()),
-        Route("reference model log-probs (beta > 0)", "grpo_kernels", "same fused head, no gradient"),
+        Route("SFT/DPO/KTO policy + extra outputs", "grpo_kernels",
+              "is_top1, mean_logits, log_sum_sq_probs: same sweep over V, no gradient"),
+        Route("reference model log-probs (DPO, KTO, GRPO beta > 0)", "grpo_kernels", "same fused head, no gradient"),
         Route("ZeRO-3 / FSDP2 sharded lm_head", "grpo_kernels", "TRL gathers the head around the call"),
         Route("final_logit_softcapping (Gemma 2/3)", "grpo_kernels", "cap applied in the kernels; scale folded"),
         Route("padding-free packed row (AsyncGRPO)", "grpo_kernels", "shift_labels row: one (N, H) call, per token"),
         Route("logit scale / soft cap not finite > 0", "TRL", f"no such head to fold; {refused}"),
-        Route("other outputs (SFT is_top1, DPO mean_logits)", "TRL", "not computed by grpo_kernels; silent"),
         Route("float64 on a GPU", "TRL", "the Triton kernels take fp32/bf16/fp16; silent"),
         Route("an empty batch of scored positions", "TRL", "TRL's kernel keeps the graph connected; silent"),
     )
@@ -347,9 +371,9 @@ def patch_trl(strict: bool = False) -> TRLPatchReport:
                             patched=tuple(f"{module.__name__}.{name}" for module, name, _ in targets),
                             routes=_routes(strict), newly_patched=newly)
     fallbacks = "; ".join(r.calls for r in report.fallbacks)
-    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s): policy, reference and padding-free log-probs run on "
-                "grpo_kernels [%s]; TRL's own kernel for: %s", version, "patched" if newly else "already patched",
-                strict, _backend(), fallbacks)
+    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s): policy (GRPO, RLOO, SFT, DPO, KTO), reference and "
+                "padding-free log-probs run on grpo_kernels [%s]; TRL's own kernel for: %s", version,
+                "patched" if newly else "already patched", strict, _backend(), fallbacks)
     return report
 
 

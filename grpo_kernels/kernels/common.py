@@ -76,15 +76,9 @@ def soft_cap_grad(dz, capped, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def lane_fold(x, m, s, a, c):
-    """Fold a (lanes, k) fp32 tile ``x`` of raw logits into per-lane statistics (lanes,): running max ``m`` of x,
-    ``s = sum 2^u`` and ``a = sum 2^u u`` with ``u = (x - m) c`` (``c = log2(e) / temperature > 0``).
-
-    Why per lane: a lane's k values sit in one thread, so the max and sums here are register ops; the lanes are
-    combined once per row (``lanes_to_row``), never per block. Per element: max, subtract, multiply, MUFU, add,
-    clamp, FFMA. Why ``(x - m) c`` and not one FFMA ``x c - m c``: the difference is exact near the maximum (the
-    maximum itself gets weight exactly 1), whatever the magnitude of x / temperature.
-    Masked-out entries must hold -inf (weight 0); a NaN in x makes s NaN. Start from m = -inf, s = a = 0."""
+def lane_fold_terms(x, m, s, a, c):
+    """``lane_fold``'s statistics (m, s, a) and the terms it formed them from: alpha = 2^((m_old - m) c) (lanes,)
+    and e = 2^u (lanes, k), for the folds that add sums of their own (``lane_fold_sq``)."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
     # Why the reference point: a lane that has seen only -inf keeps weight 0 with no -inf - -inf = NaN.
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -94,7 +88,30 @@ def lane_fold(x, m, s, a, c):
     e = exp2(u)
     a = alpha * (a + tl.where(s > 0.0, shift * s, 0.0)) + tl.sum(e * tl.maximum(u, EXP2_FLOOR), axis=1)
     s = alpha * s + tl.sum(e, axis=1)
+    return m_new, s, a, alpha, e
+
+
+@triton.jit
+def lane_fold(x, m, s, a, c):
+    """Fold a (lanes, k) fp32 tile ``x`` of raw logits into per-lane statistics (lanes,): running max ``m`` of x,
+    ``s = sum 2^u`` and ``a = sum 2^u u`` with ``u = (x - m) c`` (``c = log2(e) / temperature > 0``).
+
+    Why per lane: a lane's k values sit in one thread, so the max and sums here are register ops; the lanes are
+    combined once per row (``lanes_to_row``), never per block. Per element: max, subtract, multiply, MUFU, add,
+    clamp, FFMA. Why ``(x - m) c`` and not one FFMA ``x c - m c``: the difference is exact near the maximum (the
+    maximum itself gets weight exactly 1), whatever the magnitude of x / temperature.
+    Masked-out entries must hold -inf (weight 0); a NaN in x makes s NaN. Start from m = -inf, s = a = 0."""
+    m_new, s, a, _alpha, _e = lane_fold_terms(x, m, s, a, c)
     return m_new, s, a
+
+
+@triton.jit
+def lane_fold_sq(x, m, s, a, s2, c):
+    """``lane_fold`` plus ``s2 = sum 2^(2u) = sum e^2`` per lane (start from 0), rescaled by alpha^2 as s is by
+    alpha: ``log sum p^2 = log s2 - 2 log s`` in natural units (2^(2u) = e^(2 (z - m))). Per element one FFMA more;
+    e^2 below 2^-126 flushes to 0, as e does (the row maximum contributes 1 to s2)."""
+    m_new, s, a, alpha, e = lane_fold_terms(x, m, s, a, c)
+    return m_new, s, a, alpha * alpha * s2 + tl.sum(e * e, axis=1)
 
 
 @triton.jit
@@ -107,6 +124,15 @@ def lanes_to_row(m, s, a, c):
     s_row = tl.sum(w * s, axis=0)
     a_row = tl.sum(w * (a + tl.where(s > 0.0, shift * s, 0.0)), axis=0)
     return m_row, s_row, a_row
+
+
+@triton.jit
+def lanes_sq_to_row(m, s2, c):
+    """The row's ``s2`` of ``lane_fold_sq`` from its lanes', re-centred on the row max (weights squared)."""
+    m_row = tl.max(m, axis=0)
+    ref = tl.where(m_row == float("-inf"), 0.0, m_row)
+    w = exp2((m - ref) * c)
+    return tl.sum(w * w * s2, axis=0)
 
 
 @triton.jit

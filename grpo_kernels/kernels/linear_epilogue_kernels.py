@@ -4,7 +4,9 @@ them (docs/DESIGN.md section 3).
 Per chunk of R hidden rows, cuBLAS writes the logits z = h W^T as an fp32 (R, V) buffer (``fp32_gemm.logits_f32``); one
 Triton program per row then sweeps that row:
 - ``head_fold_kernel`` (log-probs, no gradient): online logsumexp / entropy over the row, target logit -> logp,
-  lse, entropy. ``head_logprobs_chunked`` is the no-grad old / reference-policy pass: GEMM + fold, 2NHV.
+  lse, entropy, and the extra statistics ``config.TokenExtras`` asks for (log sum p^2, mean logit, is_top1) from
+  the same sweep. ``head_logprobs_chunked`` is the no-grad old / reference-policy pass: GEMM + fold, 2NHV.
+  The row sweeps themselves are in ``linear_rows.py``.
 - ``head_loss_grad_kernel`` (the gradient-in-forward path): the same fold, then ``token_terms`` (ratio, clipping,
   KL, per-token loss and d loss / d logp) with the precomputed reduction weight, per-row metric terms, and a
   second sweep that rewrites the row in place as d logits in the GEMM input dtype. cuBLAS then forms
@@ -38,10 +40,11 @@ import torch
 from .._checks import alloc
 from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
-from .common import LOG2E, dlogits_values, lane_fold, lanes_to_row, row_lse_entropy, soft_cap, soft_cap_grad
+from .common import dlogits_values, soft_cap, soft_cap_grad
 from .fp32_gemm import addmm_f32_, logits_f32
 from .host import TRITON_DTYPES, cap_args, half_view
 from .launch import launch, target_arch
+from .linear_rows import extra_outputs, head_row_lse_entropy, head_row_stats, store_extras, target_logit
 from .linear_tiles import to_input_dtype
 from .token_terms import token_terms_at
 
@@ -67,57 +70,6 @@ LOGPROBS_CHUNK_BYTES = 256 << 20
 
 def _row_block() -> int:
     return INTERPRET_ROW_BLOCK if target_arch() is None and interpreting() else ROW_BLOCK
-
-
-@triton.jit
-def _lane_offsets(BLOCK: tl.constexpr, LANE: tl.constexpr):
-    """(BLOCK // LANE, LANE) offsets 0 .. BLOCK - 1, row-major: LANE contiguous values per lane."""
-    return tl.arange(0, BLOCK // LANE)[:, None] * LANE + tl.arange(0, LANE)[None, :]
-
-
-@triton.jit
-def _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """(logsumexp, entropy) of one row of fp32 logits, z = soft_cap(x + b) * inv_temperature: per-lane online
-    statistics over unmasked (16-byte vector) full blocks and one masked tail, lanes combined once.
-
-    Why the lane width: a lane must sit in one thread (common.lane_fold). Four fp32 logits are one 16-byte vector;
-    with a half-precision bias, eight (one 16-byte vector of bias, two of logits), else the bias load alone would
-    be split into 8-byte pieces or the lane across two threads."""
-    LANE: tl.constexpr = 8 if HAS_BIAS and b_ptr.dtype.element_ty.primitive_bitwidth == 16 else 4
-    offs = _lane_offsets(BLOCK, LANE)
-    c = inv_temperature * LOG2E
-    m = tl.full([BLOCK // LANE], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK // LANE], tl.float32)
-    a = tl.zeros([BLOCK // LANE], tl.float32)
-    v_main = (V // BLOCK) * BLOCK
-    # Why an unmasked main loop: full blocks need no predicate, so the loads vectorize to 16 bytes.
-    for v0 in range(0, v_main, BLOCK):
-        x = tl.load(z_row + v0 + offs)
-        if HAS_BIAS:
-            x += tl.load(b_ptr + v0 + offs).to(tl.float32)
-        m, s, a = lane_fold(soft_cap(x, softcap, SOFTCAP), m, s, a, c)
-    cols = v_main + offs
-    ok = cols < V
-    x = tl.load(z_row + cols, mask=ok, other=float("-inf"))
-    if HAS_BIAS:
-        x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if SOFTCAP:
-        # Why the select: the cap maps the masked lanes' -inf to -softcap, a finite logit that would count in the
-        # sum; they must keep weight 0.
-        x = tl.where(ok, soft_cap(x, softcap, SOFTCAP), float("-inf"))
-    m, s, a = lane_fold(x, m, s, a, c)
-    m_row, s_row, a_row = lanes_to_row(m, s, a, c)
-    return row_lse_entropy(m_row, s_row, a_row, inv_temperature)
-
-
-@triton.jit
-def _target_logit(z_row, b_ptr, target, ok, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
-    """The capped logit soft_cap(x + b) of column ``target``, before the temperature (0 where ``ok`` is false)."""
-    x = tl.load(z_row + target, mask=ok, other=0.0)
-    if HAS_BIAS:
-        x += tl.load(b_ptr + target, mask=ok, other=0.0).to(tl.float32)
-    return soft_cap(x, softcap, SOFTCAP)
 
 
 @triton.jit
@@ -184,17 +136,28 @@ def _dlogits_row(z_row, out_row, b_ptr, target, y_target, lse, ent, g, g_h, V, i
 
 @triton.jit(do_not_specialize=["row0", "V"])
 def head_fold_kernel(z_ptr, b_ptr, ids_ptr, logp_ptr, lse_ptr, ent_ptr, row0, V, stride_z, inv_temperature,
-                     softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+                     softcap, sq_ptr, mean_ptr, top1_ptr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                     HAS_SQ: tl.constexpr, HAS_SUM: tl.constexpr, HAS_TOP1: tl.constexpr, BLOCK: tl.constexpr):
     """Row r of the fp32 chunk z_ptr (row stride stride_z) -> logp, lse, entropy of token row0 + r (softcap: the
-    cap of the raw logits when SOFTCAP, any value otherwise)."""
+    cap of the raw logits when SOFTCAP, any value otherwise); with HAS_SQ / HAS_SUM / HAS_TOP1, its log sum p^2
+    (fp32), mean logit (fp32) and is_top1 (bool) too, from the same sweep (``head_row_stats``)."""
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS, SOFTCAP, BLOCK)
-    zt = _target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), True, softcap, HAS_BIAS, SOFTCAP) * inv_temperature
+    # Why the id is read twice: the sweep needs it only for is_top1; without it the kernel is the log-prob fold as
+    # it was (same SASS), which reads the id after the sweep.
+    target = 0
+    if HAS_TOP1:
+        target = tl.load(ids_ptr + tok)
+    lse, ent, s_row, s2_row, y_sum, m_row, y_before = head_row_stats(z_row, b_ptr, V, target, inv_temperature,
+                                                                     softcap, HAS_BIAS, SOFTCAP, HAS_SQ, HAS_SUM,
+                                                                     HAS_TOP1, BLOCK)
+    zt = target_logit(z_row, b_ptr, tl.load(ids_ptr + tok), True, softcap, HAS_BIAS, SOFTCAP) * inv_temperature
     tl.store(lse_ptr + tok, lse)
     tl.store(logp_ptr + tok, zt - lse)
     tl.store(ent_ptr + tok, ent)
+    store_extras(sq_ptr, mean_ptr, top1_ptr, tok, zt - lse, zt, s_row, s2_row, y_sum, m_row, y_before, V,
+                 inv_temperature, HAS_SQ, HAS_SUM, HAS_TOP1)
 
 
 @triton.jit(do_not_specialize=["row0", "V"])
@@ -216,9 +179,9 @@ def head_loss_grad_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, old_ptr, ref_ptr, adv_
     r = tl.program_id(0)
     tok = row0 + r
     z_row = z_ptr + r.to(tl.int64) * stride_z
-    lse, ent = _row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS, SOFTCAP, BLOCK)
+    lse, ent = head_row_lse_entropy(z_row, b_ptr, V, inv_temperature, softcap, HAS_BIAS, SOFTCAP, BLOCK)
     target = tl.load(ids_ptr + tok)
-    y_target = _target_logit(z_row, b_ptr, target, True, softcap, HAS_BIAS, SOFTCAP)
+    y_target = target_logit(z_row, b_ptr, target, True, softcap, HAS_BIAS, SOFTCAP)
     logp = y_target * inv_temperature - lse
     # The per-token GRPO maths, defined once (token_terms.py); the reduction is the precomputed weight w.
     adv = tl.load(adv_ptr + tok)
@@ -276,8 +239,8 @@ def head_dlogits_kernel(z_ptr, out_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, gl_ptr
     lse = tl.load(lse_ptr + r)
     g = tl.load(gl_ptr + r)
     local_target = tl.load(ids_ptr + r) - v0
-    y_target = _target_logit(z_row, b_ptr, local_target, (local_target >= 0) & (local_target < Vc), softcap,
-                             HAS_BIAS, SOFTCAP)
+    y_target = target_logit(z_row, b_ptr, local_target, (local_target >= 0) & (local_target < Vc), softcap,
+                            HAS_BIAS, SOFTCAP)
     g_h = 0.0
     ent = 0.0
     if HAS_ENTROPY_GRAD:
@@ -300,15 +263,23 @@ def chunk_rows(budget_bytes: int, V: int, N: int) -> int:
 
 
 def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float,
-               softcap: float | None = None) -> None:
+               softcap: float | None = None, extras: tuple = (None, None, None)) -> None:
     """logp / lse / entropy of tokens row0 .. row0 + len(z) from their fp32 raw logits rows z (R, V), of
-    z = soft_cap(x + bias) / temperature (no cap when softcap is None)."""
+    z = soft_cap(x + bias) / temperature (no cap when softcap is None); extras: the (N,) outputs (log_sum_sq_probs
+    fp32, mean_logits fp32, is_top1 bool) to fill too, None for one not wanted."""
     R, V = z.shape
     if R == 0:
         return
+    sq, mean, top1 = (lse if t is None else t for t in extras)  # an unused pointer: any tensor
     launch(head_fold_kernel, (R,), z, z if bias is None else bias, ids, logp, lse, ent, row0, V, z.stride(0),
            1.0 / temperature, HAS_BIAS=bias is not None, BLOCK=_row_block(), num_warps=ROW_WARPS,
-           **cap_args(softcap))
+           **cap_args(softcap), **_extras_args(sq, mean, top1, extras))
+
+
+def _extras_args(sq, mean, top1, extras: tuple) -> dict:
+    """The fold kernel's extra output pointers and flags (the pointers after the cap's runtime argument)."""
+    return {"sq_ptr": sq, "mean_ptr": mean, "top1_ptr": top1, "HAS_SQ": extras[0] is not None,
+            "HAS_SUM": extras[1] is not None, "HAS_TOP1": extras[2] is not None}
 
 
 def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: int, inv_temperature: float,
@@ -328,22 +299,24 @@ def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: 
 
 
 def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None,
-                          softcap: float | None = None):
+                          softcap: float | None = None, extras=None):
     """(logp, lse, entropy), fp32 (N,) of z = soft_cap(hidden @ weight.T + bias) / temperature: per row chunk,
-    cuBLAS logits (fp32) + the fold kernel; no gradient work.
+    cuBLAS logits (fp32) + the fold kernel; no gradient work. With ``extras`` (a truthy ``config.TokenExtras``) a
+    fourth item, ``extra_outputs``' tuple filled by the same fold.
 
     Extra memory: one fp32 (R, V) chunk, R = rows within ``chunk_bytes`` (at least one row)."""
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
+    more = extra_outputs(N, dev, extras) if extras else (None, None, None)
     R = max(1, chunk_rows(LOGPROBS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, V, N))
     buf = alloc((min(R, N), V), torch.float32, dev)
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
         z = buf[: r1 - r0]
         logits_f32(hidden[r0:r1], weight, z)
-        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap)
-    return logp, lse, ent
+        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap, more)
+    return (logp, lse, ent, more) if extras else (logp, lse, ent)
 
 
 def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind: int, rows: int, needs: tuple):
@@ -455,7 +428,8 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, transfor
 
 
 def aot_launches():
-    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel without bias and with a bias of each dtype;
+    """(name, thunk) scenarios for ``tools/aot.py``: the fold kernel without bias and with a bias of each dtype,
+    and with the extra statistics (``_extras`` and TRL's trainers' sets: ``_top1``, ``_mean``, ``_mean_top1``);
     the d-logits epilogue for every (dtype, bias, entropy) combination; the loss-gradient epilogue per policy kind
     in bf16, plain and with every option (old, ref, is_ratio, delta, bias, entropy), and per other dtype the plain
     and the every-option clipped one; each of these kernels also with the soft cap on (names ending in
@@ -464,11 +438,14 @@ def aot_launches():
     from ..loss_types import POLICY_TERMS
     from .linear_tiles import aot_inputs
 
-    def fold(dtype, has_bias, softcap=None):
+    from ..config import TokenExtras
+    from .linear_forward_kernels import EXTRAS_SETS
+
+    def fold(dtype, has_bias, softcap=None, extras=None):
         def thunk():
             hidden, weight, bias, ids = aot_inputs(dtype, has_bias)
             head_logprobs_chunked(hidden, weight, bias, ids, 0.7, chunk_bytes=64 * 4 * weight.shape[0],
-                                  softcap=softcap)
+                                  softcap=softcap, extras=None if extras is None else TokenExtras.of(extras))
         return thunk
 
     def loss(dtype, kind, full, softcap=None):
@@ -492,7 +469,12 @@ def aot_launches():
                           softcap=softcap)
         return thunk
 
-    scenarios = []
+    # The fold with the extra statistics (``_extras``: every one; in bf16 also TRL's trainers' sets, EXTRAS_SETS)
+    scenarios = [(f"head_fold_{base}_{name}", fold(dtype, has_bias, None, names))
+                 for base, dtype, has_bias in (("nobias", torch.bfloat16, False), ("bias", torch.bfloat16, True),
+                                               ("bias_fp16", torch.float16, True), ("bias_fp32", torch.float32, True))
+                 for name, names in EXTRAS_SETS.items() if name == "extras" or base == "bias"]
+    scenarios.append(("head_fold_bias_softcap_extras", fold(torch.bfloat16, True, 30.0, EXTRAS_SETS["extras"])))
     for cap, suffix in ((None, ""), (30.0, "_softcap")):
         # The fold reads fp32 logits whatever the dtype; only the bias' dtype makes a variant (no suffix: bf16).
         scenarios += [(f"head_fold_nobias{suffix}", fold(torch.bfloat16, False, cap))]

@@ -51,16 +51,21 @@ class Tile:
 # 8 warps there: the fp32 tile (32 x 32 x 32, 4 warps) spilled 8 B under TF32 with Triton 3.9 on sm_90 (80
 # registers), and at BLOCK_K 16 it would stay a 32 x 32 tensor-core tile with twice the atomics per FLOP of a
 # 64 x 64 one; 64 x 64 x 32 on 8 warps takes 100-124 registers on both Triton versions, no spill, HGMMA on sm_90
-# (not measured on a GPU yet). The AOT test checks that none of them spills on sm_90 / sm_80 with Triton 3.6 and 3.9,
-# that bf16 lowers to HGMMA on sm_90, IEEE fp32 to no tensor-core MMA and TF32 to HGMMA / HMMA.
+# (not measured on a GPU yet). "fwd_extras": the forward with extra statistics (``config.TokenExtras``); why half
+# the vocab tile for half precision: the 128 x 128 tile takes 252 of 255 registers already, and the extras' per-row
+# sums and the is_top1 column mask spilled it (4-8 B on sm_90, 120 B on sm_80 with all three, Triton 3.9). The AOT
+# test checks that none of them spills on sm_90 / sm_80 with Triton 3.6 and 3.9, that bf16 lowers to HGMMA on sm_90,
+# IEEE fp32 to no tensor-core MMA and TF32 to HGMMA / HMMA.
 TILES = {
     (90, "fwd", "half"): Tile(128, 128, 64, 8, 3),
     (90, "bwd", "half"): Tile(128, 128, 64, 8, 3),
     (90, "dlogits", "half"): Tile(128, 64, 64, 8, 3),
     (80, "fwd", "half"): Tile(128, 128, 32, 8, 3),
+    (90, "fwd_extras", "half"): Tile(128, 64, 64, 8, 3),
+    (80, "fwd_extras", "half"): Tile(128, 64, 32, 8, 3),
     (80, "bwd", "half"): Tile(128, 128, 32, 8, 2),
     (80, "dlogits", "half"): Tile(128, 128, 32, 8, 3),
-    **{(arch, kind, cls): Tile(64, 64, 16, 4, 2) for arch in (90, 80) for kind in ("fwd", "dlogits")
+    **{(arch, kind, cls): Tile(64, 64, 16, 4, 2) for arch in (90, 80) for kind in ("fwd", "fwd_extras", "dlogits")
        for cls in ("fp32", "tf32")},
     **{(arch, "bwd", "fp32"): Tile(32, 32, 32, 4, 2) for arch in (90, 80)},
     **{(arch, "bwd", "tf32"): Tile(64, 64, 32, 8, 2) for arch in (90, 80)},

@@ -166,6 +166,9 @@ def test_patch_is_idempotent_and_unpatch_restores():
     unpatch_trl()
     assert trl_utils._ChunkedLogProbFunction is before[0] is ChunkedLogProbFunction
     assert trl_grpo.add_fused_lm_head is before[1] is trl_utils.add_fused_lm_head
+    import importlib
+    for name in ("rloo", "sft", "dpo", "kto"):  # every wrapped trainer module gets TRL's function back
+        assert importlib.import_module(f"trl.trainer.{name}_trainer").add_fused_lm_head is trl_utils.add_fused_lm_head
     assert not is_trl_patched()
     unpatch_trl()  # no-op when not patched
 
@@ -184,15 +187,16 @@ def test_head_matches_trl_function(logit_scale):
 
 
 def test_head_falls_back_to_trl():
-    """A logit scale or soft cap that is not a finite number > 0 warns once and runs TRL's kernel; extra outputs and
-    empty batches fall back silently. ZeRO-3 and valid soft caps no longer fall back
-    (tests/distributed/test_dist_zero3_emulated.py, tests/hf/test_softcap_trl.py)."""
+    """A logit scale or soft cap that is not a finite number > 0 warns once and runs TRL's kernel (with every output
+    set: here SFT's); empty batches fall back silently. ZeRO-3, valid soft caps and the extra outputs no longer fall
+    back (tests/distributed/test_dist_zero3_emulated.py, tests/hf/test_softcap_trl.py, tests/hf/test_trl_outputs.py)."""
     patch_trl()
     inputs = head_inputs()
     cases = [
         (dict(final_logit_softcapping=-5.0), "final_logit_softcapping=-5.0"),
         (dict(logit_scale=-1.0), "logit_scale=-1.0"),
-        (dict(outputs=("log_probs", "entropy", "is_top1")), None),
+        # the same reason again, warned once already: silent now, still TRL's kernel, with SFT's outputs
+        (dict(logit_scale=-1.0, outputs=("log_probs", "entropy", "is_top1")), None),
     ]
     for kw, warning in cases:
         with warnings.catch_warnings(record=True) as caught:
@@ -258,16 +262,16 @@ def test_patch_returns_a_report_and_logs_one_line(caplog):
         report = grpo_kernels.patch_trl()
     assert isinstance(report, gk_trl.TRLPatchReport) and report.newly_patched and not report.strict
     assert report.trl_version == trl.__version__
-    assert report.patched[:2] == ("trl.trainer.utils._ChunkedLogProbFunction",
-                                  "trl.trainer.grpo_trainer.add_fused_lm_head")
-    assert report.patched[2:] == ("trl.experimental.async_grpo.async_grpo_trainer.add_fused_lm_head",)  # padding-free
-    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 5
+    trainers = [f"trl.trainer.{t}_trainer.add_fused_lm_head" for t in ("grpo", "rloo", "sft", "dpo", "kto")]
+    assert report.patched[:6] == ("trl.trainer.utils._ChunkedLogProbFunction", *trainers)
+    assert report.patched[6:] == ("trl.experimental.async_grpo.async_grpo_trainer.add_fused_lm_head",)  # padding-free
+    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 6
+    assert any(r.calls.startswith("SFT/DPO/KTO") for r in report.kernel_calls)
     assert any("final_logit_softcapping" in r.calls for r in report.kernel_calls)
     assert any("soft cap not finite > 0" in r.calls and "warned once" in r.why for r in report.fallbacks)
     text = str(report).splitlines()
     assert text[0] == (f"grpo_kernels.patch_trl: TRL {trl.__version__} patched (strict=False); swapped: "
-                       "trl.trainer.utils._ChunkedLogProbFunction, trl.trainer.grpo_trainer.add_fused_lm_head, "
-                       "trl.experimental.async_grpo.async_grpo_trainer.add_fused_lm_head")
+                       + ", ".join(report.patched))
     assert len(text) == 3 + len(report.routes) <= 12
     assert text[3].split()[:2] == ["GRPO/RLOO", "policy"] and "grpo_kernels" in text[3]
     records = [r for r in caplog.records if r.name == "grpo_kernels"]

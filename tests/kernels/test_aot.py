@@ -46,6 +46,7 @@ SWEEPS = (r"^(logits_fwd_bf16|logits_bwd_bf16_entropy|logits_loss_bf16_clipped_a
 MODULES = aot.kernel_modules()
 # Default subset: every config of the small kernels, and each fused-linear kernel with its heaviest flags.
 FAST = (r"^(?!linear_|head_)|^head_(fold_bias|loss_grad_bf16_clipped_all_options|dlogits_light_bf16_bias_ent)/"
+        r"|^head_fold_bias_extras/|^linear_fwd_(fp32|bf16)_bias_extras/"
         r"|^linear_fwd_(fp32|bf16)_bias/|^linear_fwd_fp32_nobias/linear_fwd_merge|^linear_fwd_fp32_bias_tf32/"
         r"|^linear_dlogits_fp32_bias_ent(_tf32)?/|^linear_bwd_atomic_(fp32|bf16)_bias_ent_(hwb|h|w)$"
         r"|^linear_bwd_atomic_fp32_bias_ent_hwb_tf32$")
@@ -186,9 +187,20 @@ def test_recording_takes_a_gpu_runs_routes():
 
 def test_every_gpu_variant_is_recorded():
     """The scenario set holds the variants a GPU run launches and CPU recording once missed: the light backward's
-    cuBLAS route (``head_dlogits_light_*``), the d-logits epilogue per dtype / bias / entropy / cap, and TF32
-    variants of every fp32 tile kernel (forward, d-logits tiles, atomic backward)."""
+    cuBLAS route (``head_dlogits_light_*``), the d-logits epilogue per dtype / bias / entropy / cap, TF32 variants
+    of every fp32 tile kernel (forward, d-logits tiles, atomic backward), and the forward / fold with the extra
+    statistics TRL's trainers ask for; as many configs as docs/kernels.md's variant list states."""
     names = {n for a, n in expected_names() if a == 90}
+    # docs/kernels.md, "The variant list": 243 configs per architecture
+    assert len(names) == len({n for a, n in expected_names() if a == 80}) == 243
+    for must in ("linear_fwd_bf16_bias_top1/linear_fwd_partial_kernel",
+                 "linear_fwd_bf16_bias_mean/linear_fwd_merge_kernel",
+                 "linear_fwd_bf16_bias_mean_top1/linear_fwd_partial_kernel",
+                 "linear_fwd_fp16_bias_extras/linear_fwd_partial_kernel",
+                 "linear_fwd_fp32_bias_extras_tf32/linear_fwd_partial_kernel", "head_fold_bias_top1/head_fold_kernel",
+                 "head_fold_bias_mean/head_fold_kernel", "head_fold_bias_mean_top1/head_fold_kernel",
+                 "head_fold_nobias_extras/head_fold_kernel", "head_fold_bias_softcap_extras/head_fold_kernel"):
+        assert must in names, must
     for must in ("head_dlogits_light_bf16_bias_ent/head_dlogits_kernel",
                  "head_dlogits_light_fp16_nobias_noent_softcap/head_dlogits_kernel",
                  "head_dlogits_bf16_nobias_ent", "head_dlogits_fp16_nobias_noent", "head_dlogits_fp16_bias_ent_softcap",

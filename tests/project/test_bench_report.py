@@ -260,6 +260,13 @@ def _trainer_bench():
                                ours_step_s=0.125, trl_step_s=0.5, ratio=0.25, threads=1, steps_timed=24)}
 
 
+def _sft_bench():
+    return {"stats": {"median": 20.0, "min": 20.0, "rounds": 1},
+            "extra_info": dict(path="trl_sft", provider="TRL SFTTrainer, patch_trl() vs stock", mode="train_step",
+                               stock_step_s=0.25, patched_step_s=0.1, ratio=0.4, device="cpu", threads=1,
+                               steps_timed=16)}
+
+
 E2E = {"setup": {"model": "tiny-shaped Qwen2, random init", "vocab": 512, "G": 8, "prompts": 2,
                  "completion_length": 16, "steps": 3},
        "results": {"trl": {"step_s": 2.0, "steps": [3.0, 2.0, 2.0], "peak_gib": 10.0},
@@ -275,6 +282,7 @@ def test_report_has_the_trainer_and_end_to_end_tables(tmp_path, capsys):
     assert report.main([str(src), "--no-plots"]) == 0  # output next to the JSON by default
     md = (tmp_path / "run.md").read_text()
     assert "| grpo.train | 125.0 | 0.25x | 24 | 1 |" in md and "| TRL GRPOTrainer | 500.0 | 1.00x | 24 | 1 |" in md
+    assert "SFTTrainer step" not in md  # no SFT benchmark in this JSON
     assert "End-to-end" not in md  # no e2e_step.json yet
     (tmp_path / "e2e_step.json").write_text(json.dumps(E2E))
     capsys.readouterr()
@@ -434,3 +442,13 @@ def test_fp32_gemm_line_of_the_gpu_check():
     assert describe(probe, cuda=False) == "fp32-output GEMM path: not applicable (no CUDA device)"
     line = describe()  # the real module: present (this machine's verdict) or not yet in the tree
     assert line.startswith("fp32-output GEMM path: ") and "\n" not in line
+
+
+def test_report_has_the_sft_step_table(tmp_path):
+    """TRL's SFTTrainer step, stock against patch_trl() (benchmarks/test_sft_step.py), alone in a JSON too."""
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps({"benchmarks": [_sft_bench()], "grpo_not_run": []}))
+    assert report.main([str(src), "--no-plots"]) == 0
+    md = (tmp_path / "run.md").read_text()
+    assert "### TRL SFTTrainer step: stock against patch_trl()" in md
+    assert "| with patch_trl() | 100.0 | 0.40x | 16 | cpu | 1 |" in md and "| stock TRL | 250.0 | 1.00x | 16 | cpu | 1 |" in md

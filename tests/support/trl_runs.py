@@ -84,16 +84,18 @@ def run_head(fn, h, w, b, ids, **kw):
     return [logp, entropy, *rest], [t.grad.clone() for t in (h, w, b)]
 
 
-def head_truth(h, w, b, ids, temperature=0.8, final_logit_softcapping=None, logit_scale=1.0, dtype=torch.float64):
+def head_truth(h, w, b, ids, temperature=0.8, final_logit_softcapping=None, logit_scale=1.0, dtype=torch.float64,
+               entropy_weight: float = 0.3):
     """What ``run_head`` computes, by the reference on full logits in ``dtype`` (float64: the truth of the three-way
     rule) with TRL's order of the options: scale the logits, cap them, divide by the temperature. Returns
-    ([logp, entropy], [d hidden, d weight, d bias]) of sum(logp) + 0.3 sum(entropy)."""
+    ([logp, entropy], [d hidden, d weight, d bias]) of sum(logp) + entropy_weight sum(entropy) (``run_head``: 0.3,
+    0 when the entropy is not asked for)."""
     from grpo_kernels.reference import logprobs_and_entropy
 
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (h, w, b)]
     x = (leaves[0] @ leaves[1].T + leaves[2]) * logit_scale
     logp, entropy = logprobs_and_entropy(x, ids, temperature, final_logit_softcapping)
-    grads = torch.autograd.grad(logp.sum() + 0.3 * entropy.sum(), leaves)
+    grads = torch.autograd.grad(logp.sum() + entropy_weight * entropy.sum(), leaves)
     return [logp.detach(), entropy.detach()], list(grads)
 
 
