@@ -63,7 +63,7 @@ def plan_call(*args, **kwargs):
     inputs, shard, rows = validate_head_logprobs(a["hidden"], a["weight"], a["ids"], a["bias"], a["mask"],
                                                  HeadCallArgs.of(a))
     return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"],
-                                      TokenExtras.of(a["extra_outputs"]))
+                                      TokenExtras.of(a["extra_outputs"]), a["batch_invariant"])
 
 
 def _config(arguments: dict) -> GRPOLossConfig:

@@ -21,6 +21,9 @@ from ._testing import knobs
 
 BLOCK_ROWS = {"cpu": 64, "cuda": 512}
 DEFAULT_BLOCK_ROWS = 512  # other device types (meta plans stand for CUDA)
+# The memory-light head path's backward layout (vocabulary chunks per block) is chosen within this fixed room, never
+# the budget, which would move the chunks: 256 MiB holds a 512-row d-logits chunk of 128k fp32 columns.
+INVARIANT_LIGHT_ROOM = 256 << 20
 
 
 def block_rows(device) -> int:

@@ -111,11 +111,13 @@ def validate_head_logprobs(hidden, weight, ids, bias, mask, args: HeadCallArgs):
 
 
 def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, memory_budget=None,
-                               deterministic: bool = True, extras: TokenExtras | None = None) -> planner.Plan:
+                               deterministic: bool = True, extras: TokenExtras | None = None,
+                               batch_invariant: bool = False) -> planner.Plan:
     wants = torch.is_grad_enabled()
     needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
     return planner.plan_head(planner.HeadCall("linear_token_logprobs", inputs, None, planner.Budget.of(memory_budget),
-                                              needs, rows.count, bool(deterministic), shard=shard, extras=extras))
+                                              needs, rows.count, bool(deterministic), shard=shard,
+                                              batch_invariant=_flag(batch_invariant), extras=extras))
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
@@ -123,7 +125,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
                           deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
                           vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None,
                           softcap: float | None = None, capturable: bool = False, hidden_grad: str = "reduced",
-                          extra_outputs: tuple[str, ...] = ()):
+                          extra_outputs: tuple[str, ...] = (), batch_invariant: bool = False):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``, or under
     ``softmax(softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature)`` with ``softcap`` (Gemma 2's
     ``final_logit_softcapping``, applied inside the kernels on every path).
@@ -143,6 +145,10 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     winning ties), TRL's ``ChunkedLogProbFunction`` outputs of those names (``reference.token_extras``), computed in
     the same sweep over V, not differentiable; not with ``process_group``. When given, the result is a
     ``TokenOutputs`` (logp, entropy if ``return_entropy``, and the extras named) instead of the tensors.
+
+    batch_invariant: each row's log-prob, entropy, extras and gradient with respect to its hidden state are bitwise
+    the same whatever else is in the call: batch size, position, mask, memory budget (docs/numerics.md, "Batch
+    invariance"; d weight sums over rows: deterministic, not invariant). Needs ``deterministic``.
 
     Vocab-parallel (``process_group``, a torch.distributed group): ``weight`` / ``bias`` are this rank's contiguous
     shard (V_r, H) / (V_r,) of the vocabulary, starting at full-vocabulary id ``vocab_start`` (None: the sum of
@@ -167,7 +173,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
                             hidden_grad, extra_outputs)
         inputs, shard, rows = validate_head_logprobs(hidden, weight, ids, bias, mask, args)
         extras = TokenExtras.of(extra_outputs)
-        plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic, extras)
+        plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic, extras, batch_invariant)
         if shard is not None:
             logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows,
                                                                     reduce_hidden_grad=hidden_grad == "reduced")

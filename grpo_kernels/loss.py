@@ -121,7 +121,7 @@ def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, r
 
     plan = planner.plan_head(planner.HeadCall("fused_linear_grpo_loss", inputs, cfg,
                                               planner.Budget.of(cfg.memory_budget), needs, rows.count,
-                                              cfg.deterministic, counts, vocab_parallel_shard))
+                                              cfg.deterministic, counts, vocab_parallel_shard, cfg.batch_invariant))
     return planner.with_sequences_note(plan, batch.seqs)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ._testing import knobs
-from .invariance import block_rows
+from .invariance import INVARIANT_LIGHT_ROOM, block_rows
 from .config import GRPOLossConfig, TokenExtras
 from .head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
 from .inputs import HeadInputs, LogitsInputs
@@ -382,6 +382,9 @@ def _flops(call: HeadCall, grad_nhv: int) -> int:
 def plan_head(call: HeadCall) -> Plan:
     """The path of ``fused_linear_grpo_loss`` (``call.cfg`` given) or ``linear_token_logprobs`` (None)."""
     costs = _head_costs(call)
+    if call.batch_invariant and not call.deterministic:
+        raise ValueError("batch_invariant=True needs deterministic=True (float atomics add in an order that changes "
+                         "from run to run)")
     if call.inputs.impl == "torch":
         plan = _head_torch(call, costs)
     elif not any(call.needs[:2]) and not (call.needs[2] and call.inputs.bias is not None):
@@ -389,7 +392,14 @@ def plan_head(call: HeadCall) -> Plan:
     else:
         plan, why = _head_fast_family(call, costs)
         plan = plan or _head_light(call, costs, why)
+    if call.batch_invariant:
+        plan = replace(plan, batch_invariant=True)
     return _with_cap_note(plan, call.inputs.transform.softcap)
+
+
+def _fixed_rows(call) -> int:
+    """The batch-invariant paths' rows per block on the call's device (``invariance.block_rows``)."""
+    return block_rows(call.inputs.hidden.device if isinstance(call, HeadCall) else call.inputs.logits.device)
 
 
 def _head_torch(call: HeadCall, costs: _HeadCosts) -> Plan:
@@ -414,6 +424,10 @@ def _head_torch(call: HeadCall, costs: _HeadCosts) -> Plan:
     if budget < need:
         raise call.budget.error(call.op, HEAD_TORCH, need)
     rows = max(1, min(max(N, 1), (budget - need + per_row) // per_row))
+    if call.batch_invariant:  # every tile exactly this many rows, whatever N and the budget
+        rows = _fixed_rows(call)
+        if budget < need + (rows - 1) * per_row:
+            raise call.budget.error(call.op, HEAD_TORCH + " (batch_invariant)", need + (rows - 1) * per_row)
     loop = [("weight tile in fp32", loop_fixed), ("logits tiles", rows * TORCH_HEAD_TEMPS * acc * vt),
             ("hidden rows in fp32", rows * acc * H if half else 0)]
     items = accum + _larger_phase(loop, costs.cast_grads) + [("per-token values", small)]
@@ -430,7 +444,13 @@ def _head_no_grad(call: HeadCall, costs: _HeadCosts) -> Plan:
     if room < 4 * V:
         raise call.budget.error(call.op, HEAD_NO_GRAD, costs.fixed + small + 4 * V)
     rows = _even_rows(N, room // (4 * V))
-    items = [("fp32 logits chunk", min(rows, max(N, 1)) * 4 * V), ("per-token values", small)]
+    chunk = min(rows, max(N, 1)) * 4 * V
+    if call.batch_invariant:  # every GEMM of exactly this many rows (the last chunk padded)
+        rows = _fixed_rows(call)
+        chunk = rows * 4 * V
+        if budget < costs.fixed + small + chunk:
+            raise call.budget.error(call.op, HEAD_NO_GRAD + " (batch_invariant)", costs.fixed + small + chunk)
+    items = [("fp32 logits chunk", chunk), ("per-token values", small)]
     return _head_plan(call, costs, HEAD_NO_GRAD, "no gradient wanted", budget, items, chunk_rows=rows,
                       flops_nhv=_flops(call, 2))
 
@@ -452,6 +472,9 @@ def _head_fast_family(call: HeadCall, costs: _HeadCosts):
     budget = call.budget.working(accum + costs.fixed + small)
     max_rows = max(0, budget - accum - costs.fixed - small) // (4 * V)
     items = [("fp32 d weight / d bias accumulators", accum)] if accum else []
+    if call.batch_invariant and (call.shard is not None or not per_token_gradient_known(cfg)):
+        # Why: their chunks are whole sequences, whose sizes are the batch's (the GEMMs' shapes would follow them)
+        return None, "batch_invariant: chunks of whole sequences would take the batch's shapes"
     if call.shard is not None:
         return _head_fast_vocab_parallel(call, costs, budget, items, accum)
     if per_token_gradient_known(cfg):
@@ -467,7 +490,13 @@ def _head_fast(call: HeadCall, costs: _HeadCosts, budget: int, items: list, max_
                       f"than {_shown(least)}")
     V = call.inputs.weight.shape[0]
     rows = _even_rows(N, max(max_rows, 1))
-    items = items + [("fp32 logits chunk (d logits written in place)", min(rows, max(N, 1)) * 4 * V),
+    chunk = min(rows, max(N, 1)) * 4 * V
+    if call.batch_invariant:  # every chunk exactly this many rows (the last one padded)
+        rows = _fixed_rows(call)
+        chunk = rows * 4 * V
+        if max_rows < rows:
+            return None, f"batch_invariant: the budget leaves room for fewer rows per chunk than its {rows}-row blocks"
+    items = items + [("fp32 logits chunk (d logits written in place)", chunk),
                      ("per-token values and terms", _per_token_bytes(N, 18))]
     return _head_plan(call, costs, HEAD_FAST, "Triton, a token-level configuration, a gradient wanted, and the "
                       f"accumulators plus a chunk of at least {_shown(least)} rows fit the budget", budget, items,
@@ -555,13 +584,19 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
                           working_bytes=budget - costs.fixed - small,
                           notes=("backward layout chosen when the op runs (torch.compile)",))
     forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device,
-                                    len(call.extras.names) if call.extras else 0)
+                                    len(call.extras.names) if call.extras else 0, call.batch_invariant)
     geometry = (N, V, H, inputs.dtype, inputs.hidden.device)
-    layout = backward_layout(*geometry, budget - costs.fixed - small, *needs, call.deterministic)
+    room = budget - costs.fixed - small
+    if call.batch_invariant:
+        # Why a fixed room: the layout (vocabulary chunks per block) must not follow the budget either
+        geometry, room = (_fixed_rows(call),) + geometry[1:], INVARIANT_LIGHT_ROOM
+    layout = backward_layout(*geometry, room, *needs, call.deterministic)
     if layout is None:
         smallest = backward_layout(*geometry, None, *needs, call.deterministic).transient_bytes
         raise call.budget.error(call.op, HEAD_LIGHT, costs.fixed + small + smallest)
     after = sum(b for _, b in costs.cast_grads)
+    if call.batch_invariant and costs.fixed + small + layout.transient_bytes > budget:
+        raise call.budget.error(call.op, HEAD_LIGHT + " (batch_invariant)", costs.fixed + small + layout.transient_bytes)
     if costs.fixed + small + max(forward, after) > budget:
         raise call.budget.error(call.op, HEAD_LIGHT, costs.fixed + small + max(forward, after,
                                                                                 layout.transient_bytes))
@@ -571,7 +606,7 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
     else:
         items = _larger_phase(layout.items, costs.cast_grads) + [("per-token values", small)]
     notes = ()
-    if layout.row_block < N and needs[1]:
+    if layout.row_block < N and needs[1] and not call.batch_invariant:
         notes = (f"d weight is summed over {_cdiv(N, layout.row_block)} row blocks in the weight's dtype",)
     return _head_plan(call, costs, HEAD_LIGHT, why, budget, items, chunk_bytes=layout.chunk_bytes,
                       row_block=layout.row_block, flops_nhv=_flops(call, 8), notes=notes)

@@ -302,7 +302,7 @@ def loss_from_logps(logps, advantages, mask=None, *, old_logps=None, ref_logps=N
     mask, seqs = terms.mask, terms.seqs
     weights = reduction_weights(mask.to(logps.dtype), cfg.loss_type, num_items_in_batch, cfg.max_completion_length,
                                 seqs)
-    loss = seqs.total(torch.where(mask, weights * terms.loss.expand(seqs.grid), 0.0))
+    loss = seqs.total(torch.where(mask, weights * _to_grid(terms.loss, seqs), 0.0))
 
     if cfg.entropy_coef != 0.0:
         eff = mask if terms.entropy_mask is None else terms.entropy_mask
@@ -368,8 +368,17 @@ def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg, seq
 
 
 def _grid(t, logps, seqs: Sequences):
-    """``t`` broadcastable against the (B, T) grid (a packed per-sequence tensor expanded to its tokens)."""
-    return seqs.expand(t) if seqs.is_packed and _is_per_sequence(t, logps) else t
+    """``t`` broadcastable against the (B, T) grid (a packed per-sequence tensor expanded to its tokens; with the
+    batch-invariant sums, a padded one too, so that its gradient is summed by the tree)."""
+    per_seq = _is_per_sequence(t, logps)
+    return seqs.expand(t) if per_seq and (seqs.is_packed or seqs.invariant) else t
+
+
+def _to_grid(t, seqs: Sequences):
+    """``t`` (per token, or a padded (B, 1) per-sequence tensor) on the whole (B, T) grid."""
+    if seqs.invariant and t.shape != seqs.grid:
+        return seqs.expand(t)
+    return t.expand(seqs.grid)
 
 
 def _masked_mean(x, per_seq: bool, mask, n_valid, seqs: Sequences) -> torch.Tensor:

@@ -39,6 +39,23 @@ class _ToTokens(torch.autograd.Function):
         return torch.segment_reduce(grad, "sum", offsets=cu_seqlens), None, None
 
 
+class _TreeExpand(torch.autograd.Function):
+    """A per-sequence tensor at every token of the grid (materialized), whose backward sums each sequence's tokens
+    with the batch-invariant tree (``Sequences.tree_sums``) instead of autograd's own broadcast reduction (a plain
+    sum over the row, whose order follows the row's length)."""
+
+    @staticmethod
+    def forward(ctx, per_seq, seqs: "Sequences"):
+        ctx.seqs, ctx.shape = seqs, per_seq.shape
+        if seqs.is_packed:
+            return per_seq.index_select(0, seqs.seq_of_token).view(seqs.grid)
+        return per_seq.reshape(-1, 1).expand(seqs.grid).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.seqs.tree_sums(grad).reshape(ctx.shape), None
+
+
 @dataclass(frozen=True)
 class Sequences:
     """``n_seq`` sequences over the tokens of a (B, T) grid. Padded: ``cu_seqlens`` None, sequence b is row b.
@@ -121,7 +138,10 @@ class Sequences:
                                                                                       + per_seq.shape[1:]))[0]
 
     def expand(self, per_seq: torch.Tensor) -> torch.Tensor:
-        """A per-sequence tensor (``sums``' layout) made to broadcast against the (B, T) grid."""
+        """A per-sequence tensor (``sums``' layout) made to broadcast against the (B, T) grid (invariant: the grid
+        itself, with the tree sums as its backward, ``_TreeExpand``)."""
+        if self.invariant:
+            return _TreeExpand.apply(per_seq, self)
         if not self.is_packed:
             return per_seq
         return _ToTokens.apply(per_seq, self.seq_of_token, self.cu_seqlens).view(self.grid)

@@ -29,6 +29,7 @@ from torch.library import custom_op
 from .. import ops
 from ..config import EXTRA_OUTPUTS, LogitTransform, TokenExtras
 from ..inputs import HeadInputs, LogprobGrads, ValidRows
+from ..invariance import INVARIANT_LIGHT_ROOM, block_rows
 from ..paths import HEAD_LIGHT, HEAD_LOGPROB_PATHS, HEAD_NO_GRAD, HEAD_TORCH
 from .torch_tiles import torch_linear_logprobs_backward, torch_linear_logprobs_forward
 
@@ -39,7 +40,8 @@ class LightOptions:
     """The non-tensor inputs of the paths: the plan's path and layout, and the logits transform. chunk_rows: rows
     per chunk (``head.no_grad``, ``head.torch``); chunk_bytes / row_block: the light backward's layout (0: chosen
     when the op runs, within ``working_bytes``: a plan made under torch.compile leaves it to run time); extras: the
-    extra statistics the forward adds."""
+    extra statistics the forward adds; batch_invariant: fixed row blocks (the last one padded) and vocabulary
+    splits and chunks that do not depend on N (``invariance.py``)."""
 
     path: str
     transform: LogitTransform
@@ -49,6 +51,7 @@ class LightOptions:
     row_block: int = 0
     working_bytes: int = 0
     extras: TokenExtras = TokenExtras()
+    batch_invariant: bool = False
 
 
 NO_EXTRAS = (None, None, None)
@@ -62,14 +65,15 @@ def light_forward(hidden, weight, bias, ids, o: LightOptions):
         if o.path == HEAD_NO_GRAD:
             from ..kernels.linear_epilogue_kernels import head_logprobs_chunked  # lazy: creates the Triton kernels
             out = head_logprobs_chunked(hidden, weight, bias, ids, t.temperature, o.chunk_rows * 4 * weight.shape[0],
-                                        softcap=t.softcap, extras=extras)
+                                        softcap=t.softcap, extras=extras,
+                                        fixed_rows=o.chunk_rows if o.batch_invariant else 0)
         elif o.path == HEAD_LIGHT:
             from ..kernels.linear_forward_kernels import linear_logprobs_forward
-            out = linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap, extras=extras)
-        elif extras is None:
-            out = torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows)
+            out = linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap, extras=extras,
+                                          batch_invariant=o.batch_invariant)
         else:
-            out = torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows, extras)
+            out = torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows, extras,
+                                                fixed_rows=o.batch_invariant)
     return out if extras is not None else (*out, NO_EXTRAS)
 
 
@@ -80,10 +84,11 @@ def light_backward(hidden, weight, bias, ids, stats: LogprobGrads, needs: tuple,
             from ..kernels.linear_backward_kernels import linear_logprobs_backward
             o = _layout_at_run_time(o, hidden, weight, needs)
             return linear_logprobs_backward(hidden, weight, bias, ids, stats, o.transform, needs, o.deterministic,
-                                            chunk_bytes=o.chunk_bytes or None, row_block=o.row_block or None)
+                                            chunk_bytes=o.chunk_bytes or None, row_block=o.row_block or None,
+                                            fixed_rows=o.batch_invariant)
         if o.path == HEAD_TORCH:
             return torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, o.transform, needs,
-                                                  o.chunk_rows)
+                                                  o.chunk_rows, fixed_rows=o.batch_invariant)
     raise RuntimeError("linear_token_logprobs ran its no-gradient path (the call had no input requiring grad, or ran "
                        "under torch.no_grad): it has no backward")
 
@@ -95,8 +100,10 @@ def _layout_at_run_time(o: LightOptions, hidden, weight, needs) -> LightOptions:
         return o
     from ..kernels.linear_backward_kernels import backward_layout
     V, H = weight.shape
-    layout = backward_layout(hidden.shape[0], V, H, hidden.dtype, hidden.device, o.working_bytes, *needs,
-                             o.deterministic)
+    rows, room = hidden.shape[0], o.working_bytes
+    if o.batch_invariant:  # the fixed blocks' layout, as the planner would make it (never the budget's)
+        rows, room = block_rows(hidden.device), INVARIANT_LIGHT_ROOM
+    layout = backward_layout(rows, V, H, hidden.dtype, hidden.device, room, *needs, o.deterministic)
     if layout is None:
         raise ValueError(f"memory_budget leaves {o.working_bytes} bytes, below the smallest backward layout of the "
                          "memory-light head path; raise memory_budget (or leave it None)")
@@ -217,7 +224,7 @@ def head_token_logprobs(inputs: HeadInputs, plan, rows: ValidRows, backward_cont
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     o = LightOptions(plan.path, inputs.transform, plan.deterministic, plan.chunk_rows or 0, plan.chunk_bytes or 0,
-                     plan.row_block or 0, plan.working_bytes or 0, extras)
+                     plan.row_block or 0, plan.working_bytes or 0, extras, plan.batch_invariant)
     if ops.compiling():  # the Function does not trace: its registered op does
         logp, entropy, lse, *more = _head_logprobs(hidden, inputs.weight, inputs.bias, ids, rows.deferred,
                                                    *ops.encode(o))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..config import TokenExtras
+from ..invariance import padded
 from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
 
 # Vocab columns per tile (the tile's row count follows from the memory budget, ``planner.plan_head``).
@@ -40,22 +41,26 @@ def _tile_raw_logits(h, w_tile, bias, v0, v1, acc):
 
 
 def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_rows: int,
-                                  extras: TokenExtras | None = None):
+                                  extras: TokenExtras | None = None, fixed_rows: bool = False):
     """Tiled eager forward: hidden (N, H), weight (V, H), bias (V,) | None, ids (N,) -> fp32 (logp, lse, entropy)
     of the logits under ``transform`` (temperature, soft cap); with ``extras``, a fourth item
     (log_sum_sq_probs | None, mean_logits | None, is_top1 | None) (N,) (``reference.token_extras``).
 
     At most two (tile_rows, TORCH_HEAD_TILE_VOCAB) temporaries at a time (the logits tile and its exponentials),
-    plus, for half-precision inputs, the weight tile and the hidden rows in the accumulation dtype."""
+    plus, for half-precision inputs, the weight tile and the hidden rows in the accumulation dtype. ``fixed_rows``
+    (batch invariance): every tile has exactly tile_rows rows, the last one zero-padded (``invariance.padded``), so
+    every GEMM and reduction has the same shape whatever N is."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden)
     inv_t, softcap = transform.inv_temperature, transform.softcap
     logp, lse, entropy = (torch.empty(N, dtype=acc, device=hidden.device) for _ in range(3))
     out_extras = _TileExtras.outputs(N, acc, hidden.device, extras)
     for r0 in range(0, N, tile_rows):
-        h = hidden[r0:r0 + tile_rows].to(acc)
-        tgt = ids[r0:r0 + tile_rows]
-        n = h.shape[0]
+        r1 = min(N, r0 + tile_rows)
+        rows = tile_rows if fixed_rows else r1 - r0
+        h = padded(hidden, r0, r1, rows).to(acc)
+        tgt = padded(ids, r0, r1, rows)
+        n = rows
         m = torch.full((n,), float("-inf"), dtype=acc, device=h.device)
         s = torch.zeros(n, dtype=acc, device=h.device)
         a = torch.zeros(n, dtype=acc, device=h.device)
@@ -84,11 +89,12 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_row
             m = m_new
             del z, e
         log_s = torch.log(s)
-        lse[r0:r0 + n] = m + log_s
-        entropy[r0:r0 + n] = log_s - a / s
-        logp[r0:r0 + n] = z_target - (m + log_s)
+        keep = r1 - r0  # the real rows of a padded tile
+        lse[r0:r1] = (m + log_s)[:keep]
+        entropy[r0:r1] = (log_s - a / s)[:keep]
+        logp[r0:r1] = (z_target - (m + log_s))[:keep]
         if extra is not None:
-            extra.finish(out_extras, slice(r0, r0 + n), V, z_target, m, log_s, logp[r0:r0 + n])
+            extra.finish(out_extras, slice(r0, r1), V, z_target[:keep], m[:keep], log_s[:keep], logp[r0:r1], keep)
     return (logp, lse, entropy) if not extras else (logp, lse, entropy, out_extras)
 
 
@@ -135,21 +141,24 @@ class _TileExtras:
         if self.s2 is not None:
             self.s2 = self.s2 * (alpha * alpha) + (e.unsqueeze(-2) @ e.unsqueeze(-1)).view(-1)
 
-    def finish(self, out: tuple, rows: slice, V: int, z_target, m, log_s, logp) -> None:
+    def finish(self, out: tuple, rows: slice, V: int, z_target, m, log_s, logp, keep: int) -> None:
+        """The outputs of the block's first ``keep`` rows (a padded block's real ones) into ``out`` at ``rows``."""
         sq, mean, top1 = out
         if sq is not None:
-            sq[rows] = torch.log(self.s2) - 2.0 * log_s
+            sq[rows] = torch.log(self.s2[:keep]) - 2.0 * log_s
         if mean is not None:
-            mean[rows] = self.z_sum / V
+            mean[rows] = self.z_sum[:keep] / V
         if top1 is not None:
-            top1[rows] = (z_target >= m) & (z_target > self.max_before) & self.first & ~torch.isnan(logp)
+            top1[rows] = (z_target >= m) & (z_target > self.max_before[:keep]) & self.first[:keep] & ~torch.isnan(logp)
 
 
-def torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs: tuple, tile_rows: int):
+def torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs: tuple, tile_rows: int,
+                                   fixed_rows: bool = False):
     """Tiled eager backward (always deterministic): recompute each tile, form dz in place, accumulate dh, dW, db
     in the accumulation dtype (fp32 accumulators for half-precision inputs, counted by the plan). Two tiles at a
     time, as in the forward, with or without a soft cap (``torch_chunks.dlogits_``). stats: an
-    ``inputs.LogprobGrads``; transform: the logits transform; needs: (d hidden, d weight, d bias) wanted."""
+    ``inputs.LogprobGrads``; transform: the logits transform; needs: (d hidden, d weight, d bias) wanted.
+    ``fixed_rows``: as the forward's (the padded rows' gradients are 0: their d logits are zeros)."""
     lse, entropy, grad_logp, grad_entropy = stats.lse, stats.entropy, stats.grad_logp, stats.grad_entropy
     need_hidden, need_weight, need_bias = needs
     temperature, softcap = transform.temperature, transform.softcap
@@ -160,15 +169,23 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, 
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
     d_bias = torch.zeros(V, dtype=acc, device=weight.device) if need_bias else None
     for r0 in range(0, N, tile_rows):
-        h = hidden[r0:r0 + tile_rows].to(acc)
-        n = h.shape[0]
-        tgt = ids[r0:r0 + n]
-        g = grad_logp[r0:r0 + n].to(acc).unsqueeze(-1)
-        row_lse = lse[r0:r0 + n].unsqueeze(-1)
+        r1 = min(N, r0 + tile_rows)
+        rows = tile_rows if fixed_rows else r1 - r0
+
+        def at(t):
+            return padded(t, r0, r1, rows)
+
+        h = at(hidden).to(acc)
+        n = rows
+        tgt = at(ids)
+        g = at(grad_logp).to(acc).unsqueeze(-1)
+        row_lse = at(lse).unsqueeze(-1)
         g_h = row_h = None
         if grad_entropy is not None:
-            g_h = grad_entropy[r0:r0 + n].to(acc).unsqueeze(-1)
-            row_h = entropy[r0:r0 + n].unsqueeze(-1)
+            g_h = at(grad_entropy).to(acc).unsqueeze(-1)
+            row_h = at(entropy).unsqueeze(-1)
+        dh_rows = None if d_hidden is None else (d_hidden[r0:r1] if rows == r1 - r0 else
+                                                 torch.zeros((rows, d_hidden.shape[1]), dtype=acc, device=h.device))
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
             w_tile = _weight_tile(weight, v0, v1, acc)
@@ -177,12 +194,14 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, 
             dz = dlogits_(_tile_raw_logits(h, w_tile, bias, v0, v1, acc), row_lse, row_h, g, g_h, inv_t, softcap,
                           local, inside)
             if need_hidden:
-                d_hidden[r0:r0 + n].addmm_(dz, w_tile)
+                dh_rows.addmm_(dz, w_tile)
             if need_weight:
                 d_weight[v0:v1].addmm_(dz.T, h)
             if need_bias:
                 d_bias[v0:v1] += dz.sum(0)
             del dz
+        if dh_rows is not None and rows != r1 - r0:
+            d_hidden[r0:r1] = dh_rows[: r1 - r0]
     return (None if d_hidden is None else d_hidden.to(hidden.dtype),
             None if d_weight is None else d_weight.to(weight.dtype),
             None if d_bias is None else d_bias.to(bias.dtype))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import alloc
+from ..invariance import padded
 from ..inputs import HeadTokens
 from .._triton import import_triton, interpreting
 from .common import dlogits_values, soft_cap, soft_cap_grad
@@ -299,28 +300,30 @@ def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: 
 
 
 def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None,
-                          softcap: float | None = None, extras=None):
+                          softcap: float | None = None, extras=None, fixed_rows: int = 0):
     """(logp, lse, entropy), fp32 (N,) of z = soft_cap(hidden @ weight.T + bias) / temperature: per row chunk,
     cuBLAS logits (fp32) + the fold kernel; no gradient work. With ``extras`` (a truthy ``config.TokenExtras``) a
-    fourth item, ``extra_outputs``' tuple filled by the same fold.
+    fourth item, ``extra_outputs``' tuple filled by the same fold. ``fixed_rows`` (batch invariance): chunks of
+    exactly that many rows, the last GEMM on a zero-padded block (``invariance.padded``), folded for its real rows.
 
     Extra memory: one fp32 (R, V) chunk, R = rows within ``chunk_bytes`` (at least one row)."""
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     logp, lse, ent = (alloc((N,), torch.float32, dev) for _ in range(3))
     more = extra_outputs(N, dev, extras) if extras else (None, None, None)
-    R = max(1, chunk_rows(LOGPROBS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, V, N))
-    buf = alloc((min(R, N), V), torch.float32, dev)
+    R = fixed_rows or max(1, chunk_rows(LOGPROBS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, V, N))
+    buf = alloc((R if fixed_rows else min(R, N), V), torch.float32, dev)
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
-        z = buf[: r1 - r0]
-        logits_f32(hidden[r0:r1], weight, z)
-        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap, more)
+        z = buf if fixed_rows else buf[: r1 - r0]
+        logits_f32(padded(hidden, r0, r1, R) if fixed_rows else hidden[r0:r1], weight, z)
+        fold_chunk(z[: r1 - r0], bias, ids, logp, lse, ent, r0, temperature, softcap, more)
     return (logp, lse, ent, more) if extras else (logp, lse, ent)
 
 
 def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind: int, rows: int, needs: tuple):
-    """The gradient-in-forward pass over row chunks of ``rows`` tokens.
+    """The gradient-in-forward pass over row chunks of ``rows`` tokens (with ``cfg.batch_invariant`` every chunk's
+    GEMMs run on exactly ``rows`` rows, the last block zero-padded: its padded rows get no loss and zero d logits).
 
     tokens: an ``inputs.HeadTokens`` (fp32 (N,) per-token advantage, reduction weight, optional old / ref / is_ratio,
     and the entropy bonus' d loss / d entropy); cfg: the loss options; transform: the logits transform
@@ -342,7 +345,8 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind:
     db32 = torch.zeros((V,), dtype=torch.float32, device=dev) if need_bias else None
     if N == 0:
         return logp, ent, terms, d_hidden, dw32, db32
-    R = max(1, min(rows, N))
+    fixed = cfg.batch_invariant
+    R = max(1, rows if fixed else min(rows, N))
     buf = alloc((R, V), torch.float32, dev)
     dbuf = half_view(buf, dtype)
     adv = tokens.adv
@@ -351,7 +355,11 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind:
     ge = tokens.ge
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
-        z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
+        if fixed:  # the GEMMs on R rows; the epilogue on the real ones, the padded rows' d logits zeroed
+            z, dz, h = buf, dbuf, padded(hidden, r0, r1, R)
+            dz[r1 - r0:].zero_()
+        else:
+            z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
         logits_f32(h, weight, z)
         launch(head_loss_grad_kernel, (r1 - r0,),
                z, dz, z if bias is None else bias, ids, old, ref, adv, isr, tokens.w, adv if ge is None else ge,
@@ -366,18 +374,22 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind:
                **({"maxnreg": LOSS_GRAD_MAXNREG[dtype]} if dtype in LOSS_GRAD_MAXNREG else {}),
                **cap_args(transform.softcap))
         if write_grad:
-            chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
+            chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0, r1)
     return logp, ent, terms, d_hidden, dw32, db32
 
 
-def chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0: int) -> None:
+def chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0: int, r1: int | None = None) -> None:
     """From the d logits dz (R, V) of hidden rows h = hidden[r0:r0 + R]: d_hidden[r0:r0 + R] = dz W, dw32 += dz^T h,
-    db32 += column sums (each only when not None).
+    db32 += column sums (each only when not None). r1: the end of the real rows when dz is a padded block (its
+    rows past r1 - r0 are zero: d hidden keeps the real rows, d weight / d bias get exact zeros from the others).
 
     Why deterministic and unbiased: fixed shapes in a fixed chunk order; dW and dbias accumulate in fp32 across
     chunks (cuBLAS beta = 1), never rounding a per-chunk product to bf16."""
-    if d_hidden is not None:
-        torch.mm(dz, weight, out=d_hidden[r0:r0 + dz.shape[0]])
+    n = dz.shape[0] if r1 is None else r1 - r0
+    if d_hidden is not None and n == dz.shape[0]:
+        torch.mm(dz, weight, out=d_hidden[r0:r0 + n])
+    elif d_hidden is not None:
+        d_hidden[r0:r0 + n] = torch.mm(dz, weight)[:n]
     if dw32 is not None:
         addmm_f32_(dw32, dz.t(), h)
     if db32 is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import alloc
+from ..invariance import block_rows
 from . import linear_tiles as tiles
 from .common import LN2, LOG2E, lane_fold, lane_fold_sq
 from .host import GENERATIONS, TRITON_DTYPES, cap_args, cdiv, check_inputs
@@ -148,9 +149,12 @@ def linear_fwd_merge_kernel(part_ptr, logp_ptr, lse_ptr, ent_ptr, N, n_splits, B
 
 
 def forward_splits(N: int, V: int, dtype: torch.dtype, device: torch.device,
-                   kind: str = "fwd") -> tuple[int, int]:
+                   kind: str = "fwd", batch_invariant: bool = False) -> tuple[int, int]:
     """(vocab columns per split, number of splits) of the forward's (token block, vocab split) grid; kind: the tile
-    table's "fwd", or "fwd_extras" for a forward with extra statistics."""
+    table's "fwd", or "fwd_extras" for a forward with extra statistics. batch_invariant: the splits of a fixed
+    block's row count (``invariance.block_rows``), not of N, so that a row's merge order never follows N."""
+    if batch_invariant:
+        N = block_rows(device if device.type != "meta" else "cuda")
     if device.type == "meta":  # a plan made without data: the sm_90 table on 132 SMs
         tile, sms = tiles.TILES[(90, kind, "fp32" if dtype == torch.float32 else "half")], GENERATIONS[90].sms
     else:
@@ -162,15 +166,18 @@ def forward_splits(N: int, V: int, dtype: torch.dtype, device: torch.device,
     return v_per_split, cdiv(V, v_per_split)
 
 
-def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.device, extra_planes: int = 0) -> int:
+def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.device, extra_planes: int = 0,
+                          batch_invariant: bool = False) -> int:
     """Bytes of the forward's fp32 (4 + extra_planes, n_splits, N) partial statistics: its only memory beyond the
     outputs (one plane more per extra statistic, ``config.TokenExtras``)."""
     kind = "fwd_extras" if extra_planes else "fwd"
-    return 4 * (4 + extra_planes) * forward_splits(N, V, dtype, device, kind)[1] * N if N else 0
+    splits = forward_splits(N, V, dtype, device, kind, batch_invariant)[1]
+    return 4 * (4 + extra_planes) * splits * N if N else 0
 
 
 def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor,
-                            temperature: float, softcap: float | None = None, extras=None):
+                            temperature: float, softcap: float | None = None, extras=None,
+                            batch_invariant: bool = False):
     """(logp, lse, entropy), each fp32 (N,), of z = soft_cap(hidden @ weight.T + bias) / temperature at ``ids``
     (``softcap * tanh(x / softcap)``; no cap when softcap is None). With ``extras`` (a truthy
     ``config.TokenExtras``), a fourth item (log_sum_sq_probs fp32 | None, mean_logits fp32 | None, is_top1 bool |
@@ -178,7 +185,8 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
 
     hidden (N, H) and weight (V, H) of one dtype (fp32/bf16/fp16), bias (V,) or None, ids (N,) int64 in [0, V).
     lse = logsumexp(z); entropy = lse - sum softmax(z) * z. Extra memory: 4 (4 + k) n_splits N bytes, k the
-    number of extras.
+    number of extras. batch_invariant: the vocabulary splits do not depend on N (``forward_splits``); every row is
+    then computed by the same tile code in the same order whatever the batch.
     """
 
     N, V, H = check_inputs(hidden, weight, bias, ids)
@@ -190,7 +198,7 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
     kind = "fwd" if more is None else "fwd_extras"
     tile, _, dot_fp32 = tiles.launch_params(kind, hidden.dtype, dev)
     n_m = cdiv(N, tile.block_m)
-    v_per_split, n_splits = forward_splits(N, V, hidden.dtype, dev, kind)
+    v_per_split, n_splits = forward_splits(N, V, hidden.dtype, dev, kind, batch_invariant)
     flags = {} if more is None else {"HAS_SQ": more[0] is not None, "HAS_SUM": more[1] is not None,
                                      "HAS_TOP1": more[2] is not None}
     part = alloc((4 + sum(flags.values()), n_splits, N), torch.float32, dev)

@@ -78,7 +78,7 @@ INTERPRET_TILE = Tile(16, 32, 16, 4, 1)
 
 
 # DOT_FP32 values: how the kernels' tl.dot multiplies (see mma).
-DOT_NATIVE, DOT_IEEE, DOT_TF32 = 0, 1, 2
+DOT_NATIVE, DOT_IEEE, DOT_TF32, DOT_BY_ELEMENTS = 0, 1, 2, 3
 
 
 def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[Tile, int, int]:
@@ -87,9 +87,10 @@ def launch_params(kind: str, dtype: torch.dtype, device: torch.device) -> tuple[
     "fp32" (IEEE fp32 dots) or "tf32" (fp32 inputs while torch's fp32 matmuls use TF32)."""
     if not as_cuda(device):
         assert interpreting(), "CPU tensors need TRITON_INTERPRET=1 (the API layer chooses the implementation)"
-        # Why DOT_IEEE for bf16 here: the interpreter's bf16 tl.dot returns garbage (docs/DESIGN.md section 6).
-        return (knobs().interpret_tile or INTERPRET_TILE, knobs().interpret_sms or INTERPRET_SMS,
-                DOT_IEEE if dtype in (torch.float32, torch.bfloat16) else DOT_NATIVE)
+        # Why products summed in k order here (mma): the interpreter's tl.dot is numpy's BLAS, whose result for a
+        # row depends on the row's place in the tile (a compiled MMA's does not: batch invariance holds on the GPU
+        # and must be seen in the tests), and whose bf16 dot returns garbage (docs/DESIGN.md section 6).
+        return (knobs().interpret_tile or INTERPRET_TILE, knobs().interpret_sms or INTERPRET_SMS, DOT_BY_ELEMENTS)
     # A CUDA launch, or one recorded as a CUDA run would make it (launch.as_cuda): fp32 follows torch's fp32 matmul
     # precision (TF32 or IEEE), and the tiles are per dot class ("tf32" has its own: tensor-core dots).
     if dtype != torch.float32:
@@ -113,13 +114,16 @@ def mma(a, b, acc, DOT_FP32: tl.constexpr):
 
     DOT_FP32: 0 (DOT_NATIVE) multiplies the tiles as they are: compiled bf16/fp16 dots lower to HGMMA/HMMA.
     1 (DOT_IEEE) upcasts both tiles to fp32 and multiplies in IEEE fp32: fp32 inputs under torch's default
-    precision, and bf16 under TRITON_INTERPRET (the interpreter's bf16 tl.dot is wrong). 2 (DOT_TF32): fp32 inputs
-    while torch's fp32 matmuls use TF32 (grpo_kernels/_precision.py: one rule for Triton and cuBLAS).
+    precision. 2 (DOT_TF32): fp32 inputs while torch's fp32 matmuls use TF32 (grpo_kernels/_precision.py: one rule
+    for Triton and cuBLAS). 3 (DOT_BY_ELEMENTS, TRITON_INTERPRET only): fp32 products summed over k in order, the
+    same for every row of the tile as a compiled MMA is (numpy's matmul is not).
     """
     if DOT_FP32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    if DOT_FP32 == 2:
+    if DOT_FP32 == 3:
+        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    elif DOT_FP32 == 2:
         acc = tl.dot(a, b, acc, input_precision="tf32")
     else:
         acc = tl.dot(a, b, acc, input_precision="ieee")
