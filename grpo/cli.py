@@ -49,6 +49,9 @@ _LOSS_HELP = {
     "top_entropy_quantile": "train only on the tokens in this top fraction by entropy (in (0, 1]; 1.0: all tokens)",
     "entropy_coef": "weight of an entropy bonus subtracted from the loss (0: none)",
     "deterministic": "fused-linear Triton backward in a fixed order (bitwise reproducible) instead of fp32 atomics",
+    "batch_invariant": "a sequence's log-probs, loss terms and gradients bitwise independent of the batch around it "
+                       "(size, position, padding, packing, chunking; implies --deterministic): the old and reference "
+                       "log-probs then equal the loss's, ratio exactly 1 at the first iteration",
     "grad_in_forward": "Triton path: compute the loss gradient during the forward pass when the loss type allows it "
                        "(saves a second sweep over the vocabulary); --no-grad-in-forward forces separate sweeps",
     "memory_budget": "bytes of transient memory the loss may allocate beyond its inputs and returned gradients "

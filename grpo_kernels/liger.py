@@ -31,8 +31,10 @@ _SHARED_OPTIONS = ("loss_type", "beta", "epsilon_low", "epsilon_high", "temperat
 
 
 def _config(options: dict) -> GRPOLossConfig:
-    """Liger's options (by ``GRPOLossConfig``'s names) as a validated config (a ValueError names a bad one)."""
-    return GRPOLossConfig(**{name: options[name] for name in _SHARED_OPTIONS})
+    """Liger's options (by ``GRPOLossConfig``'s names) as a validated config (a ValueError names a bad one), with
+    grpo_kernels' ``batch_invariant`` (a keyword-only addition to Liger's signatures)."""
+    return GRPOLossConfig(**{name: options[name] for name in _SHARED_OPTIONS},
+                          batch_invariant=options.get("batch_invariant", False))
 
 
 def _clip_metric(metrics: dict, loss_type: str) -> torch.Tensor:
@@ -84,8 +86,10 @@ class LigerFusedLinearGRPOLoss(nn.Module):
                  max_completion_length: int | None = None, importance_sampling_level: str = "token",
                  sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
                  delta: float | None = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
-                 vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
+                 vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, *,
+                 batch_invariant: bool = False):
         super().__init__()
+        self.batch_invariant = batch_invariant
         self.beta = beta
         self.compiled = compiled
         self.use_ref_model = use_ref_model
@@ -110,7 +114,8 @@ class LigerFusedLinearGRPOLoss(nn.Module):
     def config(self) -> GRPOLossConfig:
         """The options as a ``GRPOLossConfig`` (``beta`` 0 when ``use_ref_model`` is False)."""
         options = {name: getattr(self, name) for name in _SHARED_OPTIONS}
-        return _config(dict(options, beta=self.beta if self.use_ref_model else 0.0))
+        return _config(dict(options, beta=self.beta if self.use_ref_model else 0.0,
+                            batch_invariant=self.batch_invariant))
 
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
@@ -150,7 +155,7 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
                      importance_sampling_level="token", reduce=False, sapo_temperature_pos=1.0,
                      sapo_temperature_neg=1.05, vllm_is_ratio=None, delta=None, use_bias_correction_kl=False,
                      num_items_in_batch=None, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-                     vespo_lambda_neg=2.0):
+                     vespo_lambda_neg=2.0, *, batch_invariant=False):
     """Liger's ``liger_kernel.transformers.grpo_loss.triton_grpo_loss`` (0.8.5), on ``grpo_loss`` /
     ``token_logprobs``.
 
@@ -177,7 +182,8 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     args = LossArguments(advantages, completion_mask, old_logp, ref_logp, vllm_is_ratio,
                          num_items_in_batch=num_items)
     _, batch, _ = validate_logits_loss(view, completion_ids, args, cfg, inplace_backward=bool(inplace))
-    logp = token_logprobs(view, completion_ids, temperature, inplace_backward=bool(inplace))
+    logp = token_logprobs(view, completion_ids, temperature, inplace_backward=bool(inplace),
+                          batch_invariant=batch_invariant)
     terms = per_token_loss(logp, batch.advantages, batch.mask, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
                            is_ratio=batch.is_ratio, config=cfg)
     mask = terms.mask
@@ -190,7 +196,7 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
 
 
 @torch.no_grad()
-def fused_selective_log_softmax(logits, input_ids, temperature=0.9, mask=None):
+def fused_selective_log_softmax(logits, input_ids, temperature=0.9, mask=None, *, batch_invariant=False):
     """Liger's ``liger_kernel.ops.grpo_loss.fused_selective_log_softmax`` (0.8.5), on ``token_logprobs``: the
     no-grad log-probs (B, L) fp32 of the last L = ``logits.shape[1] - 1`` tokens of ``input_ids`` under
     ``logits[:, :-1] / temperature``, 0 where ``mask[:, -L:]`` is 0 (old / reference log-probs for
@@ -199,5 +205,5 @@ def fused_selective_log_softmax(logits, input_ids, temperature=0.9, mask=None):
         raise ValueError("logits must be a (B, L + 1, V) tensor")
     L = logits.shape[1] - 1
     ids = input_ids[:, input_ids.shape[1] - L:]
-    logp = token_logprobs(logits[:, :-1], ids, temperature)
+    logp = token_logprobs(logits[:, :-1], ids, temperature, batch_invariant=batch_invariant)
     return logp if mask is None else torch.where(mask[:, mask.shape[1] - L:] != 0, logp, 0.0)

@@ -584,12 +584,16 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
                           working_bytes=budget - costs.fixed - small,
                           notes=("backward layout chosen when the op runs (torch.compile)",))
     forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device,
-                                    len(call.extras.names) if call.extras else 0, call.batch_invariant)
+                                    len(call.extras.names) if call.extras else 0)
     geometry = (N, V, H, inputs.dtype, inputs.hidden.device)
     room = budget - costs.fixed - small
+    chunk_rows = 0
     if call.batch_invariant:
-        # Why a fixed room: the layout (vocabulary chunks per block) must not follow the budget either
+        # Why a fixed room: the layout (vocabulary chunks per block) must not follow the budget either; the forward
+        # is head.no_grad's (fixed-row fp32 logits blocks + the fold), the one head.fast agrees with bit for bit
         geometry, room = (_fixed_rows(call),) + geometry[1:], INVARIANT_LIGHT_ROOM
+        chunk_rows = _fixed_rows(call)
+        forward = 4 * V * chunk_rows
     layout = backward_layout(*geometry, room, *needs, call.deterministic)
     if layout is None:
         smallest = backward_layout(*geometry, None, *needs, call.deterministic).transient_bytes
@@ -602,11 +606,12 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
                                                                                 layout.transient_bytes))
     # The forward's partial statistics are freed before the backward's buffers exist: the peak is the larger phase.
     if forward > layout.transient_bytes:
-        items = [("forward partial statistics", forward), ("per-token values", small)]
+        items = [("fp32 logits chunk" if chunk_rows else "forward partial statistics", forward),
+                 ("per-token values", small)]
     else:
         items = _larger_phase(layout.items, costs.cast_grads) + [("per-token values", small)]
     notes = ()
     if layout.row_block < N and needs[1] and not call.batch_invariant:
         notes = (f"d weight is summed over {_cdiv(N, layout.row_block)} row blocks in the weight's dtype",)
     return _head_plan(call, costs, HEAD_LIGHT, why, budget, items, chunk_bytes=layout.chunk_bytes,
-                      row_block=layout.row_block, flops_nhv=_flops(call, 8), notes=notes)
+                      row_block=layout.row_block, chunk_rows=chunk_rows, flops_nhv=_flops(call, 8), notes=notes)

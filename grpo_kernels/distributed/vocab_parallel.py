@@ -45,6 +45,7 @@ from torch.autograd.function import once_differentiable
 from ..head.light import head_token_logprobs
 from ..head.torch_tiles import accumulation_dtype
 from ..inputs import HeadInputs, ValidRows
+from ..invariance import block_rows, padded
 from ..reference import soft_cap, soft_cap_derivative
 
 # Rows per chunk of the target-logit gather (bounds its fp32 scratch to TARGET_CHUNK_ROWS x H).
@@ -79,19 +80,31 @@ class VocabShard:
 
 class _ReplicatedInput(torch.autograd.Function):
     """Identity in the forward; the backward sums the gradient over the group (the input is replicated and each
-    rank's shard contributes its part of dh). Summed in fp32: half-precision partials would lose bits."""
+    rank's shard contributes its part of dh). Summed in fp32: half-precision partials would lose bits.
+
+    ``ordered`` (batch invariance): the parts are all-gathered and added in rank order, element by element, so that
+    each element's sum has one order for a fixed world size; an all-reduce's order may follow the message size and
+    the element's place in it (NCCL picks ring or tree by size, and a ring reduces each chunk from another rank).
+    It costs world - 1 more gradient-sized buffers in the backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, ordered: bool = False):
+        ctx.group, ctx.ordered = group, ordered
         return x.view_as(x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         total = grad.to(torch.float32) if grad.dtype in (torch.bfloat16, torch.float16) else grad.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
-        return total.to(grad.dtype), None
+        if ctx.ordered:
+            parts = [torch.empty_like(total) for _ in range(dist.get_world_size(ctx.group))]
+            dist.all_gather(parts, total.contiguous(), group=ctx.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+        else:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return total.to(grad.dtype), None, None
 
 
 class _GatherReplicated(torch.autograd.Function):
@@ -118,13 +131,18 @@ class _TargetLogit(torch.autograd.Function):
     CUDA where an id repeats) when the plan's backward is the atomic one."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_ids, transform, deterministic: bool):
+    def forward(ctx, hidden, weight, bias, local_ids, transform, deterministic: bool, fixed_rows: int = 0):
         acc = accumulation_dtype(hidden)
-        z = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
-        for r0 in range(0, hidden.shape[0], TARGET_CHUNK_ROWS):
-            c = local_ids[r0:r0 + TARGET_CHUNK_ROWS]
-            rows = hidden[r0:r0 + TARGET_CHUNK_ROWS].to(acc) * weight.index_select(0, c).to(acc)
-            z[r0:r0 + c.shape[0]] = rows.sum(-1)
+        N = hidden.shape[0]
+        z = torch.empty(N, dtype=acc, device=hidden.device)
+        # fixed_rows (batch invariance): every chunk's row sums on exactly that many rows (the last one padded)
+        step = fixed_rows or TARGET_CHUNK_ROWS
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            n = fixed_rows or r1 - r0
+            c = padded(local_ids, r0, r1, n)
+            rows = padded(hidden, r0, r1, n).to(acc) * weight.index_select(0, c).to(acc)
+            z[r0:r1] = rows.sum(-1)[: r1 - r0]
         if bias is not None:
             z += bias.index_select(0, local_ids).to(acc)
         z = soft_cap(z, transform.softcap)
@@ -163,7 +181,7 @@ class _TargetLogit(torch.autograd.Function):
                     sums.index_add_(0, c, values)
         d_weight = sums[:V, :H].to(weight.dtype) if need_w else None
         d_bias = sums[:V, -1].to(bias.dtype) if need_b else None
-        return d_hidden, d_weight, d_bias, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None
 
 
 # Rows per segment-sum GEMM of ``add_rows_by_id``: R x R x K FLOPs per R rows (0.1% of the head's at K = 4096).
@@ -362,12 +380,13 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: Val
     inputs = inputs.in_compute_dtype()
     hidden, ids = rows.compact(inputs.hidden, inputs.ids)
     if reduce_hidden_grad and torch.is_grad_enabled() and hidden.requires_grad:
-        hidden = _ReplicatedInput.apply(hidden, shard.group)
+        hidden = _ReplicatedInput.apply(hidden, shard.group, plan.batch_invariant)
     owned = (ids >= shard.start) & (ids < shard.start + shard.size)
     local_ids = (ids - shard.start).clamp(0, shard.size - 1)
     local = replace(inputs, hidden=hidden, ids=local_ids, shape=local_ids.shape)
     logp_r, entropy_r, _, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()))
-    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.transform, plan.deterministic)
+    z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.transform, plan.deterministic,
+                             block_rows(hidden.device) if plan.batch_invariant else 0)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
     table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]), shard)
     # the entropy of a mixture of the shards' softmaxes with weights w_r = exp(lse_r - lse): sum_r w_r H_r + H(w).

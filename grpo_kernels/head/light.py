@@ -62,15 +62,18 @@ def light_forward(hidden, weight, bias, ids, o: LightOptions):
     mean_logits, is_top1 bool), None for each that ``o.extras`` does not ask for."""
     t, extras = o.transform, o.extras or None
     with torch.autocast(hidden.device.type, enabled=False):  # the tiles keep their fp32 accumulation
-        if o.path == HEAD_NO_GRAD:
+        # Why the no-gradient forward under batch invariance: it is the one head.fast's epilogue agrees with bit
+        # for bit (the same fixed-row cuBLAS blocks, the same per-row fold), so old / reference log-probs computed
+        # without gradients equal the loss's on every Triton head path
+        if o.path == HEAD_NO_GRAD or (o.path == HEAD_LIGHT and o.batch_invariant):
             from ..kernels.linear_epilogue_kernels import head_logprobs_chunked  # lazy: creates the Triton kernels
             out = head_logprobs_chunked(hidden, weight, bias, ids, t.temperature, o.chunk_rows * 4 * weight.shape[0],
                                         softcap=t.softcap, extras=extras,
-                                        fixed_rows=o.chunk_rows if o.batch_invariant else 0)
+                                        fixed_rows=(o.chunk_rows or block_rows(hidden.device)) if o.batch_invariant
+                                        else 0)
         elif o.path == HEAD_LIGHT:
             from ..kernels.linear_forward_kernels import linear_logprobs_forward
-            out = linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap, extras=extras,
-                                          batch_invariant=o.batch_invariant)
+            out = linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap, extras=extras)
         else:
             out = torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows, extras,
                                                 fixed_rows=o.batch_invariant)

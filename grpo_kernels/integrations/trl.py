@@ -103,7 +103,7 @@ _TRAINER_MODULES = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer", "trl
 
 # (module, attribute) -> original value, filled by patch_trl and emptied by unpatch_trl.
 _ORIGINALS: dict = {}
-_STATE = {"strict": False, "warned": set()}
+_STATE = {"strict": False, "warned": set(), "batch_invariant": False}
 
 
 def _trl_version() -> str:
@@ -179,6 +179,7 @@ class TRLLogProbFunction:
         # cap * tanh(s * x / cap) / T == (cap / s) * tanh(x / (cap / s)) / (T / s) for any scale s > 0.
         kernel_temperature, kernel_softcap = fold_logit_scale(temperature, logit_scale, final_logit_softcapping)
         out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=kernel_temperature,
+                                       batch_invariant=_STATE["batch_invariant"],
                                        softcap=kernel_softcap, return_entropy=want_entropy,
                                        gather_head=_zero3_gather(*head_params), extra_outputs=extras)
         if extras:
@@ -286,6 +287,7 @@ class TRLPatchReport:
     patched: tuple[str, ...]
     routes: tuple[Route, ...]
     newly_patched: bool
+    batch_invariant: bool = False
 
     @property
     def kernel_calls(self) -> tuple[Route, ...]:
@@ -297,7 +299,8 @@ class TRLPatchReport:
 
     def __str__(self) -> str:
         head = (f"grpo_kernels.patch_trl: TRL {self.trl_version} "
-                f"{'patched' if self.newly_patched else 'already patched'} (strict={self.strict}); swapped: "
+                f"{'patched' if self.newly_patched else 'already patched'} (strict={self.strict}"
+                + (", batch_invariant=True" if self.batch_invariant else "") + "); swapped: "
                 + ", ".join(self.patched))
         w1 = max(len("calls"), *(len(r.calls) for r in self.routes))
         w2 = max(len("runs on"), *(len(r.runs_on) for r in self.routes))
@@ -340,19 +343,24 @@ def _routes(strict: bool) -> tuple[Route, ...]:
     )
 
 
-def patch_trl(strict: bool = False) -> TRLPatchReport:
+def patch_trl(strict: bool = False, batch_invariant: bool = False) -> TRLPatchReport:
     """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``.
 
     Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
     do not). Idempotent; ``unpatch_trl()`` restores TRL exactly, as does leaving ``with patch_trl():``.
     strict: raise a ValueError naming the option (a logit scale or a ``final_logit_softcapping`` that is not a
         finite number > 0) instead of warning and running TRL's own kernel for those calls.
+    batch_invariant: every call TRL makes through the seam is batch-invariant (``linear_token_logprobs(...,
+        batch_invariant=True)``: a sequence's log-probs, entropies, extra outputs and d hidden are bitwise the same in
+        any batch, docs/numerics.md "Batch invariance").
     Returns a ``TRLPatchReport`` (printable table of what was patched and what runs where) and logs one INFO line
     on the ``grpo_kernels`` logger.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.
     """
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be a bool, got {strict!r}")
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     try:
         version = _trl_version()
     except ImportError as exc:
@@ -361,7 +369,7 @@ def patch_trl(strict: bool = False) -> TRLPatchReport:
         raise RuntimeError(f"grpo_kernels.patch_trl supports TRL {', '.join(s + '.x' for s in SUPPORTED_TRL_VERSIONS)}"
                            f", found TRL {version}; nothing was patched")
     targets = _targets()  # resolve everything before changing anything
-    _STATE["strict"] = strict
+    _STATE["strict"], _STATE["batch_invariant"] = strict, batch_invariant
     newly = not _ORIGINALS
     if newly:
         for module, name, replacement in targets:
@@ -369,11 +377,11 @@ def patch_trl(strict: bool = False) -> TRLPatchReport:
             setattr(module, name, replacement)
     report = TRLPatchReport(trl_version=version, strict=strict,
                             patched=tuple(f"{module.__name__}.{name}" for module, name, _ in targets),
-                            routes=_routes(strict), newly_patched=newly)
+                            routes=_routes(strict), newly_patched=newly, batch_invariant=batch_invariant)
     fallbacks = "; ".join(r.calls for r in report.fallbacks)
-    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s): policy (GRPO, RLOO, SFT, DPO, KTO), reference and "
+    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s, batch_invariant=%s): policy (GRPO, RLOO, SFT, DPO, KTO), reference and "
                 "padding-free log-probs run on grpo_kernels [%s]; TRL's own kernel for: %s", version,
-                "patched" if newly else "already patched", strict, _backend(), fallbacks)
+                "patched" if newly else "already patched", strict, batch_invariant, _backend(), fallbacks)
     return report
 
 
@@ -384,7 +392,7 @@ def unpatch_trl() -> None:
     for (module_name, name), original in list(_ORIGINALS.items()):
         setattr(sys.modules[module_name], name, original)
     _ORIGINALS.clear()
-    _STATE["strict"] = False
+    _STATE["strict"] = _STATE["batch_invariant"] = False
     _STATE["warned"].clear()
 
 

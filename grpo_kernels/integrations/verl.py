@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import os
 import sys
 
 import torch
@@ -62,7 +63,10 @@ SEAM_NAME = "linear_cross_entropy"
 REDUCTIONS = ("none", "sum", "mean")
 
 # verl's own function while patched (None when not patched) and the modules whose name was swapped.
-_STATE: dict = {"original": None, "swapped": ()}
+_STATE: dict = {"original": None, "swapped": (), "batch_invariant": False}
+# Set to 1 in verl's workers' environment to make the patched seam batch-invariant (``grpo_kernels.verl`` patches at
+# import, so an environment variable is how a verl config reaches it; ``patch_verl(batch_invariant=True)`` in code).
+BATCH_INVARIANT_ENV = "GRPO_KERNELS_BATCH_INVARIANT"
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
@@ -98,7 +102,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     sharded = _tensor_parallel(dist_process_group)
     extra = dict(process_group=dist_process_group, hidden_grad="partial") if sharded else {}
     logp, entropy = gk.linear_token_logprobs(rows, weight, ids, temperature=float(temperature), return_entropy=True,
-                                             **extra)
+                                             batch_invariant=_STATE["batch_invariant"], **extra)
     reduction = reduction.lower()
     if reduction == "sum":
         logp = logp.sum()
@@ -192,9 +196,13 @@ def _routes() -> tuple[Route, ...]:
     )
 
 
-def patch_verl() -> VerlPatchReport:
+def patch_verl(batch_invariant: bool | None = None) -> VerlPatchReport:
     """Make verl's fused-kernel path run on grpo_kernels: replace ``linear_cross_entropy`` in
     ``verl.utils.kernel.linear_cross_entropy`` and in every loaded ``verl.*`` module that imported it.
+
+    batch_invariant: every call of the seam is batch-invariant (``linear_token_logprobs(batch_invariant=True)``: a
+    sequence's log-probs, entropies and d hidden the same in any micro-batch); None: ``GRPO_KERNELS_BATCH_INVARIANT=1``
+    in the environment says so (how a verl config reaches the module it imports).
 
     Idempotent (a second call also swaps the name in modules loaded since, that imported verl's function before the
     first). ``unpatch_verl()`` restores verl exactly. Returns a ``VerlPatchReport`` and logs one INFO line on the
@@ -212,6 +220,11 @@ def patch_verl() -> VerlPatchReport:
     if not is_supported_verl_version(version):
         raise RuntimeError(f"grpo_kernels.verl supports verl {', '.join(s + '.x' for s in SUPPORTED_VERL_VERSIONS)}, "
                            f"found verl {version}; nothing was patched")
+    if batch_invariant is None:
+        batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "0") == "1"
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be a bool or None, got {batch_invariant!r}")
+    _STATE["batch_invariant"] = batch_invariant
     current = getattr(seam, SEAM_NAME, None)
     newly = _STATE["original"] is None
     if newly:
@@ -224,8 +237,9 @@ def patch_verl() -> VerlPatchReport:
     _STATE["swapped"] = tuple(dict.fromkeys(_STATE["swapped"] + tuple(swapped)))
     report = VerlPatchReport(verl_version=version, patched=tuple(f"{name}.{SEAM_NAME}" for name in _STATE["swapped"]),
                              routes=_routes(), newly_patched=newly)
-    logger.info("grpo_kernels.verl: verl %s %s: %s replaced by grpo_kernels' fused head [%s]; verl's own for: %s",
+    logger.info("grpo_kernels.verl: verl %s %s: %s replaced by grpo_kernels' fused head [%s%s]; verl's own for: %s",
                 version, "patched" if newly else "already patched", ", ".join(report.patched), _backend(),
+                ", batch-invariant" if batch_invariant else "",
                 "; ".join(r.calls for r in report.routes if r.runs_on != "grpo_kernels"))
     return report
 
@@ -237,7 +251,7 @@ def unpatch_verl() -> None:
     if original is None:
         return
     _swap(_holders(linear_cross_entropy), original)
-    _STATE["original"], _STATE["swapped"] = None, ()
+    _STATE["original"], _STATE["swapped"], _STATE["batch_invariant"] = None, (), False
 
 
 def is_verl_patched() -> bool:

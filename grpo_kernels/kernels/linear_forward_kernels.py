@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from .._checks import alloc
-from ..invariance import block_rows
 from . import linear_tiles as tiles
 from .common import LN2, LOG2E, lane_fold, lane_fold_sq
 from .host import GENERATIONS, TRITON_DTYPES, cap_args, cdiv, check_inputs
@@ -149,35 +148,30 @@ def linear_fwd_merge_kernel(part_ptr, logp_ptr, lse_ptr, ent_ptr, N, n_splits, B
 
 
 def forward_splits(N: int, V: int, dtype: torch.dtype, device: torch.device,
-                   kind: str = "fwd", batch_invariant: bool = False) -> tuple[int, int]:
+                   kind: str = "fwd") -> tuple[int, int]:
     """(vocab columns per split, number of splits) of the forward's (token block, vocab split) grid; kind: the tile
-    table's "fwd", or "fwd_extras" for a forward with extra statistics. batch_invariant: the splits of a fixed
-    block's row count (``invariance.block_rows``), not of N, so that a row's merge order never follows N."""
-    if batch_invariant:
-        N = block_rows(device if device.type != "meta" else "cuda")
+    table's "fwd", or "fwd_extras" for a forward with extra statistics."""
     if device.type == "meta":  # a plan made without data: the sm_90 table on 132 SMs
         tile, sms = tiles.TILES[(90, kind, "fp32" if dtype == torch.float32 else "half")], GENERATIONS[90].sms
     else:
         tile, sms, _ = tiles.launch_params(kind, dtype, device)
-    n_m = cdiv(N, tile.block_m)
+    n_m = max(1, cdiv(N, tile.block_m))  # N = 0 (every row masked): the splits of one block, never a zero divisor
     n_vb = cdiv(V, tile.block_v)
     # Why: enough (token block, vocab split) programs for ~tiles.WAVES waves, each split at least one vocab block.
     v_per_split = cdiv(n_vb, min(n_vb, max(1, cdiv(tiles.WAVES * sms, n_m)))) * tile.block_v
     return v_per_split, cdiv(V, v_per_split)
 
 
-def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.device, extra_planes: int = 0,
-                          batch_invariant: bool = False) -> int:
+def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.device, extra_planes: int = 0) -> int:
     """Bytes of the forward's fp32 (4 + extra_planes, n_splits, N) partial statistics: its only memory beyond the
     outputs (one plane more per extra statistic, ``config.TokenExtras``)."""
     kind = "fwd_extras" if extra_planes else "fwd"
-    splits = forward_splits(N, V, dtype, device, kind, batch_invariant)[1]
+    splits = forward_splits(N, V, dtype, device, kind)[1]
     return 4 * (4 + extra_planes) * splits * N if N else 0
 
 
 def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor,
-                            temperature: float, softcap: float | None = None, extras=None,
-                            batch_invariant: bool = False):
+                            temperature: float, softcap: float | None = None, extras=None):
     """(logp, lse, entropy), each fp32 (N,), of z = soft_cap(hidden @ weight.T + bias) / temperature at ``ids``
     (``softcap * tanh(x / softcap)``; no cap when softcap is None). With ``extras`` (a truthy
     ``config.TokenExtras``), a fourth item (log_sum_sq_probs fp32 | None, mean_logits fp32 | None, is_top1 bool |
@@ -185,8 +179,8 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
 
     hidden (N, H) and weight (V, H) of one dtype (fp32/bf16/fp16), bias (V,) or None, ids (N,) int64 in [0, V).
     lse = logsumexp(z); entropy = lse - sum softmax(z) * z. Extra memory: 4 (4 + k) n_splits N bytes, k the
-    number of extras. batch_invariant: the vocabulary splits do not depend on N (``forward_splits``); every row is
-    then computed by the same tile code in the same order whatever the batch.
+    number of extras. Not batch-invariant (the splits follow N): under ``batch_invariant`` the memory-light path's
+    forward is ``head_logprobs_chunked``'s, the one every head path shares (``head/light.py``).
     """
 
     N, V, H = check_inputs(hidden, weight, bias, ids)
@@ -198,7 +192,7 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
     kind = "fwd" if more is None else "fwd_extras"
     tile, _, dot_fp32 = tiles.launch_params(kind, hidden.dtype, dev)
     n_m = cdiv(N, tile.block_m)
-    v_per_split, n_splits = forward_splits(N, V, hidden.dtype, dev, kind, batch_invariant)
+    v_per_split, n_splits = forward_splits(N, V, hidden.dtype, dev, kind)
     flags = {} if more is None else {"HAS_SQ": more[0] is not None, "HAS_SUM": more[1] is not None,
                                      "HAS_TOP1": more[2] is not None}
     part = alloc((4 + sum(flags.values()), n_splits, N), torch.float32, dev)

@@ -115,14 +115,16 @@ def mma(a, b, acc, DOT_FP32: tl.constexpr):
     DOT_FP32: 0 (DOT_NATIVE) multiplies the tiles as they are: compiled bf16/fp16 dots lower to HGMMA/HMMA.
     1 (DOT_IEEE) upcasts both tiles to fp32 and multiplies in IEEE fp32: fp32 inputs under torch's default
     precision. 2 (DOT_TF32): fp32 inputs while torch's fp32 matmuls use TF32 (grpo_kernels/_precision.py: one rule
-    for Triton and cuBLAS). 3 (DOT_BY_ELEMENTS, TRITON_INTERPRET only): fp32 products summed over k in order, the
-    same for every row of the tile as a compiled MMA is (numpy's matmul is not).
+    for Triton and cuBLAS). 3 (DOT_BY_ELEMENTS, TRITON_INTERPRET only): the products summed over k in fp64 and rounded to
+    fp32 once, the same for every row of the tile as a compiled MMA is (numpy's matmul is not).
     """
     if DOT_FP32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if DOT_FP32 == 3:
-        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        # Why in fp64, rounded once: a k-order fp32 sum would be less accurate than the MMA it stands for (and a
+        # near-zero gradient element's sign, which Adam's first step turns into a whole step, would follow it)
+        acc += tl.sum(a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :], axis=1).to(tl.float32)
     elif DOT_FP32 == 2:
         acc = tl.dot(a, b, acc, input_precision="tf32")
     else:

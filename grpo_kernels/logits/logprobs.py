@@ -135,7 +135,9 @@ def _torch_backward(logits, ids, lse, entropy, grads, transform: LogitTransform,
         dz.masked_fill_(~active, 0.0)
         _chunk_write(out_pieces, c0, c1, dz)
         del dz
-    return out
+    # Why a view: autograd's AccumulateGrad keeps (steals) a returned gradient only when nothing else holds its
+    # tensor; ``logits`` itself is also held by the saved variables, so it would be cloned into a second buffer.
+    return out.view(out.shape)
 
 
 @ops.options_type(choices={"impl": ("triton", "torch")})

@@ -156,3 +156,166 @@ def test_the_comparison_sees_a_batch_dependent_result():
     with pytest.raises(AssertionError, match="differs between arrangements"):
         assert_invariant([(_label(order, False), batch_dependent(order)) for order in ARRANGEMENTS],
                          "batch-dependent")
+
+
+def _hidden_grid(pool: Pool, order, packed: bool):
+    hidden, cu = _arrange(pool, order, "hidden", packed)
+    ids, _ = _arrange(pool, order, "ids", packed)
+    return hidden, ids, cu
+
+
+def linear_token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budget=None, extras=()):
+    """linear_token_logprobs on the arranged hidden states (padded: with the mask, so the valid rows are compacted;
+    packed: all rows), backward of sum(a logp + b entropy). Returns per sequence (logp, entropy, d hidden, extras)."""
+    hidden, ids, _ = _hidden_grid(pool, order, packed)
+    a, _ = _arrange(pool, order, "grad_logp", packed)
+    b, _ = _arrange(pool, order, "grad_entropy", packed)
+    mask = None if packed else _arrange(pool, order, "ids", False)[0].new_zeros(ids.shape, dtype=torch.bool)
+    if mask is not None:
+        for row, i in enumerate(order):
+            mask[row, : pool.ids[i].shape[0]] = True
+    x = hidden.clone().requires_grad_(True)
+    out = gk.linear_token_logprobs(x, pool.weight, ids, temperature=0.8, return_entropy=True, impl=impl, mask=mask,
+                                   memory_budget=budget, extra_outputs=extras, batch_invariant=True)
+    logp, ent = (out.logp, out.entropy) if extras else out
+    (a * logp + b * ent).sum().backward()
+    values = [logp.detach(), ent.detach(), x.grad]
+    if extras:
+        values += [getattr(out, name) for name in extras]
+    return [_per_sequence(t, order, pool, packed) for t in values]
+
+
+HEAD_ARRANGEMENTS = {"torch": ARRANGEMENTS, "triton": FEW}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_linear_token_logprobs_and_trl_extras_are_batch_invariant(impl, dtype, blocks):
+    """The fused head with gradients (head.torch / head.light) and without (head.torch / head.no_grad), with TRL's
+    extra outputs, masked padded rows compacted or packed rows, two budgets."""
+    pool = _pool(dtype)
+    extras = ("log_sum_sq_probs", "mean_logits", "is_top1")
+    results = [(_label(order, packed, budget), linear_token_logprobs_call(pool, order, packed, impl, budget, extras))
+               for order in HEAD_ARRANGEMENTS[impl] for packed in (False, True)
+               for budget in ((None, 8 << 20) if len(order) == 3 else (None,))]
+    assert_invariant(results, f"linear_token_logprobs ({impl}, {dtype})")
+    no_grad = []
+    for order in HEAD_ARRANGEMENTS[impl][:4]:
+        hidden, ids, _ = _hidden_grid(pool, order, True)
+        with torch.no_grad():
+            logp = gk.linear_token_logprobs(hidden, pool.weight, ids, temperature=0.8, impl=impl, batch_invariant=True)
+        no_grad.append((_label(order, True), [_per_sequence(logp, order, pool, True)]))
+    assert_invariant(no_grad, f"linear_token_logprobs without gradients ({impl}, {dtype})")
+
+
+LOSS_CONFIGS = {
+    # token-level, normalized by a given count: each token's gradient depends on the token alone (head.fast)
+    "dapo-num-items": dict(loss_type="dapo", beta=0.04, use_bias_correction_kl=True),
+    # a sequence-level ratio: each token's gradient reads its sequence (the tree sums; head.light)
+    "gspo": dict(loss_type="dapo", importance_sampling_level="sequence", beta=0.04),
+}
+
+
+def loss_call(pool: Pool, order, packed: bool, impl: str, fn: str, cfg: dict):
+    """The loss on the arranged rows (``fn``: "fused_linear_grpo_loss" or "grpo_loss"); returns (the loss and its
+    metrics, per sequence (d hidden or d logits,))."""
+    field = "hidden" if fn == "fused_linear_grpo_loss" else "logits"
+    x, cu = _arrange(pool, order, field, packed)
+    ids, _ = _arrange(pool, order, "ids", packed)
+    g = torch.Generator().manual_seed(1)
+    adv = torch.randn(len(LENGTHS), generator=g)[list(order)]
+    old = [torch.randn(pool.ids[i].shape[0], generator=torch.Generator().manual_seed(10 + i)) * 0.2 - 3.0
+           for i in range(len(LENGTHS))]
+    old_grid, _ = _arrange(dataclasses.replace(pool, grad_logp=tuple(old)), order, "grad_logp", packed)
+    mask = None
+    if not packed:
+        mask = torch.zeros(ids.shape)
+        for row, i in enumerate(order):
+            mask[row, : pool.ids[i].shape[0]] = 1.0
+    x = x.clone().requires_grad_(True)
+    args = (x, pool.weight) if fn == "fused_linear_grpo_loss" else (x,)
+    loss, metrics = getattr(gk, fn)(*args, ids, adv, mask, old_logps=old_grid, ref_logps=old_grid + 0.1,
+                                    num_items_in_batch=40, impl=impl, cu_seqlens=cu, batch_invariant=True,
+                                    temperature=0.8, **cfg)
+    loss.backward()
+    return (loss.detach(), {k: v for k, v in metrics.items()}), [_per_sequence(x.grad, order, pool, packed)]
+
+
+# (impl, function, config) -> the path the planner takes: every family of paths is covered
+LOSS_PATHS = {("torch", "fused_linear_grpo_loss"): {"dapo-num-items": "head.torch", "gspo": "head.torch"},
+              ("torch", "grpo_loss"): {"dapo-num-items": "logits.torch", "gspo": "logits.torch"},
+              ("triton", "fused_linear_grpo_loss"): {"dapo-num-items": "head.fast", "gspo": "head.light"},
+              ("triton", "grpo_loss"): {"dapo-num-items": "logits.fast", "gspo": "logits.sweep"}}
+
+
+@pytest.mark.parametrize("config", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("fn", ["fused_linear_grpo_loss", "grpo_loss"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_losses_are_batch_invariant_and_the_same_padded_or_packed(impl, fn, config, blocks, knobs, plans):
+    """Each sequence's gradient bitwise the same in every arrangement (its reduction weight is the same: a given
+    num_items_in_batch), and the loss and every metric bitwise the same for the same sequences padded or packed."""
+    knobs(fast_path_min_rows=1)  # the gradient-in-forward paths at these sizes
+    pool = _pool(torch.float32)
+    results, totals = [], {}
+    for order in HEAD_ARRANGEMENTS[impl]:
+        for packed in (False, True):
+            total, grads = loss_call(pool, order, packed, impl, fn, LOSS_CONFIGS[config])
+            results.append((_label(order, packed), grads))
+            totals.setdefault(order, []).append(total)
+    assert {p.path for p in plans} == {LOSS_PATHS[(impl, fn)][config]} and all(p.batch_invariant for p in plans)
+    assert_invariant(results, f"{fn} ({impl}, {config})")
+    for order, ((loss_p, metrics_p), (loss_k, metrics_k)) in totals.items():
+        assert torch.equal(loss_p, loss_k), f"{order}: padded {loss_p.item()!r} != packed {loss_k.item()!r}"
+        for key in metrics_p:
+            assert torch.equal(metrics_p[key], metrics_k[key]), f"{order}: metric {key}"
+
+
+def _old_logps_without_gradients(pool: Pool, fn: str, impl: str, order) -> dict:
+    """Per sequence, the log-probs the no-gradient call gives in the packed arrangement ``order`` (the old /
+    reference log-probs a trainer computes at generation time, in other batches than the loss's)."""
+    x, _ = _arrange(pool, order, "hidden" if fn == "fused_linear_grpo_loss" else "logits", True)
+    ids, _ = _arrange(pool, order, "ids", True)
+    with torch.no_grad():
+        if fn == "fused_linear_grpo_loss":
+            logp = gk.linear_token_logprobs(x, pool.weight, ids, temperature=0.8, impl=impl, batch_invariant=True)
+        else:
+            logp = gk.token_logprobs(x, ids, temperature=0.8, impl=impl, batch_invariant=True)
+    return _per_sequence(logp, order, pool, True)
+
+
+def _loss_at(pool: Pool, fn: str, impl: str, order, cfg: dict, old: dict | None, nudge: bool = False):
+    """(loss, d input) of ``fn`` on the packed sequences ``order`` with old_logps from ``old`` (None: the loss's own
+    log-probs, detached, so its ratio is exactly 1); ``nudge`` moves every old log-prob by one ulp."""
+    x, cu = _arrange(pool, order, "hidden" if fn == "fused_linear_grpo_loss" else "logits", True)
+    ids, _ = _arrange(pool, order, "ids", True)
+    old_t = None if old is None else torch.cat([old[i] for i in order])
+    if nudge:
+        old_t = torch.nextafter(old_t, torch.full_like(old_t, -torch.inf))
+    x = x.clone().requires_grad_(True)
+    args = (x, pool.weight) if fn == "fused_linear_grpo_loss" else (x,)
+    adv = torch.linspace(-1.5, 2.0, len(LENGTHS))[list(order)]
+    loss, _ = getattr(gk, fn)(*args, ids, adv, old_logps=old_t, cu_seqlens=cu, impl=impl, batch_invariant=True,
+                              temperature=0.8, **{**cfg, "beta": 0.0})  # no reference: the ratio alone
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("config", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("fn", ["fused_linear_grpo_loss", "grpo_loss"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_old_logps_without_gradients_give_a_ratio_of_exactly_one(impl, fn, config, dtype, blocks, knobs):
+    """The old log-probs of a no-gradient call (another batch) equal the loss's own log-probs bitwise, on every path
+    (head.no_grad = head.fast = head.light's forward; logits.sweep = the logits loss paths): the loss and its
+    gradient are bitwise those of the ratio-exactly-1 call (old_logps=None). The comparison can fail: old
+    log-probs one ulp off change the loss."""
+    knobs(fast_path_min_rows=1)
+    pool = _pool(dtype)
+    old = _old_logps_without_gradients(pool, fn, impl, (6, 5, 7, 2, 4, 1, 0, 3))
+    for order in ((2, 0, 3), (5, 0)):
+        exact = _loss_at(pool, fn, impl, order, LOSS_CONFIGS[config], None)
+        ours = _loss_at(pool, fn, impl, order, LOSS_CONFIGS[config], old)
+        assert torch.equal(ours[0], exact[0]), f"{order}: loss {ours[0].item()!r} != {exact[0].item()!r} (ratio != 1)"
+        assert torch.equal(ours[1], exact[1]), f"{order}: the gradient differs from the ratio-1 call's"
+        nudged = _loss_at(pool, fn, impl, order, LOSS_CONFIGS[config], old, nudge=True)
+        assert not torch.equal(nudged[0], exact[0]), "a one-ulp change of the old log-probs went unseen"

@@ -318,21 +318,26 @@ def _signature(fn):
     return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
 
 
+OUR_KEYWORDS = [("batch_invariant", False, inspect.Parameter.KEYWORD_ONLY)]  # our one addition (docs/api.md)
+
+
 def test_signatures_are_liger_s():
-    """Every parameter, its default and its kind (positional order included) as in liger-kernel 0.8.5."""
+    """Every parameter, its default and its kind (positional order included) as in liger-kernel 0.8.5, followed by
+    our keyword-only ``batch_invariant`` (off by default: a Liger call never meets it)."""
     from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
     theirs = liger_grpo.LigerFusedLinearGRPOLoss
     assert ours.LIGER_VERSION == "0.8.5"
-    for mine, ref in ((ours.LigerFusedLinearGRPOLoss.__init__, theirs.__init__),
-                      (ours.LigerFusedLinearGRPOLoss.forward, theirs.forward),
-                      (ours.triton_grpo_loss, triton_grpo_loss),
-                      (ours.fused_selective_log_softmax, fused_selective_log_softmax)):
-        assert _signature(mine) == _signature(ref), mine.__qualname__
+    for mine, ref, added in ((ours.LigerFusedLinearGRPOLoss.__init__, theirs.__init__, OUR_KEYWORDS),
+                             (ours.LigerFusedLinearGRPOLoss.forward, theirs.forward, []),
+                             (ours.triton_grpo_loss, triton_grpo_loss, OUR_KEYWORDS),
+                             (ours.fused_selective_log_softmax, fused_selective_log_softmax, OUR_KEYWORDS)):
+        assert _signature(mine) == _signature(ref) + added, mine.__qualname__
     module = ours.LigerFusedLinearGRPOLoss()
     for name, default in list(inspect.signature(theirs.__init__).parameters.items())[1:]:
         assert getattr(module, name) == default.default, name  # attributes, as Liger stores them
+    assert module.batch_invariant is False and module.config.batch_invariant is False
     assert module.config.beta == 0.04 and module.config.use_bias_correction_kl is False
 
 
