@@ -26,7 +26,8 @@ SMALL = dict(prompts_per_step=4, num_generations=4, eval_size=0, save_steps=0, p
 
 def _trainer(tmp_path, name: str, packing: bool = True, **loss) -> Trainer:
     cfg = TrainConfig(output_dir=str(tmp_path / name), max_steps=2, micro_batch_size=4, num_iterations=2,
-                      warmup_steps=0, packing=packing, loss=GRPOLossConfig(beta=0.02, batch_invariant=True, **loss), **SMALL)
+                      warmup_steps=0, packing=packing,
+                      loss=GRPOLossConfig(beta=0.02, batch_invariant=True, **loss), **SMALL)
     return Trainer(cfg, DistEnv())
 
 
