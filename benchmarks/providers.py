@@ -138,15 +138,17 @@ def _compiled(path, fn):
 
 
 def _ours_builders(impl: str, **overrides):
+    logprob = {k: v for k, v in overrides.items() if k == "batch_invariant"}  # the log-prob calls' one option
     return {
         "linear": lambda c: lambda: gk.fused_linear_grpo_loss(c.hidden, c.weight, c.ids, c.advantages,
                                                               impl=impl, **_cfg_args(c), **overrides)[0],
         "logits": lambda c: lambda: gk.grpo_loss(c.logits, c.ids, c.advantages, impl=impl, **_cfg_args(c),
                                                  **overrides)[0],
-        "logprob": lambda c: lambda: gk.linear_token_logprobs(c.hidden, c.weight, c.ids, impl=impl, mask=c.mask),
+        "logprob": lambda c: lambda: gk.linear_token_logprobs(c.hidden, c.weight, c.ids, impl=impl, mask=c.mask,
+                                                              **logprob),
         # under no_grad: the plain forward sweep (log-probs + entropy), never the gradient-in-forward kernel
         "logits_nograd": lambda c: lambda: gk.token_logprobs(c.logits, c.ids, CONFIG.temperature,
-                                                             return_entropy=True, impl=impl)[0],
+                                                             return_entropy=True, impl=impl, **logprob)[0],
     }
 
 
@@ -300,6 +302,18 @@ OURS = Provider("ours", "ours", _ours_builders("auto"), triton_on_cuda=("linear"
                        "logprob": "impl=auto under no_grad, mask= (valid rows only)",
                        "logits_nograd": "token_logprobs(return_entropy=True) under no_grad: the plain forward "
                                         "sweep (Triton on CUDA, chunked torch on CPU)"})
+OURS_INVARIANT = Provider("ours-batch-invariant", "ours", _ours_builders("auto", batch_invariant=True),
+                         triton_on_cuda=("linear", "logits", "logprob"),
+                         work=WorkDecl("recompute", {"linear": "always", "logprob": "always", "logits": "triton"},
+                                       linear_triton="gemm-in-forward", logits_in_forward="triton",
+                                       exact_logits_traffic="triton", source=_OURS_SRC),
+                         grads_in_forward_on_triton=("linear", "logits"),
+                         only=(("valid", "fwdbwd"), ("valid", "fwd"), ("padded", "fwdbwd"), ("valid", "nograd"),
+                               ("padded", "nograd")),
+                         notes={p: "batch_invariant=True: the same paths with fixed-size row blocks (the last one "
+                                   "zero-padded) and a vocabulary order that does not follow N (docs/numerics.md, "
+                                   "Batch invariance)"
+                                for p in ("linear", "logits", "logprob", "logits_nograd")})
 # Under no_grad the light path is ours (no gradient anywhere): no "logits_nograd" entry.
 OURS_LIGHT = Provider("ours-light", "ours", {k: b for k, b in _ours_builders("triton", grad_in_forward=False).items()
                                             if k != "logits_nograd"}, triton=("linear", "logits"),
@@ -368,7 +382,8 @@ TRL_TRITON = Provider("trl-triton", "peer", {"logits": _trl_triton_logits,
                       notes={"logits": "selective_log_softmax_and_entropy(row_mask=mask) + loss_from_logps",
                              "logits_nograd": "selective_log_softmax_and_entropy(row_mask=mask)"})
 
-PROVIDERS = (OURS, OURS_LIGHT, OURS_ATOMIC, OURS_INTERP, EAGER, COMPILE, LIGER_CHUNKED, LIGER_TRITON, TRL_CHUNKED, TRL_TRITON)
+PROVIDERS = (OURS, OURS_INVARIANT, OURS_LIGHT, OURS_ATOMIC, OURS_INTERP, EAGER, COMPILE, LIGER_CHUNKED, LIGER_TRITON, TRL_CHUNKED,
+             TRL_TRITON)
 
 
 def providers_for(path: str, variant: str, mode: str, s: Settings) -> list[Provider]:

@@ -9,8 +9,9 @@ vocabulary is cut at places that depend on V alone. Every GEMM, every chunk redu
 has the same shape whatever N is, and the same code computes a row at any position of any block (a row's result in
 a GEMM does not depend on its row index within a fixed shape; each reduction is per row).
 
-The block size is a constant per device type (a different size would change which kernels run): 64 rows on CPU
-(the PyTorch tiles), 512 on CUDA (one cuBLAS / Triton configuration per shape; a 512 x V fp32 chunk is 311 MB at V =
+The block size is a constant per device type (a different size would change which kernels run): 256 rows on CPU
+(the PyTorch tiles: smaller blocks cost more than the padding saves; at N = 512, H = 64, V = 8000 the torch head's
+loss step takes 1.78x the default call's time with 64-row blocks, 1.09x with 256, docs/benchmarks.md), 512 on CUDA (one cuBLAS / Triton configuration per shape; a 512 x V fp32 chunk is 311 MB at V =
 151936). Tests set smaller blocks with the ``invariant_rows`` knob so that small batches cross block edges.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from ._testing import knobs
 
-BLOCK_ROWS = {"cpu": 64, "cuda": 512}
+BLOCK_ROWS = {"cpu": 256, "cuda": 512}
 DEFAULT_BLOCK_ROWS = 512  # other device types (meta plans stand for CUDA)
 # The memory-light head path's backward layout (vocabulary chunks per block) is chosen within this fixed room, never
 # the budget, which would move the chunks: 256 MiB holds a 512-row d-logits chunk of 128k fp32 columns.
