@@ -337,7 +337,8 @@ def test_logits_forward_case_is_the_no_grad_pass_for_every_provider(monkeypatch)
                          interpret=False, budget_s=None, warmup_limit_s=60)
     from benchmarks.providers import providers_for
     names = [p.name for p in providers_for("logits", "valid", "nograd", s)]
-    assert names == ["ours", "eager", "compile", "liger-triton", "trl-triton"]  # ours-light is ours under no_grad
+    # ours-light is ours under no_grad; ours-batch-invariant is ours with batch_invariant=True, side by side
+    assert names == ["ours", "ours-batch-invariant", "eager", "compile", "liger-triton", "trl-triton"]
     monkeypatch.setattr(harness, "SETTINGS", s)
     monkeypatch.setattr(harness, "NOT_RUN", [])
     shape = harness.Shape(SHAPE.N, 0, SHAPE.V, SHAPE.T)
