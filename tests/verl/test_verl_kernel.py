@@ -392,3 +392,33 @@ def test_all_negative_logits_against_verls_kernel_cuda():
         assert torch.isfinite(mine[k]).all(), what
         middle = torch.nan_to_num(theirs[k], nan=float("inf"))
         assert_three_way(mine[k], middle, truth[k], torch.bfloat16, f"all-negative {what} (middle term: verl's kernel)")
+
+
+# ------------------------------------------------------------------------------------------- batch invariance
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_batch_invariant_reaches_every_seam_call(how, monkeypatch, knobs):
+    """patch_verl(batch_invariant=True), or GRPO_KERNELS_BATCH_INVARIANT=1 as a verl worker's environment gives it:
+    a sequence's log-probs, entropy and d hidden at verl's seam are bitwise the same alone and packed after others
+    ((1, total_nnz, H), verl's layout); the default leaves them batch-dependent in general (no assertion on that)."""
+    knobs(invariant_rows=8)  # blocks of 8 rows: the packed micro-batch below crosses their edges
+    if how == "environment":
+        monkeypatch.setenv(integration.BATCH_INVARIANT_ENV, "1")
+        integration.patch_verl()
+    else:
+        integration.patch_verl(batch_invariant=True)
+    try:
+        g = torch.Generator().manual_seed(5)
+        weight = torch.randn(61, 16, generator=g) / 2
+        probe, others = torch.randn(1, 7, 16, generator=g), torch.randn(1, 12, 16, generator=g)
+        labels = torch.randint(0, 61, (1, 19), generator=g)
+        results = []
+        for hidden, lab in ((probe, labels[:, 12:]), (torch.cat([others, probe], 1), labels)):
+            x = hidden.clone().requires_grad_(True)
+            logp, ent = ours(x, weight, lab)
+            (logp.sum() + 0.5 * ent.sum()).backward()
+            results.append((logp.reshape(-1)[-7:], ent.reshape(-1)[-7:], x.grad.reshape(-1, 16)[-7:]))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+    finally:
+        integration.patch_verl(batch_invariant=False)
