@@ -27,6 +27,7 @@ import typing
 
 import torch
 
+from ._checks import ROUND_LOGITS
 from .config import IMPORTANCE_SAMPLING_LEVELS, GRPOLossConfig, LogitTransform, TokenExtras
 from .loss_types import LOSS_TYPES
 
@@ -112,9 +113,11 @@ def _decode_from(cls, floats, ints, pos: list):
     return cls(**kwargs), pos
 
 
-options_type(LogitTransform)
+# None first: the option off encodes as 0
+_ROUNDINGS = (None,) + ROUND_LOGITS
+options_type(LogitTransform, choices={"round_logits": _ROUNDINGS})
 options_type(TokenExtras)
-options_type(GRPOLossConfig, choices={"loss_type": LOSS_TYPES,
+options_type(GRPOLossConfig, choices={"loss_type": LOSS_TYPES, "round_logits": _ROUNDINGS,
                                       "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS})
 
 

@@ -198,13 +198,18 @@ def _extra_bytes(call, state_bytes: int = 0) -> int:
 
 # ------------------------------------------------------------------------------------------------- logits inputs
 
-def _with_cap_note(plan: Plan, softcap: float | None) -> Plan:
-    """The plan with a line saying where a soft cap is applied (it changes no path, chunk or byte count)."""
-    if softcap is None:
-        return plan
+def _with_cap_note(plan: Plan, transform) -> Plan:
+    """The plan with a line saying where a soft cap is applied, and one for the rounding of the raw logits (neither
+    changes a path, chunk or byte count)."""
     where = "in the Triton kernels" if plan.impl == "triton" else "in each PyTorch chunk, in place"
-    return replace(plan, notes=plan.notes + (f"soft cap {softcap:g}: c tanh(x / c) before the temperature, "
-                                             f"recomputed in the backward, {where}",))
+    notes = ()
+    if transform.round_logits is not None:
+        notes += (f"round_logits {transform.round_logits}: each raw logit rounded to {transform.round_logits} (to "
+                  f"nearest even) before the cap / temperature, {where}; straight-through in the backward",)
+    if transform.softcap is not None:
+        notes += (f"soft cap {transform.softcap:g}: c tanh(x / c) before the temperature, "
+                  f"recomputed in the backward, {where}",)
+    return replace(plan, notes=plan.notes + notes) if notes else plan
 
 
 def with_sequences_note(plan: Plan, seqs) -> Plan:
@@ -230,7 +235,7 @@ def plan_logits(call: LogitsCall) -> Plan:
         # alone is batch-invariant as it is; the Triton per-token stage's partial sums are not (the reference's
         # sums are the tree sums of sequences.py)
         plan = replace(plan, batch_invariant=True, token_stage=None if plan.token_stage is None else "reference")
-    return _with_cap_note(plan, call.inputs.transform.softcap)
+    return _with_cap_note(plan, call.inputs.transform)
 
 
 def _logits_rows(call: LogitsCall) -> int:
@@ -394,7 +399,7 @@ def plan_head(call: HeadCall) -> Plan:
         plan = plan or _head_light(call, costs, why)
     if call.batch_invariant:
         plan = replace(plan, batch_invariant=True)
-    return _with_cap_note(plan, call.inputs.transform.softcap)
+    return _with_cap_note(plan, call.inputs.transform)
 
 
 def _fixed_rows(call) -> int:

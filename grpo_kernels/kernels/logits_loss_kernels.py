@@ -192,7 +192,7 @@ def grad_in_forward(logits, ids, tokens, h_scale, cfg, transform, kind: int, inp
                N, T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), adv_sb, adv_st, is_sb, is_st,
                1.0 / transform.temperature, float(cfg.epsilon_low), float(cfg.epsilon_high),
                float(cfg.delta or 0.0), float(cfg.beta), float(cfg.sapo_temperature_pos),
-               float(cfg.sapo_temperature_neg), **cap_args(transform.softcap), KIND=kind, HAS_OLD=old is not None,
+               float(cfg.sapo_temperature_neg), **cap_args(transform.softcap, transform.round_logits), KIND=kind, HAS_OLD=old is not None,
                HAS_REF=ref is not None, HAS_IS=isr is not None,
                HAS_DELTA=cfg.delta is not None, USE_BETA=cfg.beta != 0.0,
                BIAS_CORRECTION=cfg.use_bias_correction_kl, HAS_ENTROPY_GRAD=h_scale is not None,
