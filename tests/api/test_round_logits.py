@@ -25,8 +25,8 @@ from grpo_kernels.kernels.common import round_logit  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IMPLS = ["torch", "triton"]
-# (softcap, temperature): neither; both (a cap that bends logits of the scale used, |x| up to ~20)
-TRANSFORMS = {"plain": (None, 1.0), "cap-temp": (12.0, 0.7)}
+# (softcap, temperature): neither; both (a cap that bends logits of the scale used, |x| ~ 10 to 30)
+TRANSFORMS = {"plain": (None, 1.0), "cap-temp": (12.0, 1.7)}
 B, T, V, H = 2, 3, 37, 16
 
 
@@ -43,12 +43,13 @@ def _dyadic(shape, g, bits: int, scale: int):
 
 
 def _head(dtype, seed=0):
-    """hidden (B*T, H) multiples of 2^-3 in [-2, 2], weight multiples of 2^-4 in [-1, 1], bias multiples of 2^-7:
-    each product is a multiple of 2^-7 below 2 in magnitude, so the raw logits (|x| <= 33, 13 bits) are exact in
-    fp32 in any order of summation, and exact in float64."""
+    """hidden (B*T, H) multiples of 2^-5 in [-4, 4] and weight multiples of 2^-6 in [-2, 2] (exact in bf16), bias
+    multiples of 2^-11 in [-1, 1]: each product is a multiple of 2^-11 below 8 in magnitude, so the raw logits
+    (|x| <= 129, 19 bits; ~10 typically, where bf16's ulp is 2^-4 and fp16's 2^-7) are exact in fp32 in any order
+    of summation, and in float64."""
     g = torch.Generator().manual_seed(seed)
-    h, w = _dyadic((B * T, H), g, 3, 2), _dyadic((V, H), g, 4, 1)
-    b = _dyadic((V,), g, 7, 1)
+    h, w = _dyadic((B * T, H), g, 5, 4), _dyadic((V, H), g, 6, 2)
+    b = _dyadic((V,), g, 11, 1)
     return h.to(dtype), w.to(dtype), b.to(dtype), torch.randint(0, V, (B * T,), generator=g), g
 
 
