@@ -88,7 +88,8 @@ class HeadCallArgs:
     @classmethod
     def of(cls, named: dict) -> "HeadCallArgs":
         """From a call's bound arguments (temperature, softcap and round_logits make the transform)."""
-        return cls(LogitTransform(named["temperature"], named["softcap"], named["round_logits"]), named["impl"], named["capturable"],
+        transform = LogitTransform(named["temperature"], named["softcap"], named["round_logits"])
+        return cls(transform, named["impl"], named["capturable"],
                    named["process_group"], named["vocab_start"], named["hidden_grad"], named["extra_outputs"])
 
 
@@ -178,7 +179,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     ops.check_head_compilable(process_group, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
-        args = HeadCallArgs(LogitTransform(temperature, softcap, round_logits), impl, capturable, process_group, vocab_start,
+        transform = LogitTransform(temperature, softcap, round_logits)
+        args = HeadCallArgs(transform, impl, capturable, process_group, vocab_start,
                             hidden_grad, extra_outputs)
         inputs, shard, rows = validate_head_logprobs(hidden, weight, ids, bias, mask, args)
         extras = TokenExtras.of(extra_outputs)

@@ -199,16 +199,14 @@ def _extra_bytes(call, state_bytes: int = 0) -> int:
 # ------------------------------------------------------------------------------------------------- logits inputs
 
 def _with_cap_note(plan: Plan, transform) -> Plan:
-    """The plan with a line saying where a soft cap is applied, and one for the rounding of the raw logits (neither
-    changes a path, chunk or byte count)."""
-    where = "in the Triton kernels" if plan.impl == "triton" else "in each PyTorch chunk, in place"
-    notes = ()
-    if transform.round_logits is not None:
-        notes += (f"round_logits {transform.round_logits}: each raw logit rounded to {transform.round_logits} (to "
-                  f"nearest even) before the cap / temperature, {where}; straight-through in the backward",)
-    if transform.softcap is not None:
-        notes += (f"soft cap {transform.softcap:g}: c tanh(x / c) before the temperature, "
-                  f"recomputed in the backward, {where}",)
+    """The plan with a line each for the rounding of the raw logits and the soft cap, where they are applied (they
+    change no path, chunk or byte count)."""
+    where, r, c = ("in the Triton kernels" if plan.impl == "triton" else "in each PyTorch chunk, in place",
+                   transform.round_logits, transform.softcap)
+    notes = (() if r is None else (f"round_logits {r}: each raw logit rounded to {r} (to nearest even) before the "
+                                   f"cap / temperature, {where}; straight-through in the backward",)) + \
+            (() if c is None else (f"soft cap {c:g}: c tanh(x / c) before the temperature, recomputed in the "
+                                   f"backward, {where}",))
     return replace(plan, notes=plan.notes + notes) if notes else plan
 
 
