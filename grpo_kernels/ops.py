@@ -86,7 +86,11 @@ def encode(obj, floats: list | None = None, ints: list | None = None) -> tuple[l
 
 def decode(cls, floats, ints):
     """The ``cls`` instance that ``encode`` gave (floats, ints) for."""
-    obj, used = _decode_from(cls, floats, ints, [0, 0])
+    try:
+        obj, used = _decode_from(cls, floats, ints, [0, 0])
+    except IndexError:  # too few values (the schema reads past the lists): a ValueError, as for too many
+        raise ValueError(f"{len(floats)} float and {len(ints)} int option values for {cls.__name__}: too few") \
+            from None
     if used != [len(floats), len(ints)]:
         raise ValueError(f"{len(floats)} float and {len(ints)} int option values for {cls.__name__}, which takes "
                          f"{used[0]} and {used[1]}")
