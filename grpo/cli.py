@@ -14,6 +14,7 @@ import dataclasses
 import re
 import typing
 
+from grpo_kernels._checks import ROUND_LOGITS
 from grpo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOLossConfig
 
 from .config import CHOICES, DEFAULT_LOSS, SINGLE_PASS_MAX_NEW_TOKENS, TrainConfig, loss_option_error
@@ -54,6 +55,9 @@ _LOSS_HELP = {
                        "log-probs then equal the loss's, ratio exactly 1 at the first iteration",
     "grad_in_forward": "Triton path: compute the loss gradient during the forward pass when the loss type allows it "
                        "(saves a second sweep over the vocabulary); --no-grad-in-forward forces separate sweeps",
+    "round_logits": "round the raw logits to this dtype (to nearest even) before the soft cap, temperature and "
+                    "softmax, as a sampler (vLLM) does, in the loss and the old / reference log-probs; straight-"
+                    "through in the backward (default: fp32 logits, closer to float64)",
     "memory_budget": "bytes of transient memory the loss may allocate beyond its inputs and returned gradients "
                      "(default: 1 GiB of working memory plus the fast head path's fp32 d-weight accumulator); the "
                      "fastest path that fits runs (docs/memory.md)",
@@ -110,6 +114,8 @@ def _add_loss_arguments(group) -> None:
         help_text = _LOSS_HELP[field.name]  # KeyError: a new GRPOLossConfig field needs its help text here
         if field.name == "loss_type":
             group.add_argument(_flag(field.name), dest=dest, choices=LOSS_TYPES, default=default, help=help_text)
+        elif field.name == "round_logits":
+            group.add_argument(_flag(field.name), dest=dest, choices=ROUND_LOGITS, default=default, help=help_text)
         elif field.name == "importance_sampling_level":
             group.add_argument(_flag(field.name), dest=dest, choices=IMPORTANCE_SAMPLING_LEVELS, default=default,
                                help=help_text)

@@ -141,7 +141,8 @@ class GRPOPolicy(nn.Module):
         hidden, weight, bias = self._hidden_and_head(batch, hidden)
         return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=self.loss_config.temperature,
                                         softcap=self.loss_config.softcap, impl=self.impl, mask=mask,
-                                        batch_invariant=self.loss_config.batch_invariant)
+                                        batch_invariant=self.loss_config.batch_invariant,
+                                        round_logits=self.loss_config.round_logits)
 
 
 def packed_loss(hidden, weight, ids, advantages, cu_seqlens, *, mask, bias, old_logps, ref_logps,

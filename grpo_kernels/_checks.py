@@ -57,6 +57,17 @@ def softcap(value) -> float | None:
     return float(value)
 
 
+ROUND_LOGITS = ("bf16", "fp16")
+
+
+def round_logits(value) -> str | None:
+    """None (fp32 logits) or a dtype name of ``ROUND_LOGITS`` the raw logits are rounded to (docs/numerics.md
+    "Rounding the logits")."""
+    if value is not None and (not isinstance(value, str) or value not in ROUND_LOGITS):
+        raise ValueError(f"round_logits must be None or one of {ROUND_LOGITS}, got {value!r}")
+    return value
+
+
 def host_value_checks() -> bool:
     """Whether the value checks read their verdict on the host (``GRPO_KERNELS_CHECK_VALUES=1``)."""
     return os.environ.get(CHECK_VALUES_ENV, "0") == "1"

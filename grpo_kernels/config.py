@@ -28,16 +28,20 @@ def _finite(name: str, value, *, positive: bool = False, nonneg: bool = False) -
 
 @dataclass(frozen=True)
 class LogitTransform:
-    """What the kernels do to a raw logit x before the softmax: ``z = softcap * tanh(x / softcap) / temperature``
-    (no cap when ``softcap`` is None). Built once per call from the caller's options and carried by the validated
-    inputs (``inputs.LogitsInputs`` / ``HeadInputs``): the one carrier of both values below the entry points."""
+    """What the kernels do to a raw logit x before the softmax: ``z = softcap * tanh(r(x) / softcap) / temperature``
+    (no cap when ``softcap`` is None), ``r`` the rounding of x to ``round_logits`` ("bf16" / "fp16", to nearest
+    even, then read as fp32: the sampler's recipe, docs/numerics.md "Rounding the logits"), or the identity when
+    None. Built once per call from the caller's options and carried by the validated inputs
+    (``inputs.LogitsInputs`` / ``HeadInputs``): the one carrier of these values below the entry points."""
 
     temperature: float = 1.0
     softcap: float | None = None
+    round_logits: str | None = None
 
     def __post_init__(self) -> None:
         _checks.temperature(self.temperature)
         _checks.softcap(self.softcap)
+        _checks.round_logits(self.round_logits)
 
     @property
     def inv_temperature(self) -> float:
@@ -119,6 +123,10 @@ class GRPOLossConfig:
         loss and metrics are sums in a fixed per-sequence order (the same bits padded or packed). Fixed row
         blocks (the last one padded), fixed vocabulary chunks, no split depending on the batch; implies
         ``deterministic``.
+    round_logits: None, or "bf16" / "fp16": round the raw logits (``hidden @ weight.T + bias`` accumulated in fp32,
+        or the given logits) to that dtype, to nearest even, before the soft cap, the temperature and the softmax,
+        as a sampler (vLLM) or TRL's head under autocast does (docs/numerics.md "Rounding the logits"); the
+        backward takes the rounding as the identity. None (default): fp32 logits, closer to float64.
     """
 
     loss_type: str = "dapo"
@@ -146,6 +154,7 @@ class GRPOLossConfig:
     softcap: float | None = None
     capturable: bool = False
     batch_invariant: bool = False
+    round_logits: str | None = None
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -155,6 +164,7 @@ class GRPOLossConfig:
                 f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                 f"got {self.importance_sampling_level!r}"
             )
+        _checks.round_logits(self.round_logits)
         _finite("beta", self.beta, nonneg=True)
         _finite("temperature", self.temperature, positive=True)
         if self.softcap is not None:
@@ -197,8 +207,8 @@ class GRPOLossConfig:
 
     @property
     def transform(self) -> LogitTransform:
-        """The logits transform these options ask for (temperature, soft cap)."""
-        return LogitTransform(self.temperature, self.softcap)
+        """The logits transform these options ask for (temperature, soft cap, rounding)."""
+        return LogitTransform(self.temperature, self.softcap, self.round_logits)
 
     def replace(self, **overrides) -> "GRPOLossConfig":
         return dataclasses.replace(self, **overrides)

@@ -57,8 +57,9 @@ def plan_call(*args, **kwargs):
                                                         cfg, a["impl"], a["process_group"], a["vocab_start"])
         return plan_head_loss(inputs, batch, cfg, rows, shard)
     if fn is token_logprobs:
-        inputs = LogitsInputs.validate(a["logits"], a["ids"], LogitTransform(a["temperature"], a["softcap"]),
-                                       a["impl"], inplace_backward=a["inplace_backward"])
+        transform = LogitTransform(a["temperature"], a["softcap"], a["round_logits"])
+        inputs = LogitsInputs.validate(a["logits"], a["ids"], transform, a["impl"],
+                                       inplace_backward=a["inplace_backward"])
         return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"], a["batch_invariant"])
     inputs, shard, rows = validate_head_logprobs(a["hidden"], a["weight"], a["ids"], a["bias"], a["mask"],
                                                  HeadCallArgs.of(a))

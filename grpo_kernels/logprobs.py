@@ -31,7 +31,7 @@ def _flag(batch_invariant) -> bool:
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
                    impl: str = "auto", inplace_backward: bool = False, memory_budget: int | None = None,
-                   softcap: float | None = None, batch_invariant: bool = False):
+                   softcap: float | None = None, batch_invariant: bool = False, round_logits: str | None = None):
     """Log-probability of ``ids`` under ``softmax(logits / temperature)``, differentiable w.r.t. logits.
 
     logits: (B, T, V) or (N, V), float32 / bfloat16 / float16 (float64 with impl="torch"); position t scores
@@ -46,8 +46,11 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     (Gemma 2's ``final_logit_softcapping``), inside the kernels.
     batch_invariant: each row's log-prob, entropy and d logits are bitwise the same whatever else is in the call
     (docs/numerics.md, "Batch invariance").
+    round_logits: None, or "bf16" / "fp16": round the logits (read as fp32) to that dtype, to nearest even, before
+    the soft cap and the temperature, the sampler's recipe (GRPOLossConfig.round_logits; a no-op for bf16 logits
+    rounded to bf16). The gradient passes through the rounding unchanged (straight-through).
     """
-    inputs = LogitsInputs.validate(logits, ids, LogitTransform(temperature, softcap), impl,
+    inputs = LogitsInputs.validate(logits, ids, LogitTransform(temperature, softcap, round_logits), impl,
                                    inplace_backward=inplace_backward)
     plan = plan_token_logprobs(inputs, bool(inplace_backward), memory_budget, batch_invariant)
     logp, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward)
@@ -84,8 +87,9 @@ class HeadCallArgs:
 
     @classmethod
     def of(cls, named: dict) -> "HeadCallArgs":
-        """From a call's bound arguments (temperature and softcap make the transform)."""
-        return cls(LogitTransform(named["temperature"], named["softcap"]), named["impl"], named["capturable"],
+        """From a call's bound arguments (temperature, softcap and round_logits make the transform)."""
+        transform = LogitTransform(named["temperature"], named["softcap"], named["round_logits"])
+        return cls(transform, named["impl"], named["capturable"],
                    named["process_group"], named["vocab_start"], named["hidden_grad"], named["extra_outputs"])
 
 
@@ -125,7 +129,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
                           deterministic: bool = True, mask: torch.Tensor | None = None, process_group=None,
                           vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None,
                           softcap: float | None = None, capturable: bool = False, hidden_grad: str = "reduced",
-                          extra_outputs: tuple[str, ...] = (), batch_invariant: bool = False):
+                          extra_outputs: tuple[str, ...] = (), batch_invariant: bool = False,
+                          round_logits: str | None = None):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``, or under
     ``softmax(softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature)`` with ``softcap`` (Gemma 2's
     ``final_logit_softcapping``, applied inside the kernels on every path).
@@ -150,6 +155,11 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     the same whatever else is in the call: batch size, position, mask, memory budget (docs/numerics.md, "Batch
     invariance"; d weight sums over rows: deterministic, not invariant). Needs ``deterministic``.
 
+    round_logits: None, or "bf16" / "fp16": round the raw logits ``hidden @ weight.T + bias`` (accumulated in fp32)
+    to that dtype, to nearest even, before the soft cap and the temperature, as a sampler (vLLM) or TRL's head under
+    autocast does (GRPOLossConfig.round_logits, docs/numerics.md "Rounding the logits"); the gradient passes
+    through the rounding unchanged (straight-through).
+
     Vocab-parallel (``process_group``, a torch.distributed group): ``weight`` / ``bias`` are this rank's contiguous
     shard (V_r, H) / (V_r,) of the vocabulary, starting at full-vocabulary id ``vocab_start`` (None: the sum of
     the lower ranks' shard sizes); hidden, ids and mask are the same on every rank and ids lie in the full
@@ -169,7 +179,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     ops.check_head_compilable(process_group, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
-        args = HeadCallArgs(LogitTransform(temperature, softcap), impl, capturable, process_group, vocab_start,
+        transform = LogitTransform(temperature, softcap, round_logits)
+        args = HeadCallArgs(transform, impl, capturable, process_group, vocab_start,
                             hidden_grad, extra_outputs)
         inputs, shard, rows = validate_head_logprobs(hidden, weight, ids, bias, mask, args)
         extras = TokenExtras.of(extra_outputs)

@@ -235,7 +235,7 @@ class FusedLinearGRPOLoss(nn.Module):
                 named["ref_logps"] = linear_token_logprobs(
                     ref_input, named["weight"] if ref_weight is None else ref_weight, named["ids"],
                     bias=named.get("bias") if ref_weight is None else ref_bias, temperature=self.config.temperature,
-                    softcap=self.config.softcap,
+                    softcap=self.config.softcap, round_logits=self.config.round_logits,
                     impl=self.impl, process_group=named.get("process_group"),
                     vocab_start=named.get("vocab_start"),
                     gather_head=named.get("gather_head") if ref_weight is None else None,

@@ -27,6 +27,7 @@ import typing
 
 import torch
 
+from ._checks import ROUND_LOGITS
 from .config import IMPORTANCE_SAMPLING_LEVELS, GRPOLossConfig, LogitTransform, TokenExtras
 from .loss_types import LOSS_TYPES
 
@@ -85,7 +86,11 @@ def encode(obj, floats: list | None = None, ints: list | None = None) -> tuple[l
 
 def decode(cls, floats, ints):
     """The ``cls`` instance that ``encode`` gave (floats, ints) for."""
-    obj, used = _decode_from(cls, floats, ints, [0, 0])
+    try:
+        obj, used = _decode_from(cls, floats, ints, [0, 0])
+    except IndexError:  # too few values (the schema reads past the lists): a ValueError, as for too many
+        raise ValueError(f"{len(floats)} float and {len(ints)} int option values for {cls.__name__}: too few") \
+            from None
     if used != [len(floats), len(ints)]:
         raise ValueError(f"{len(floats)} float and {len(ints)} int option values for {cls.__name__}, which takes "
                          f"{used[0]} and {used[1]}")
@@ -112,9 +117,11 @@ def _decode_from(cls, floats, ints, pos: list):
     return cls(**kwargs), pos
 
 
-options_type(LogitTransform)
+# None first: the option off encodes as 0
+_ROUNDINGS = (None,) + ROUND_LOGITS
+options_type(LogitTransform, choices={"round_logits": _ROUNDINGS})
 options_type(TokenExtras)
-options_type(GRPOLossConfig, choices={"loss_type": LOSS_TYPES,
+options_type(GRPOLossConfig, choices={"loss_type": LOSS_TYPES, "round_logits": _ROUNDINGS,
                                       "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS})
 
 

@@ -198,13 +198,16 @@ def _extra_bytes(call, state_bytes: int = 0) -> int:
 
 # ------------------------------------------------------------------------------------------------- logits inputs
 
-def _with_cap_note(plan: Plan, softcap: float | None) -> Plan:
-    """The plan with a line saying where a soft cap is applied (it changes no path, chunk or byte count)."""
-    if softcap is None:
-        return plan
-    where = "in the Triton kernels" if plan.impl == "triton" else "in each PyTorch chunk, in place"
-    return replace(plan, notes=plan.notes + (f"soft cap {softcap:g}: c tanh(x / c) before the temperature, "
-                                             f"recomputed in the backward, {where}",))
+def _with_cap_note(plan: Plan, transform) -> Plan:
+    """The plan with a line each for the rounding of the raw logits and the soft cap, where they are applied (they
+    change no path, chunk or byte count)."""
+    where, r, c = ("in the Triton kernels" if plan.impl == "triton" else "in each PyTorch chunk, in place",
+                   transform.round_logits, transform.softcap)
+    notes = (() if r is None else (f"round_logits {r}: each raw logit rounded to {r} (to nearest even) before the "
+                                   f"cap / temperature, {where}; straight-through in the backward",)) + \
+            (() if c is None else (f"soft cap {c:g}: c tanh(x / c) before the temperature, recomputed in the "
+                                   f"backward, {where}",))
+    return replace(plan, notes=plan.notes + notes) if notes else plan
 
 
 def with_sequences_note(plan: Plan, seqs) -> Plan:
@@ -230,7 +233,7 @@ def plan_logits(call: LogitsCall) -> Plan:
         # alone is batch-invariant as it is; the Triton per-token stage's partial sums are not (the reference's
         # sums are the tree sums of sequences.py)
         plan = replace(plan, batch_invariant=True, token_stage=None if plan.token_stage is None else "reference")
-    return _with_cap_note(plan, call.inputs.transform.softcap)
+    return _with_cap_note(plan, call.inputs.transform)
 
 
 def _logits_rows(call: LogitsCall) -> int:
@@ -394,7 +397,7 @@ def plan_head(call: HeadCall) -> Plan:
         plan = plan or _head_light(call, costs, why)
     if call.batch_invariant:
         plan = replace(plan, batch_invariant=True)
-    return _with_cap_note(plan, call.inputs.transform.softcap)
+    return _with_cap_note(plan, call.inputs.transform)
 
 
 def _fixed_rows(call) -> int:

@@ -18,6 +18,31 @@ from .sequences import Sequences
 _LOG_1E_8 = math.log(1e-8)
 
 
+# The dtypes ``round_logits`` names (config.GRPOLossConfig.round_logits)
+ROUND_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _StraightThrough(torch.autograd.Function):
+    """x rounded to ``dtype`` and back, with the identity as its derivative (autograd's own pair of casts would round
+    the gradient to ``dtype`` too)."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def round_logits(x: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """The sampler's recipe: the raw logits x rounded to nearest-even to ``dtype`` ("bf16" / "fp16") and read back
+    in x's dtype (x itself for None), before the soft cap and the temperature (docs/numerics.md "Rounding the
+    logits"). NaN and +-inf stay; a value past the dtype's largest becomes +-inf. Its derivative is taken as 1
+    (straight-through): d loss / d x = d loss / d rounded x, unrounded."""
+    return x if dtype is None else _StraightThrough.apply(x, ROUND_DTYPES[dtype])
+
+
 def soft_cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """The soft cap of the logits, ``softcap * tanh(x / softcap)`` (x itself when softcap is None), applied before
     the temperature as in transformers' Gemma 2 (``final_logit_softcapping``). Its derivative is
@@ -34,14 +59,14 @@ def soft_cap_derivative(capped: torch.Tensor, softcap: float | None):
 
 
 def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                         softcap: float | None = None):
-    """Full-logits log-softmax, gather and entropy of ``z = soft_cap(logits, softcap) / temperature``; fp32 out
-    (float64 for float64 logits).
+                         softcap: float | None = None, rounding: str | None = None):
+    """Full-logits log-softmax, gather and entropy of ``z = soft_cap(round_logits(logits, rounding), softcap) /
+    temperature``; fp32 out (float64 for float64 logits).
 
     logits (..., V), ids (...) -> logp (...), entropy (...). Materializes the whole softmax: reference only.
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    z = soft_cap(logits.to(dtype), softcap) / temperature
+    z = soft_cap(round_logits(logits.to(dtype), rounding), softcap) / temperature
     logz = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1) - logz
     p = torch.softmax(z, dim=-1)
@@ -50,8 +75,10 @@ def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: f
     return logp, entropy
 
 
-def token_extras(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, softcap: float | None = None):
-    """The per-token statistics ``config.EXTRA_OUTPUTS`` of ``z = soft_cap(logits, softcap) / temperature``, as
+def token_extras(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, softcap: float | None = None,
+                 rounding: str | None = None):
+    """The per-token statistics ``config.EXTRA_OUTPUTS`` of ``z = soft_cap(logits, softcap) / temperature`` (the
+    logits first rounded as ``round_logits(logits, rounding)``), as
     TRL 1.16's ``ChunkedLogProbFunction`` defines them: (log_sum_sq_probs, mean_logits, is_top1), each shaped like
     ids; the first two fp32 (float64 for float64 logits), is_top1 bool. Not differentiable.
 
@@ -63,7 +90,7 @@ def token_extras(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     with torch.no_grad():
-        z = soft_cap(logits.to(dtype), softcap) / temperature
+        z = soft_cap(round_logits(logits.to(dtype), rounding), softcap) / temperature
         lse = torch.logsumexp(z, dim=-1)
         log_sum_sq = torch.logsumexp(2 * z, dim=-1) - 2 * lse
         mean = z.mean(dim=-1)
@@ -420,7 +447,7 @@ def reference_grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_
     """Full-logits eager GRPO loss (the ground truth of the tests): logits (B, T, V), or (N, V) packed with
     ``cu_seqlens`` -> (loss, metrics)."""
     cfg = config or GRPOLossConfig()
-    logps, entropy = logprobs_and_entropy(logits, ids, cfg.temperature, cfg.softcap)
+    logps, entropy = logprobs_and_entropy(logits, ids, cfg.temperature, cfg.softcap, cfg.round_logits)
     return loss_from_logps(logps, advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
                            is_ratio=is_ratio, entropy=entropy, num_items_in_batch=num_items_in_batch,
                            sampling_logps=sampling_logps, config=cfg, cu_seqlens=cu_seqlens)

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import torch
 
+from .reference import ROUND_DTYPES
+
 # Why clamp -inf logits before multiplying by a probability: p = 0 there, and 0 * -1e30 = 0 where 0 * -inf is NaN.
 # Finite after a multiplication by any per-token scale below 1e8.
 NEG_BIG = -1e30
+
+
+def round_(z: torch.Tensor, rounding: str | None) -> torch.Tensor:
+    """``z`` overwritten with its values rounded to ``rounding`` (bf16 / fp16) and back (``reference.round_logits``;
+    one half-size temporary); unchanged for None. The chunk's d logits are then those of the rounded logits, passed
+    to the raw ones unchanged (straight-through)."""
+    return z if rounding is None else z.copy_(z.to(ROUND_DTYPES[rounding]))
 
 
 def soft_cap_(z: torch.Tensor, softcap: float | None) -> torch.Tensor:

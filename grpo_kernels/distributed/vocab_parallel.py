@@ -46,7 +46,7 @@ from ..head.light import head_token_logprobs
 from ..head.torch_tiles import accumulation_dtype
 from ..inputs import HeadInputs, ValidRows
 from ..invariance import block_rows, padded
-from ..reference import soft_cap, soft_cap_derivative
+from ..reference import round_logits, soft_cap, soft_cap_derivative
 
 # Rows per chunk of the target-logit gather (bounds its fp32 scratch to TARGET_CHUNK_ROWS x H).
 TARGET_CHUNK_ROWS = 4096
@@ -145,7 +145,8 @@ class _TargetLogit(torch.autograd.Function):
             z[r0:r1] = rows.sum(-1)[: r1 - r0]
         if bias is not None:
             z += bias.index_select(0, local_ids).to(acc)
-        z = soft_cap(z, transform.softcap)
+        # the rounding (round_logits) is straight-through: the backward below passes d z through it unchanged
+        z = soft_cap(round_logits(z, transform.round_logits), transform.softcap)
         # the cap's derivative at the target, (N,): the backward's only extra state
         ctx.cap_grad = soft_cap_derivative(z, transform.softcap)
         z /= transform.temperature
@@ -221,7 +222,8 @@ def add_rows_by_id(out, ids, values, scratch_at: int) -> None:
 
 # The table's fields: first those computed on the device (from ids and mask), then the host's own numbers.
 _DEVICE_FIELDS = ("n_valid", "id_min", "id_max", "ids_sum", "mask_sum")
-_FIELDS = _DEVICE_FIELDS + ("ok", "size", "start", "n", "h", "bias", "temperature", "softcap", "hidden_grad",
+_FIELDS = _DEVICE_FIELDS + ("ok", "size", "start", "n", "h", "bias", "temperature", "softcap", "round_logits",
+                            "hidden_grad",
                             "partial_hidden_grad", "msg_len")
 
 
@@ -265,6 +267,7 @@ def _local_row(inputs: HeadInputs | None, mask, vocab_start, message: str | None
             "n": ids.numel(), "h": inputs.hidden.shape[-1], "bias": int(inputs.bias is not None),
             "temperature": _to_bits(inputs.transform.temperature),
             "softcap": _to_bits(inputs.transform.softcap or 0.0),
+            "round_logits": (None, "bf16", "fp16").index(inputs.transform.round_logits),
             "hidden_grad": int(torch.is_grad_enabled() and inputs.hidden.requires_grad),
             "partial_hidden_grad": int(partial_hidden_grad), "msg_len": 0}
     host_part = torch.tensor([host[f] for f in _FIELDS[len(_DEVICE_FIELDS):]] + text, dtype=torch.int64,
@@ -295,7 +298,7 @@ def _verdict(table: list[list[int]], world: int) -> tuple[list[int], int, str | 
                         ("n_valid", "the number of valid tokens in mask"), ("mask_sum", "mask"),
                         ("bias", "whether a bias is given (1) or not (0)"),
                         ("temperature", "temperature"),
-                        ("softcap", "softcap"),
+                        ("softcap", "softcap"), ("round_logits", 'round_logits (None: 0, "bf16": 1, "fp16": 2)'),
                         ("hidden_grad", "whether hidden requires grad (1) or not (0): its backward all-reduces"),
                         ("partial_hidden_grad", 'hidden_grad ("reduced": 0, "partial": 1)')):
         error = same(field, what)

@@ -70,10 +70,11 @@ def light_forward(hidden, weight, bias, ids, o: LightOptions):
             out = head_logprobs_chunked(hidden, weight, bias, ids, t.temperature, o.chunk_rows * 4 * weight.shape[0],
                                         softcap=t.softcap, extras=extras,
                                         fixed_rows=(o.chunk_rows or block_rows(hidden.device)) if o.batch_invariant
-                                        else 0)
+                                        else 0, round_logits=t.round_logits)
         elif o.path == HEAD_LIGHT:
             from ..kernels.linear_forward_kernels import linear_logprobs_forward
-            out = linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap, extras=extras)
+            out = linear_logprobs_forward(hidden, weight, bias, ids, t.temperature, softcap=t.softcap, extras=extras,
+                                          round_logits=t.round_logits)
         else:
             out = torch_linear_logprobs_forward(hidden, weight, bias, ids, t, o.chunk_rows, extras,
                                                 fixed_rows=o.batch_invariant)

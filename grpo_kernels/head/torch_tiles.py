@@ -15,7 +15,7 @@ import torch
 
 from ..config import TokenExtras
 from ..invariance import padded
-from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
+from ..torch_chunks import NEG_BIG, dlogits_, round_, soft_cap_
 
 # Vocab columns per tile (the tile's row count follows from the memory budget, ``planner.plan_head``).
 TORCH_HEAD_TILE_VOCAB = 4096
@@ -68,7 +68,8 @@ def torch_linear_logprobs_forward(hidden, weight, bias, ids, transform, tile_row
         extra = _TileExtras(tgt, acc, extras) if extras else None
         for v0 in range(0, V, TORCH_HEAD_TILE_VOCAB):
             v1 = min(v0 + TORCH_HEAD_TILE_VOCAB, V)
-            z = soft_cap_(_tile_raw_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, acc), softcap)
+            z = soft_cap_(round_(_tile_raw_logits(h, _weight_tile(weight, v0, v1, acc), bias, v0, v1, acc),
+                                 transform.round_logits), softcap)
             z.mul_(inv_t)
             # online logsumexp; `a` carries sum exp(z - m) (z - m) for the entropy, relative to the running max so
             # that H = log s - a / s never subtracts two large numbers (low temperatures)
@@ -191,8 +192,8 @@ def torch_linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, 
             w_tile = _weight_tile(weight, v0, v1, acc)
             inside = ((tgt >= v0) & (tgt < v1)).unsqueeze(-1)
             local = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
-            dz = dlogits_(_tile_raw_logits(h, w_tile, bias, v0, v1, acc), row_lse, row_h, g, g_h, inv_t, softcap,
-                          local, inside)
+            raw = round_(_tile_raw_logits(h, w_tile, bias, v0, v1, acc), transform.round_logits)
+            dz = dlogits_(raw, row_lse, row_h, g, g_h, inv_t, softcap, local, inside)
             if need_hidden:
                 dh_rows.addmm_(dz, w_tile)
             if need_weight:

@@ -103,7 +103,21 @@ _TRAINER_MODULES = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer", "trl
 
 # (module, attribute) -> original value, filled by patch_trl and emptied by unpatch_trl.
 _ORIGINALS: dict = {}
-_STATE = {"strict": False, "warned": set(), "batch_invariant": False}
+_STATE = {"strict": False, "warned": set(), "batch_invariant": False, "round_logits": None}
+# patch_trl's round_logits values: a dtype name (GRPOLossConfig.round_logits), or "autocast"
+TRL_ROUNDINGS = (None, "bf16", "fp16", "autocast")
+_AUTOCAST_ROUNDING = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def rounding_for(device_type: str, option: str | None) -> str | None:
+    """The ``round_logits`` a call on ``device_type`` gets from patch_trl's option: "autocast" is the autocast
+    dtype when torch autocast is enabled there at call time (bf16 / fp16, as TRL's head then rounds its logits to
+    it), else None; any other value is itself."""
+    if option != "autocast":
+        return option
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return _AUTOCAST_ROUNDING.get(torch.get_autocast_dtype(device_type))
 
 
 def _trl_version() -> str:
@@ -180,6 +194,7 @@ class TRLLogProbFunction:
         kernel_temperature, kernel_softcap = fold_logit_scale(temperature, logit_scale, final_logit_softcapping)
         out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=kernel_temperature,
                                        batch_invariant=_STATE["batch_invariant"],
+                                       round_logits=rounding_for(hidden.device.type, _STATE["round_logits"]),
                                        softcap=kernel_softcap, return_entropy=want_entropy,
                                        gather_head=_zero3_gather(*head_params), extra_outputs=extras)
         if extras:
@@ -288,6 +303,7 @@ class TRLPatchReport:
     routes: tuple[Route, ...]
     newly_patched: bool
     batch_invariant: bool = False
+    round_logits: str | None = None
 
     @property
     def kernel_calls(self) -> tuple[Route, ...]:
@@ -300,7 +316,8 @@ class TRLPatchReport:
     def __str__(self) -> str:
         head = (f"grpo_kernels.patch_trl: TRL {self.trl_version} "
                 f"{'patched' if self.newly_patched else 'already patched'} (strict={self.strict}"
-                + (", batch_invariant=True" if self.batch_invariant else "") + "); swapped: "
+                + (", batch_invariant=True" if self.batch_invariant else "")
+                + (f", round_logits={self.round_logits!r}" if self.round_logits is not None else "") + "); swapped: "
                 + ", ".join(self.patched))
         w1 = max(len("calls"), *(len(r.calls) for r in self.routes))
         w2 = max(len("runs on"), *(len(r.runs_on) for r in self.routes))
@@ -343,7 +360,7 @@ def _routes(strict: bool) -> tuple[Route, ...]:
     )
 
 
-def patch_trl(strict: bool = False, batch_invariant: bool = False) -> TRLPatchReport:
+def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits: str | None = None) -> TRLPatchReport:
     """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``.
 
     Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
@@ -353,6 +370,11 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False) -> TRLPatchRe
     batch_invariant: every call TRL makes through the seam is batch-invariant (``linear_token_logprobs(...,
         batch_invariant=True)``: a sequence's log-probs, entropies, extra outputs and d hidden are bitwise the same in
         any batch, docs/numerics.md "Batch invariance").
+    round_logits: None (default: fp32 logits), "bf16" / "fp16" (every call rounds the raw logits to that dtype
+        before the soft cap / temperature, ``linear_token_logprobs(..., round_logits=)``), or "autocast": round to
+        the autocast dtype when torch autocast is enabled at call time (a trainer with ``bf16=True``), else not, so
+        the log-probs are those of TRL's own head, which computes its logits in the autocast dtype (docs/numerics.md
+        "Rounding the logits").
     Returns a ``TRLPatchReport`` (printable table of what was patched and what runs where) and logs one INFO line
     on the ``grpo_kernels`` logger.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.
@@ -361,6 +383,8 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False) -> TRLPatchRe
         raise ValueError(f"strict must be a bool, got {strict!r}")
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+    if round_logits not in TRL_ROUNDINGS:
+        raise ValueError(f"round_logits must be one of {TRL_ROUNDINGS}, got {round_logits!r}")
     try:
         version = _trl_version()
     except ImportError as exc:
@@ -369,7 +393,7 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False) -> TRLPatchRe
         raise RuntimeError(f"grpo_kernels.patch_trl supports TRL {', '.join(s + '.x' for s in SUPPORTED_TRL_VERSIONS)}"
                            f", found TRL {version}; nothing was patched")
     targets = _targets()  # resolve everything before changing anything
-    _STATE["strict"], _STATE["batch_invariant"] = strict, batch_invariant
+    _STATE["strict"], _STATE["batch_invariant"], _STATE["round_logits"] = strict, batch_invariant, round_logits
     newly = not _ORIGINALS
     if newly:
         for module, name, replacement in targets:
@@ -377,7 +401,8 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False) -> TRLPatchRe
             setattr(module, name, replacement)
     report = TRLPatchReport(trl_version=version, strict=strict,
                             patched=tuple(f"{module.__name__}.{name}" for module, name, _ in targets),
-                            routes=_routes(strict), newly_patched=newly, batch_invariant=batch_invariant)
+                            routes=_routes(strict), newly_patched=newly, batch_invariant=batch_invariant,
+                            round_logits=round_logits)
     fallbacks = "; ".join(r.calls for r in report.fallbacks)
     logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s, batch_invariant=%s): policy (GRPO, RLOO, SFT, DPO, KTO), reference and "
                 "padding-free log-probs run on grpo_kernels [%s]; TRL's own kernel for: %s", version,
@@ -393,6 +418,7 @@ def unpatch_trl() -> None:
         setattr(sys.modules[module_name], name, original)
     _ORIGINALS.clear()
     _STATE["strict"] = _STATE["batch_invariant"] = False
+    _STATE["round_logits"] = None
     _STATE["warned"].clear()
 
 

@@ -7,6 +7,8 @@ arguments, tensor layouts) are in ``host.py``.
   logsumexp (the row maximum contributes 1 to the sum).
 - ``soft_cap`` / ``soft_cap_grad``: the logit soft cap ``c tanh(x / c)`` and its derivative, the one Triton
   definition (``reference.soft_cap`` is the PyTorch one); a constexpr flag compiles them away when off.
+  ``soft_cap`` first rounds the raw fp32 logit to bf16 / fp16 when the flag says so (``round_logit``, the
+  sampler's recipe, docs/numerics.md "Rounding the logits"); the backward takes the rounding as the identity.
 - ``lane_fold`` / ``lanes_to_row``: the online logsumexp + entropy statistics in base-2 units, kept per lane
   (one running max, sum and entropy sum per row of a ``(lanes, k)`` tile, all inside one thread) and combined
   across lanes once per row. Used by the logits sweeps, the head epilogue and the fused-linear forward's tiles.
@@ -49,15 +51,47 @@ def rcp(x):
         return 1.0 / x
 
 
+# The SOFTCAP constexpr every kernel takes is the logits transform's switch (``host.cap_args``): False / True (cap off /
+# on) when the raw logits are not rounded, the same kernels as without the rounding option; with it an int, CAP_ON |
+# ROUND_BF16 or CAP_ON | ROUND_FP16 (bits 1, 2, 4). Why one constexpr and not two: every kernel and helper already
+# carries it to each place a raw logit is transformed, so the rounding reaches them all with no signature changed.
+# Why the bits are literals in the tests below: the interpreter passes SOFTCAP as a plain bool, which cannot be
+# combined with a tl.constexpr global.
+# Why by hand under the interpreter: its fp32 -> bf16 cast truncates (docs/DESIGN.md section 6, ``to_input_dtype``);
+# compiled code casts with cvt.rn.
+ROUND_BY_HAND = tl.constexpr(interpreting())
+
+
+@triton.jit
+def round_logit(x, SOFTCAP: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even to bf16 / fp16 and back (x itself, no instruction, unless SOFTCAP says so).
+    NaN stays NaN, +-inf stays +-inf, a value past the format's largest rounds to +-inf, as a real cast does."""
+    if SOFTCAP & 2:  # ROUND_BF16
+        if ROUND_BY_HAND:
+            # Why the select: adding the rounding bias to a NaN's bits can carry into an inf (or wrap to 0).
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        else:
+            return x.to(tl.bfloat16).to(tl.float32)
+    elif SOFTCAP & 4:  # ROUND_FP16
+        # numpy's (the interpreter's) fp32 -> fp16 cast rounds to nearest-even, as cvt.rn does.
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
 @triton.jit
 def soft_cap(x, softcap, SOFTCAP: tl.constexpr):
-    """The soft cap of fp32 logits, ``softcap * tanh(x / softcap)`` (x itself when SOFTCAP is off: no instruction).
+    """The soft cap of fp32 logits, ``softcap * tanh(x / softcap)`` (x itself when SOFTCAP is off: no instruction),
+    of x first rounded to bf16 / fp16 when SOFTCAP says so (``round_logit``).
 
     Why ``c - 2c / (2^(2 x log2(e) / c) + 1)``: one MUFU.EX2, one MUFU.RCP and three FMA-class instructions per
     element, exact at both ends (x = +inf gives c, x = -inf gives -c, as torch's tanh) and NaN for NaN; its absolute
     error near 0 is ~c 2^-22, far below what a bf16 logit carries. The caller keeps masked-out entries at -inf
     after the cap where a sweep needs them there (they would otherwise be -c)."""
-    if SOFTCAP:
+    x = round_logit(x, SOFTCAP)
+    if SOFTCAP & 1:  # CAP_ON
         e = exp2(x * ((2.0 * LOG2E) / softcap))
         return softcap - (2.0 * softcap) * rcp(e + 1.0)
     else:
@@ -67,8 +101,9 @@ def soft_cap(x, softcap, SOFTCAP: tl.constexpr):
 @triton.jit
 def soft_cap_grad(dz, capped, softcap, SOFTCAP: tl.constexpr):
     """d loss / d raw logit from d loss / d capped logit: ``dz (1 - (capped / softcap)^2)`` (dz when SOFTCAP is
-    off). Two instructions per element; the capped value is recomputed by ``soft_cap``, never stored."""
-    if SOFTCAP:
+    off). Two instructions per element; the capped value is recomputed by ``soft_cap``, never stored. The rounding
+    of ``soft_cap`` has derivative 1 here (straight-through, as autograd's cast): d raw logit = d rounded logit."""
+    if SOFTCAP & 1:  # CAP_ON
         t = capped * (1.0 / softcap)
         return dz * (1.0 - t * t)
     else:

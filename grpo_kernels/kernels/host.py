@@ -100,10 +100,17 @@ def num_sms(device: torch.device) -> int:
 # ---------------------------------------------------------------------------------------------- launch arguments
 
 
-def cap_args(softcap: float | None) -> dict:
+ROUND_CODES = {"bf16": 2, "fp16": 4}  # the SOFTCAP bits of common.round_logit (CAP_ON is 1)
+
+
+def cap_args(softcap: float | None, round_logits: str | None = None) -> dict:
     """The soft cap as every kernel takes it: a runtime fp32 ``softcap`` (a new cap does not recompile; 1.0, never
-    read, when off) and the ``SOFTCAP`` constexpr that compiles the cap in (``soft_cap`` / ``soft_cap_grad``)."""
-    return dict(softcap=1.0 if softcap is None else float(softcap), SOFTCAP=softcap is not None)
+    read, when off) and the ``SOFTCAP`` constexpr that compiles the cap in (``soft_cap`` / ``soft_cap_grad``): a bool
+    without ``round_logits`` (the kernels are those of before the option), else the int CAP_ON | ROUND_* (bits 1 | 2
+    or 4, ``common``) that also rounds each raw logit to bf16 / fp16 before the cap (``common.round_logit``)."""
+    on = softcap is not None
+    flag = on if round_logits is None else int(on) | ROUND_CODES[round_logits]
+    return dict(softcap=1.0 if softcap is None else float(softcap), SOFTCAP=flag)
 
 
 # ---------------------------------------------------------------------------------------------- layouts

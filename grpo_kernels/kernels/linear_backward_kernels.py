@@ -163,7 +163,8 @@ def linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs:
                 torch.zeros_like(bias) if need_bias else None)
     common = dict(hidden=hidden, weight=weight, bias=bias, ids=ids, lse=lse, entropy=entropy if has_ent else lse,
                   grad_logp=grad_logp, grad_entropy=grad_entropy if has_ent else grad_logp,
-                  inv_temperature=1.0 / temperature, has_ent=has_ent, softcap=softcap)
+                  inv_temperature=1.0 / temperature, has_ent=has_ent, softcap=softcap,
+                  round_logits=transform.round_logits)
     if deterministic:
         if chunk_bytes is None:
             chunk_bytes = int(DETERMINISTIC_CHUNK_FRACTION * 4 * N * V)
@@ -184,7 +185,7 @@ def linear_logprobs_backward(hidden, weight, bias, ids, stats, transform, needs:
         HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent, NEED_H=need_hidden, NEED_W=need_weight,
         NEED_B=need_bias, BLOCK_M=tile.block_m, BLOCK_V=tile.block_v, BLOCK_K=tile.block_k, GROUP_M=tiles.GROUP_M,
         DOT_FP32=dot_fp32,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(softcap))
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(softcap, transform.round_logits))
     return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype))
 
@@ -322,7 +323,8 @@ def _backward_chunked(c: dict, N: int, V: int, H: int, chunk_bytes: int, d_hidde
             logits_f32(hidden, weight[v0:v1], z)
             dl = half_view(z, dtype)
             dlogits_chunk(z, dl, bias, c["ids"], c["lse"], c["entropy"], c["grad_logp"],
-                          c["grad_entropy"] if c["has_ent"] else None, v0, c["inv_temperature"], softcap=c["softcap"])
+                          c["grad_entropy"] if c["has_ent"] else None, v0, c["inv_temperature"], softcap=c["softcap"],
+                          round_logits=c["round_logits"])
         else:
             dl = buf[:, : v1 - v0]
             dlogits_tiles(c, buf, tile, dot_fp32, N, V, H, v0, v1)
@@ -356,7 +358,7 @@ def dlogits_tiles(c: dict, buf, tile, dot_fp32: int, N: int, V: int, H: int, v0:
            c["grad_entropy"], buf, N, V, H, hidden.stride(0), weight.stride(0), buf.stride(0), c["inv_temperature"],
            n_m, n_v, v0, v1, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=c["has_ent"], BLOCK_M=tile.block_m,
            BLOCK_V=tile.block_v, BLOCK_K=tile.block_k, GROUP_M=tiles.GROUP_M, DOT_FP32=dot_fp32,
-           num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(c["softcap"]))
+           num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(c["softcap"], c["round_logits"]))
 
 
 def dlogits_by_gemm(dtype: torch.dtype, device: torch.device) -> bool:

@@ -264,9 +264,11 @@ def chunk_rows(budget_bytes: int, V: int, N: int) -> int:
 
 
 def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float,
-               softcap: float | None = None, extras: tuple = (None, None, None)) -> None:
+               softcap: float | None = None, extras: tuple = (None, None, None),
+               round_logits: str | None = None) -> None:
     """logp / lse / entropy of tokens row0 .. row0 + len(z) from their fp32 raw logits rows z (R, V), of
-    z = soft_cap(x + bias) / temperature (no cap when softcap is None); extras: the (N,) outputs (log_sum_sq_probs
+    z = soft_cap(x + bias) / temperature (no cap when softcap is None; x + bias rounded to ``round_logits`` first
+    when given); extras: the (N,) outputs (log_sum_sq_probs
     fp32, mean_logits fp32, is_top1 bool) to fill too, None for one not wanted."""
     R, V = z.shape
     if R == 0:
@@ -274,7 +276,7 @@ def fold_chunk(z, bias, ids, logp, lse, ent, row0: int, temperature: float,
     sq, mean, top1 = (lse if t is None else t for t in extras)  # an unused pointer: any tensor
     launch(head_fold_kernel, (R,), z, z if bias is None else bias, ids, logp, lse, ent, row0, V, z.stride(0),
            1.0 / temperature, HAS_BIAS=bias is not None, BLOCK=_row_block(), num_warps=ROW_WARPS,
-           **cap_args(softcap), **_extras_args(sq, mean, top1, extras))
+           **cap_args(softcap, round_logits), **_extras_args(sq, mean, top1, extras))
 
 
 def _extras_args(sq, mean, top1, extras: tuple) -> dict:
@@ -284,10 +286,11 @@ def _extras_args(sq, mean, top1, extras: tuple) -> dict:
 
 
 def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: int, inv_temperature: float,
-                  softcap: float | None = None) -> None:
+                  softcap: float | None = None, round_logits: str | None = None) -> None:
     """d logits of vocab columns v0 .. v0 + Vc for every token from their fp32 raw logits z (N, Vc), into ``out``
     (N, Vc) in the input dtype (``half_view(z)`` to write in place). grad_entropy None: no entropy term. softcap:
-    lse / entropy are those of the capped logits, and d logits is taken through the cap (its derivative included)."""
+    lse / entropy are those of the capped logits, and d logits is taken through the cap (its derivative included).
+    round_logits: the forward's; its rounding passes d logits through unchanged (straight-through)."""
     N, Vc = z.shape
     if N == 0:
         return
@@ -296,12 +299,14 @@ def dlogits_chunk(z, out, bias, ids, lse, entropy, grad_logp, grad_entropy, v0: 
            entropy if has_ent else lse, grad_logp, grad_entropy if has_ent else lse, v0, Vc, z.stride(0),
            out.stride(0), inv_temperature, HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent,
            ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS,
-           **cap_args(softcap))
+           **cap_args(softcap, round_logits))
 
 
 def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_bytes: int | None = None,
-                          softcap: float | None = None, extras=None, fixed_rows: int = 0):
-    """(logp, lse, entropy), fp32 (N,) of z = soft_cap(hidden @ weight.T + bias) / temperature: per row chunk,
+                          softcap: float | None = None, extras=None, fixed_rows: int = 0,
+                          round_logits: str | None = None):
+    """(logp, lse, entropy), fp32 (N,) of z = soft_cap(hidden @ weight.T + bias) / temperature (the raw logits
+    rounded to ``round_logits`` first when given): per row chunk,
     cuBLAS logits (fp32) + the fold kernel; no gradient work. With ``extras`` (a truthy ``config.TokenExtras``) a
     fourth item, ``extra_outputs``' tuple filled by the same fold. ``fixed_rows`` (batch invariance): chunks of
     exactly that many rows, the last GEMM on a zero-padded block (``invariance.padded``), folded for its real rows.
@@ -317,7 +322,7 @@ def head_logprobs_chunked(hidden, weight, bias, ids, temperature: float, chunk_b
         r1 = min(N, r0 + R)
         z = buf if fixed_rows else buf[: r1 - r0]
         logits_f32(padded(hidden, r0, r1, R) if fixed_rows else hidden[r0:r1], weight, z)
-        fold_chunk(z[: r1 - r0], bias, ids, logp, lse, ent, r0, temperature, softcap, more)
+        fold_chunk(z[: r1 - r0], bias, ids, logp, lse, ent, r0, temperature, softcap, more, round_logits)
     return (logp, lse, ent, more) if extras else (logp, lse, ent)
 
 
@@ -372,7 +377,7 @@ def head_loss_and_grads(hidden, weight, bias, ids, tokens, cfg, transform, kind:
                HAS_ENTROPY_GRAD=ge is not None, WRITE_GRAD=write_grad,
                ROUND_BY_HAND=interpreting() and target_arch() is None, BLOCK=_row_block(), num_warps=ROW_WARPS,
                **({"maxnreg": LOSS_GRAD_MAXNREG[dtype]} if dtype in LOSS_GRAD_MAXNREG else {}),
-               **cap_args(transform.softcap))
+               **cap_args(transform.softcap, transform.round_logits))
         if write_grad:
             chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0, r1)
     return logp, ent, terms, d_hidden, dw32, db32
@@ -430,11 +435,12 @@ def head_sequence_grads(hidden, weight, bias, ids, bounds, token_grads, transfor
             continue
         z, dz, h = buf[: r1 - r0], dbuf[: r1 - r0], hidden[r0:r1]
         logits_f32(h, weight, z)
-        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap)
+        fold_chunk(z, bias, ids, logp, lse, ent, r0, temperature, softcap, round_logits=transform.round_logits)
         g, g_h = token_grads(r0, r1, logp[r0:r1], lse[r0:r1], ent[r0:r1])
         if write_grad:
             dlogits_chunk(z, dz, bias, grad_ids[r0:r1], lse[r0:r1], ent[r0:r1], g.contiguous(),
-                          None if g_h is None else g_h.contiguous(), 0, 1.0 / temperature, softcap=softcap)
+                          None if g_h is None else g_h.contiguous(), 0, 1.0 / temperature, softcap=softcap,
+                          round_logits=transform.round_logits)
             chunk_gradients(dz, h, weight, d_hidden, dw32, db32, r0)
     return logp, ent, d_hidden, dw32, db32
 

@@ -171,9 +171,11 @@ def forward_partial_bytes(N: int, V: int, dtype: torch.dtype, device: torch.devi
 
 
 def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor,
-                            temperature: float, softcap: float | None = None, extras=None):
+                            temperature: float, softcap: float | None = None, extras=None,
+                            round_logits: str | None = None):
     """(logp, lse, entropy), each fp32 (N,), of z = soft_cap(hidden @ weight.T + bias) / temperature at ``ids``
-    (``softcap * tanh(x / softcap)``; no cap when softcap is None). With ``extras`` (a truthy
+    (``softcap * tanh(x / softcap)``; no cap when softcap is None; the fp32 raw logits rounded to ``round_logits``
+    first when given). With ``extras`` (a truthy
     ``config.TokenExtras``), a fourth item (log_sum_sq_probs fp32 | None, mean_logits fp32 | None, is_top1 bool |
     None), (N,) each, from the same sweep.
 
@@ -200,7 +202,8 @@ def linear_logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, id
         hidden, weight, weight if bias is None else bias, ids, part,
         N, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_m, n_splits, v_per_split,
         HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_V=tile.block_v, BLOCK_K=tile.block_k,
-        DOT_FP32=dot_fp32, num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(softcap), **flags)
+        DOT_FP32=dot_fp32, num_warps=tile.num_warps, num_stages=tile.num_stages, **cap_args(softcap, round_logits),
+        **flags)
     outputs = {} if more is None else {"sq_ptr": more[0], "mean_ptr": more[1], "top1_ptr": more[2],
                                        "inv_V": 1.0 / V if flags["HAS_SUM"] else None, **flags}
     launch(linear_fwd_merge_kernel, (cdiv(N, MERGE_BLOCK_N),), part, logp, lse, ent, N, n_splits,

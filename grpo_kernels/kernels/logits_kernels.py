@@ -81,12 +81,13 @@ def logits_logprobs_bwd(logits_ptr, ids_ptr, lse_ptr, entropy_ptr, grad_logp_ptr
 
 def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature: float,
                             softcap: float | None = None, block_v: int | None = None,
-                            row_mask: torch.Tensor | None = None):
+                            row_mask: torch.Tensor | None = None, round_logits: str | None = None):
     """logits (B, T, V) or (N, V) fp32/bf16/fp16, ids like logits[..., 0] -> (logp, lse, entropy), fp32 (N,).
 
     lse is the logsumexp of ``z = logits / temperature``, or of ``z = softcap * tanh(logits / softcap) /
-    temperature`` with ``softcap``; the caller has validated ids and shapes. Rows where ``row_mask`` (shaped like
-    ids) is 0 are skipped and get 0 in all three outputs.
+    temperature`` with ``softcap``, of the logits rounded to ``round_logits`` first when given (bf16 / fp16); the
+    caller has validated ids and shapes. Rows where ``row_mask`` (shaped like ids) is 0 are skipped and get 0 in all
+    three outputs.
     """
     x = as_btv(logits)
     B, T, V = x.shape
@@ -97,7 +98,8 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
         cfg = tiles("forward", x, block_v)
         mask = None if row_mask is None else (row_mask.reshape(N) != 0).to(torch.int8)
         launch(logits_logprobs_fwd, (N,), x, ids_flat, mask if mask is not None else ids_flat, logp, lse, entropy,
-               T, V, x.stride(0), x.stride(1), 1.0 / temperature, **cap_args(softcap), HAS_MASK=mask is not None,
+               T, V, x.stride(0), x.stride(1), 1.0 / temperature, **cap_args(softcap, round_logits),
+               HAS_MASK=mask is not None,
                BLOCK_V=cfg.block_v, VEC=vec_for(cfg.block_v, x.dtype),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return logp, lse, entropy
@@ -105,9 +107,10 @@ def logits_logprobs_forward(logits: torch.Tensor, ids: torch.Tensor, temperature
 
 def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, temperature: float,
                              softcap: float | None = None, inplace: bool = False,
-                             block_v: int | None = None) -> torch.Tensor:
+                             block_v: int | None = None, round_logits: str | None = None) -> torch.Tensor:
     """d loss / d logits from per-token grads of logp and entropy (fp32 (N,); grad_entropy may be None), with
-    ``softcap`` the same as the forward's (lse / entropy are then the capped row's; the cap's derivative is applied).
+    ``softcap`` the same as the forward's (lse / entropy are then the capped row's; the cap's derivative is applied)
+    and ``round_logits`` too (the rounding passes the gradient through: straight-through).
 
     Returns a tensor shaped like ``logits`` in its dtype: a new buffer, or ``logits`` itself when ``inplace`` (any
     non-overlapping view: ``dlogits_result``).
@@ -122,7 +125,7 @@ def logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy,
         launch(logits_logprobs_bwd, (N,), x, ids.reshape(N).contiguous(), lse, entropy, grad_logp.contiguous(),
                grad_entropy.contiguous() if has_h else grad_logp, out,
                T, V, x.stride(0), x.stride(1), out.stride(0), out.stride(1), 1.0 / temperature,
-               **cap_args(softcap), HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v,
+               **cap_args(softcap, round_logits), HAS_ENTROPY_GRAD=has_h, BLOCK_V=cfg.block_v,
                VEC=vec_for(cfg.block_v, x.dtype),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dlogits_result(logits, x, out, inplace)

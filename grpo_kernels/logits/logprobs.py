@@ -21,7 +21,7 @@ from torch.library import custom_op
 from .. import _checks, ops
 from ..config import LogitTransform
 from ..inputs import LogitsInputs
-from ..torch_chunks import NEG_BIG, dlogits_, soft_cap_
+from ..torch_chunks import NEG_BIG, dlogits_, round_, soft_cap_
 
 
 # Tile-sized temporaries of the PyTorch path alive at once (the plan's figure: ``planner.plan_logits``).
@@ -90,7 +90,8 @@ def _torch_forward(logits: torch.Tensor, ids: torch.Tensor, transform: LogitTran
     pieces = row_blocks(logits)
     for c0, c1, rows in _chunks(N, chunk_rows, fixed_rows):
         n = c1 - c0
-        z = soft_cap_(_chunk_copy(pieces, c0, c1, rows, acc), transform.softcap).mul_(transform.inv_temperature)
+        raw = round_(_chunk_copy(pieces, c0, c1, rows, acc), transform.round_logits)
+        z = soft_cap_(raw, transform.softcap).mul_(transform.inv_temperature)
         m = z.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         target = z.gather(-1, _padded_rows(flat_ids, c0, c1, rows).unsqueeze(-1)).squeeze(-1)
@@ -128,7 +129,8 @@ def _torch_backward(logits, ids, lse, entropy, grads, transform: LogitTransform,
         if grad_entropy is not None:
             h, g_h = at(entropy), at(grad_entropy)
             active = active | (g_h != 0)
-        dz = dlogits_(_chunk_copy(pieces, c0, c1, rows, acc), at(lse), h, g, g_h, inv_t, transform.softcap,
+        raw = round_(_chunk_copy(pieces, c0, c1, rows, acc), transform.round_logits)
+        dz = dlogits_(raw, at(lse), h, g, g_h, inv_t, transform.softcap,
                       _padded_rows(flat_ids, c0, c1, rows).unsqueeze(-1))
         # Why: a token without gradient (padding) gets exact zeros, as on the Triton path, even when its logits
         # hold NaN or inf (0 * NaN would otherwise leak into d logits); a valid token's NaN still propagates.
@@ -160,7 +162,7 @@ def sweep_forward(logits, ids, row_mask, o: SweepOptions):
         from ..kernels.logits_kernels import logits_logprobs_forward  # lazy: creates the Triton kernels
         t = o.transform
         logp, lse, entropy = logits_logprobs_forward(logits, ids, t.temperature, softcap=t.softcap,
-                                                     row_mask=row_mask)
+                                                     row_mask=row_mask, round_logits=t.round_logits)
     else:
         logp, lse, entropy = _torch_forward(logits, ids, o.transform, o.chunk_rows, o.fixed_rows)
     return logp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
@@ -175,7 +177,7 @@ def sweep_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, o: SweepO
         from ..kernels.logits_kernels import logits_logprobs_backward
         t = o.transform
         return logits_logprobs_backward(logits, ids, lse, entropy, grad_logp, grad_entropy, t.temperature,
-                                        softcap=t.softcap, inplace=inplace)
+                                        softcap=t.softcap, inplace=inplace, round_logits=t.round_logits)
     return _torch_backward(logits, ids, lse, entropy, (grad_logp, grad_entropy), o.transform, inplace,
                            o.chunk_rows, o.fixed_rows)
 

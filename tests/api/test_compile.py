@@ -300,9 +300,10 @@ def test_options_cross_the_op_boundary_unchanged():
     from grpo_kernels.head.light import LightOptions
 
     cfg = GRPOLossConfig(loss_type="sapo", beta=0.04, delta=1.5, importance_sampling_level="sequence",
-                         max_completion_length=77, memory_budget=(1 << 40) + 3, softcap=30.0, deterministic=False)
+                         max_completion_length=77, memory_budget=(1 << 40) + 3, softcap=30.0, deterministic=False,
+                         round_logits="bf16")
     for obj in (cfg, GRPOLossConfig(), LightOptions("head.no_grad", LogitTransform(0.25, None), False, 7, 8, 9, 10),
-                FastOptions(torch.bfloat16, cfg, LogitTransform(0.9, 20.0), 256)):
+                FastOptions(torch.bfloat16, cfg, LogitTransform(0.9, 20.0, "fp16"), 256)):
         assert ops.decode(type(obj), *ops.encode(obj)) == obj
     with pytest.raises(ValueError, match="option values"):
         ops.decode(LogitTransform, [1.0, float("nan"), 2.0], [])
