@@ -125,6 +125,17 @@ def _label(order, packed, budget=None):
     return f"{order} {'packed' if packed else 'padded'}" + ("" if budget is None else f" budget {budget}")
 
 
+def impl_dtypes(impls=("torch", "triton")):
+    """(impl, dtype) cases: every dtype on the PyTorch path and fp32 under the interpreter in the fast suite; the
+    interpreter's bf16 / fp16 cases (the same kernels, ~15 s each) run under -m slow (CI's second step)."""
+    out = []
+    for impl in impls:
+        for dtype, name in zip(DTYPES, ("fp32", "bf16", "fp16")):
+            marks = [pytest.mark.slow] if impl == "triton" and dtype != torch.float32 else []
+            out.append(pytest.param(impl, dtype, id=f"{impl}-{name}", marks=marks))
+    return out
+
+
 @pytest.fixture
 def blocks(knobs):
     knobs(invariant_rows=BLOCK, max_block_v=32)  # small blocks: the pool's batches cross block and vocab edges
@@ -188,8 +199,7 @@ def linear_token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budge
 HEAD_ARRANGEMENTS = {"torch": ARRANGEMENTS, "triton": FEW}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl, dtype", impl_dtypes())
 def test_linear_token_logprobs_and_trl_extras_are_batch_invariant(impl, dtype, blocks):
     """The fused head with gradients (head.torch / head.light) and without (head.torch / head.no_grad), with TRL's
     extra outputs, masked padded rows compacted or packed rows, two budgets."""
@@ -300,10 +310,9 @@ def _loss_at(pool: Pool, fn: str, impl: str, order, cfg: dict, old: dict | None,
     return loss.detach(), x.grad
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("config", list(LOSS_CONFIGS))
 @pytest.mark.parametrize("fn", ["fused_linear_grpo_loss", "grpo_loss"])
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl, dtype", impl_dtypes())
 def test_old_logps_without_gradients_give_a_ratio_of_exactly_one(impl, fn, config, dtype, blocks, knobs):
     """The old log-probs of a no-gradient call (another batch) equal the loss's own log-probs bitwise, on every path
     (head.no_grad = head.fast = head.light's forward; logits.sweep = the logits loss paths): the loss and its
