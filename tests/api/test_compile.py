@@ -14,6 +14,9 @@ from grpo_kernels import GRPOLossConfig, fused_linear_grpo_loss, grpo_loss, line
 
 from ..support.tolerances import assert_three_way, grad_scale
 
+# torch.compile of every entry point (~2 min of compilation on a CPU): CI's second step (-m slow) runs it, so that README's test command stays within 15 minutes
+pytestmark = pytest.mark.slow
+
 B, V, H = 2, 64, 16
 CONFIGS = {
     # token-level: logits.fast / head.fast on Triton

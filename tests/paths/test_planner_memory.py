@@ -13,6 +13,9 @@ from grpo_kernels.explain import plan_call
 
 from ..support.memory_trace import transient_peak
 
+# profiler-traced peaks of every path (~3 min under the interpreter): CI's second step (-m slow) runs it, so that README's test command stays within 15 minutes
+pytestmark = pytest.mark.slow
+
 SHAPES = {"small": (4, 16, 1024, 32), "wide": (2, 24, 1536, 48)}
 PATHS = {  # path: (function, impl, options)
     "head.fast": ("fused_linear_grpo_loss", "triton", {}),
