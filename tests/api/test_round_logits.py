@@ -216,6 +216,14 @@ def _loss_inputs(g):
     return adv, mask, ref
 
 
+def _loss_config(impl, transform, path):
+    """(softcap, temperature, the loss config with bf16 rounding) of a loss case; the PyTorch path has one route."""
+    if impl == "torch" and path:
+        pytest.skip("the PyTorch path has one route")
+    softcap, temperature = transform
+    return softcap, temperature, _CONFIG.replace(softcap=softcap, temperature=temperature, round_logits="bf16", **path)
+
+
 def _loss_recipe(logp, ent, adv, mask, ref, cfg):
     return loss_from_logps(logp, adv, mask, ref_logps=ref, entropy=ent, config=cfg)[0]
 
@@ -225,10 +233,7 @@ def _loss_recipe(logp, ent, adv, mask, ref, cfg):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("impl", IMPLS)
 def test_grpo_loss(impl, dtype, transform, path):
-    if impl == "torch" and path:
-        pytest.skip("the PyTorch path has one route")
-    softcap, temperature = transform
-    cfg = _CONFIG.replace(softcap=softcap, temperature=temperature, round_logits="bf16", **path)
+    softcap, temperature, cfg = _loss_config(impl, transform, path)
     logits, ids, g = _logits(dtype, seed=1)
     adv, mask, ref = _loss_inputs(g)
     x = logits.clone().requires_grad_()
@@ -249,10 +254,7 @@ def test_grpo_loss(impl, dtype, transform, path):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fused_linear_grpo_loss(impl, dtype, transform, path):
-    if impl == "torch" and path:
-        pytest.skip("the PyTorch path has one route")
-    softcap, temperature = transform
-    cfg = _CONFIG.replace(softcap=softcap, temperature=temperature, round_logits="bf16", **path)
+    softcap, temperature, cfg = _loss_config(impl, transform, path)
     h, w, b, ids, g = _head(dtype, seed=2)
     adv, mask, ref = _loss_inputs(g)
     leaves = [t.clone().requires_grad_() for t in (h, w, b)]
