@@ -19,7 +19,7 @@ setup(
         "train": ["transformers>=4.56", "tokenizers", "matplotlib", "tqdm", "liger-kernel>=0.8.5"],
         "trl": ["trl>=1.16,<1.17", "transformers>=4.56"],
         # deepspeed: the ZeRO-3 test on CPU (installs from its sdist in seconds; no op is compiled)
-        "test": ["pytest>=8", "pytest-benchmark>=5", "hypothesis>=6.100", "trl==1.16.0", "liger-kernel==0.8.5",
+        "test": ["pytest>=8", "pytest-benchmark>=5", "pytest-xdist>=3.6", "hypothesis>=6.100", "trl==1.16.0", "liger-kernel==0.8.5",
                  "transformers>=4.56", "matplotlib", "tqdm", "deepspeed==0.19.8"],
         "bench": ["pytest>=8", "pytest-benchmark>=5", "liger-kernel==0.8.5", "trl==1.16.0", "matplotlib"],
         "gpu": ["flash-attn>=2.6"],

@@ -34,6 +34,10 @@ def _run(command: str, cwd, extra_args: str = "", timeout: int = 600, **env):
     argv = command.replace(".venv/bin/python", sys.executable, 1).split() + extra_args.split()
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
     full_env.pop("TRITON_INTERPRET", None)  # as in a user's shell: the suite decides
+    for name in [n for n in full_env if n.startswith("PYTEST_")]:
+        # pytest-xdist's worker variables (PYTEST_XDIST_WORKER, ...) make pytest-benchmark disable benchmarks in the
+        # child pytest too, which then refuses --benchmark-only: a user's shell has none of them
+        del full_env[name]
     return subprocess.run(argv, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
