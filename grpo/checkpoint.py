@@ -398,6 +398,9 @@ def prepare_output_dir(output_dir: str, *, resume: bool, overwrite: bool, is_mai
     """Refuse to mix two runs in one folder: a non-empty ``output_dir`` needs ``resume`` (continue the run in it) or
     ``overwrite`` (delete that run's files and checkpoints first; other files are left alone). The run lock file
     does not count. Every rank checks; only the main rank deletes (call a barrier after)."""
+    if output_dir is None:
+        raise UsageError("a Trainer needs a run folder (output_dir): grpo.train.train chooses a new runs/version_N "
+                         "when it is None")
     entries = [e for e in (os.listdir(output_dir) if os.path.isdir(output_dir) else []) if e != LOCK_FILE]
     if not entries or resume:
         return

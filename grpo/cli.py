@@ -189,10 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter)
     run = p.add_argument_group("run")
     _add(run, "output_dir", "folder of the run's outputs (metrics.jsonl, curves.png, args.json, run_summary.json, "
-         "checkpoint-N/); must be empty unless --resume or --overwrite", metavar="DIR")
+         "checkpoint-N/); must be empty unless --resume or --overwrite; default: a new runs/version_N", metavar="DIR")
     _add(run, "seed", "seed of model init, prompt order and sampling (0 <= N < 2**32)", type=int)
     _add(run, "max_steps", "optimizer steps in total, counting those before a --resume (>= 1)", type=int)
-    _add(run, "resume", "continue from a checkpoint folder; without a value, the newest one in --output-dir",
+    _add(run, "resume", "continue from a checkpoint folder; without a value, the newest one in --output-dir "
+         "(no --output-dir: in the newest runs/version_N with one)",
          nargs="?", const="latest", metavar="CHECKPOINT")
     _add(run, "overwrite", "start afresh in a non-empty --output-dir, deleting its previous run", action="store_true")
     _add(run, "save_steps", "write a checkpoint every N optimizer steps (0: only at the end)", type=int)

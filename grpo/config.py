@@ -48,7 +48,7 @@ class TrainConfig:
     ``--max-steps``); ``loss`` holds every ``GRPOLossConfig`` option (its temperature is ``temperature``)."""
 
     # run
-    output_dir: str = "runs/default"
+    output_dir: str | None = None      # None: a new runs/version_N per run (grpo.train.train; run_folder.py)
     seed: int = 0
     max_steps: int = 800
     resume: str | None = None          # a checkpoint directory, or "latest" (the newest one in output_dir)
@@ -140,8 +140,11 @@ class TrainConfig:
             _check(path is None or os.path.isfile(path), f"--{_flag(name)} {path!r}: file not found")
         _check(self.model is None or os.path.isdir(self.model),
                f"--model {self.model!r}: not a directory (give a local checkpoint saved with save_pretrained)")
-        _check(not os.path.exists(self.output_dir) or os.path.isdir(self.output_dir),
+        _check(self.output_dir is None or not os.path.exists(self.output_dir) or os.path.isdir(self.output_dir),
                f"--output-dir {self.output_dir!r} exists and is not a directory")
+        _check(not (self.overwrite and self.output_dir is None),
+               "--overwrite replaces the run in --output-dir DIR: name that folder (without --output-dir every run "
+               "gets a new, empty runs/version_N)")
         _check(self.resume in (None, "latest") or os.path.isdir(self.resume),
                f"--resume {self.resume!r}: no such checkpoint directory")
         _check(not (self.resume is not None and self.overwrite), "--resume and --overwrite exclude each other")

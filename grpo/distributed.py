@@ -75,14 +75,38 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return t
 
 
-def reduce_mean_dict(values: dict[str, float], env: DistEnv) -> dict[str, float]:
-    """Mean of each scalar over ranks, one collective for the whole dict (same keys on every rank)."""
-    if not env.enabled or not values:
-        return dict(values)
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=env.device)
-    all_reduce_sum(t, env)
-    return {k: v / env.world_size for k, v in zip(keys, t.tolist())}
+def read_scalars(values: dict, env: DistEnv | None = None) -> dict[str, float]:
+    """``values`` (0-d tensors and Python numbers) as Python floats, keys in their order, in one device-to-host read
+    (one ``tolist``): the tensors are stacked as float64 (exact for fp32 / bf16 / fp16 values and integer counts
+    below 2**53), a host tensor beside device ones joining in one host-to-device copy. Under torchrun (``env`` with
+    several ranks) each value is its mean over the ranks, in one all-reduce of that stack (the Python numbers join
+    it too; the same keys on every rank); otherwise the numbers pass through untouched, and with no tensor nothing
+    is read."""
+    ranks = env.world_size if env is not None and env.enabled else 1
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    numbers = [k for k in values if k not in tensors] if ranks > 1 else []  # host numbers that join the reduce
+    if not tensors and not numbers:
+        return {k: float(v) for k, v in values.items()}
+    device = env.device if env is not None else next(iter(tensors.values())).device
+    here = [k for k, v in tensors.items() if v.device == device]
+    away = [k for k in tensors if k not in here]  # host tensors (CPU rewards) beside the device's metrics
+    parts = [_float64_stack([tensors[k] for k in here], device)]
+    if away or numbers:
+        host = [_float64_stack([tensors[k] for k in away], torch.device("cpu"))]
+        if numbers:
+            host.append(torch.tensor([float(values[k]) for k in numbers], dtype=torch.float64))
+        parts.append(torch.cat(host).to(device))
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if ranks > 1:
+        all_reduce_sum(flat, env)
+    read = dict(zip(here + away + numbers, flat.tolist()))  # the one device-to-host read
+    return {k: read[k] / ranks if k in read else float(v) for k, v in values.items()}
+
+
+def _float64_stack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
 
 
 def barrier(env: DistEnv) -> None:

@@ -8,6 +8,9 @@
   (or a resume after a crash) sees the old file or the new one, never half of one.
 - ``writing``: turns an ``OSError`` while writing a file of the run into ``OutputError`` naming the file and the
   cause (``cannot write runs/x/args.json: No space left on device (ENOSPC)``): grpo.train prints it as one line.
+- ``default_output_dir``: the folder of a run given no ``--output-dir``: a new ``runs/version_N`` (N one more than
+  the largest there, made with one atomic ``mkdir``, so two runs starting together never share one), or with
+  ``--resume`` the run folder to continue; rank 0 decides, every rank of a torchrun job gets its answer.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import datetime
 import errno
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -29,6 +33,8 @@ except ImportError:  # pragma: no cover - not POSIX: runs are not locked (said o
     fcntl = None
 
 LOCK_FILE = "run.lock"
+RUNS_ROOT = "runs"  # where runs without --output-dir go: runs/version_0, runs/version_1, ...
+_VERSION = re.compile(r"version_(\d+)")
 
 
 def describe_os_error(exc: BaseException) -> str:
@@ -191,3 +197,86 @@ def _read_holder(fd: int) -> str:
         except (ValueError, KeyError, TypeError):
             time.sleep(0.1)
     return "holder not recorded yet"
+
+
+# ------------------------------------------------------------------------------------------------ runs/version_N
+def run_versions(root: str = RUNS_ROOT) -> list[int]:
+    """The N of every ``<root>/version_N`` folder, ascending (none when ``root`` does not exist)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    matches = [_VERSION.fullmatch(name) for name in names]
+    return sorted(int(m.group(1)) for m in matches if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def version_dir(n: int, root: str = RUNS_ROOT) -> str:
+    return os.path.join(root, f"version_{n}")
+
+
+def new_version(root: str = RUNS_ROOT) -> int:
+    """Makes a new, empty ``<root>/version_N`` and returns N, one more than the largest there (0 for the first).
+    ``os.mkdir`` is atomic: of two runs that pick the same N at once, one makes the folder and the other, refused
+    (``FileExistsError``), takes the next N. Raises OutputError when ``root`` cannot be written."""
+    with writing(root):
+        os.makedirs(root, exist_ok=True)
+    found = run_versions(root)
+    n = found[-1] + 1 if found else 0
+    while True:
+        path = version_dir(n, root)
+        try:
+            os.mkdir(path)
+        except FileExistsError:  # another run took it first (or a file has that name): the next one
+            n += 1
+            continue
+        except OSError as exc:
+            raise OutputError(f"cannot write {path}: {describe_os_error(exc)}") from exc
+        return n
+
+
+def default_output_dir(resume: str | None, env: DistEnv, root: str = RUNS_ROOT) -> str:
+    """The run folder of a run given no ``--output-dir``, printed by the main rank:
+
+    - no ``--resume``: a new ``<root>/version_N`` (``new_version``);
+    - ``--resume`` (the newest checkpoint): the newest ``<root>/version_N`` that holds a complete checkpoint;
+    - ``--resume PATH``: the folder holding that checkpoint (the run it belongs to).
+
+    Only rank 0 looks at ``root`` and makes the folder; the other ranks of a torchrun job get its N in one
+    all-reduce before any of them goes on, so all of them use the same folder, or all stop (UsageError: no run to
+    resume; OutputError: ``root`` cannot be written; rank 0 raises the one that names the cause)."""
+    if resume is not None and resume != "latest":
+        path = os.path.dirname(os.path.normpath(resume)) or "."
+        _say(env, f"output folder {path} (the folder of --resume {resume})")
+        return path
+    code, failure = 0, None  # code: N + 1; 0: no run to resume; -1: cannot write
+    if env.is_main:
+        try:
+            code = 1 + (_newest_with_checkpoint(root) if resume == "latest" else new_version(root))
+        except (UsageError, OutputError) as exc:
+            failure, code = exc, (0 if isinstance(exc, UsageError) else -1)
+    if env.enabled:
+        import torch
+
+        flag = torch.tensor([code if env.is_main else 0], dtype=torch.int64, device=env.device)
+        code = int(all_reduce_sum(flag, env).item())
+    if failure is not None or code <= 0:
+        raise failure or (UsageError if code == 0 else OutputError)(
+            f"rank 0 could not choose a run folder in {root!r} (no --output-dir)")
+    path = version_dir(code - 1, root)
+    _say(env, f"output folder {path}" + (" (--resume: the newest run folder with a checkpoint)" if resume else ""))
+    return path
+
+
+def _newest_with_checkpoint(root: str) -> int:
+    from .checkpoint import list_checkpoints  # checkpoint.py builds on this module
+
+    for n in reversed(run_versions(root)):
+        if list_checkpoints(version_dir(n, root)):
+            return n
+    raise UsageError(f"--resume without --output-dir continues the newest {root}/version_N holding a checkpoint, "
+                     f"and no {root}/version_N folder holds one: pass --output-dir DIR to resume the run in DIR")
+
+
+def _say(env: DistEnv, message: str) -> None:
+    if env.is_main:
+        print(f"[grpo.train] {message}", flush=True)

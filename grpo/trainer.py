@@ -22,7 +22,7 @@ from . import run_settings, sharding
 from .config import TrainConfig
 from .data import (BUILTIN_TASKS, PRINTABLE_ASCII, TRAIN_ROW_WEIGHTING, PromptSampler, check_completion_chars,
                    fit_to_context, format_prompt, load_jsonl, split_eval, training_overlap)
-from .distributed import DistEnv, barrier, reduce_mean_dict
+from .distributed import DistEnv, barrier, read_scalars
 from .errors import UsageError
 from .evaluation import Evaluator, describe_evals, step_span, summary_fields
 from .metrics import MetricsLog, Progress, plot_curves, plot_curves_best_effort, read_metrics
@@ -32,7 +32,7 @@ from .packing import choose_packing
 from .policy import GRPOPolicy
 from .run_folder import write_json
 from .rollout import GenerationSettings, Rollout, Sampler, suppressed_token_ids
-from .update import StepOptions, optimizer_step, rollout_logprobs
+from .update import StepOptions, optimizer_step_unread, rollout_logprobs
 
 NEEDS_ANSWER = {"copy", "math", "boxed", "hash", "last_number"}
 SCHEDULERS = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
@@ -214,6 +214,18 @@ class Trainer:
             passes += list(order.split(cfg.mini_batch_size))
         return passes
 
+    def host_rows(self, passes: list[torch.Tensor]) -> list[list[int] | None]:
+        """``passes`` (from ``minibatches``) as host ints, which packed micro-batches are planned from: known
+        without a read when the whole rollout is one mini-batch in order, else read in one go per rollout (padded
+        micro-batches need none: None)."""
+        size = self.cfg.prompts_per_step * self.cfg.num_generations
+        if self.step_options.packing is None or not passes:
+            return [None] * len(passes)
+        if self.cfg.mini_batch_size == size:
+            return [list(range(size))] * len(passes)
+        flat = torch.cat(passes).tolist()
+        return [flat[i:i + self.cfg.mini_batch_size] for i in range(0, len(flat), self.cfg.mini_batch_size)]
+
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict:
         cfg, env = self.cfg, self.env
@@ -258,9 +270,10 @@ class Trainer:
                 with sharding.gathered(self.ref):
                     ref_logps = rollout_logprobs(self.ref, rollout, cfg.micro_batch_size, self.packing)
             rollout_stats = self._rollout_stats(rollout, time.time() - t0)
-            for rows in self.minibatches()[:cfg.max_steps - self.step]:
-                stats = optimizer_step(self.model, self.policy, self.optimizer, self.scheduler, rollout, rows,
-                                       advantages, old_logps, ref_logps, self.step_options)
+            passes = self.minibatches()[:cfg.max_steps - self.step]
+            for rows, order in zip(passes, self.host_rows(passes)):
+                stats = optimizer_step_unread(self.model, self.policy, self.optimizer, self.scheduler, rollout, rows,
+                                              advantages, old_logps, ref_logps, self.step_options, order)
                 self.step += 1
                 record = self._record(stats, rollout_stats, t0, start_time)
                 if self.evaluator is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
@@ -289,7 +302,7 @@ class Trainer:
         t0 = time.time()
         with sharding.gathered(self.policy):
             result = self.evaluator.evaluate()
-        result = reduce_mean_dict(result, self.env)
+        result = read_scalars(result, self.env)
         result["eval/seconds"] = time.time() - t0
         record.update(result)
         if log is not None:
@@ -310,21 +323,23 @@ class Trainer:
         return sharding.shard_checksums(self.policy, self.env)
 
     def _rollout_stats(self, rollout: Rollout, gen_time: float) -> dict:
+        """The rollout's statistics as 0-d tensors (rewards on the host, lengths on the device), not read: each
+        step of the rollout reads them with its own metrics (``_record``)."""
         r = rollout.reward_total
-        stats = {"reward_mean": float(torch.nanmean(r)),
-                 "reward_std": float(torch.nan_to_num(r, nan=0.0).std()) if r.numel() > 1 else 0.0,
-                 "completion_length": float(rollout.completion_mask.sum(1).float().mean()),
-                 "truncated_ratio": float(rollout.truncated.float().mean()),
+        stats = {"reward_mean": torch.nanmean(r),
+                 "reward_std": torch.nan_to_num(r, nan=0.0).std() if r.numel() > 1 else 0.0,
+                 "completion_length": rollout.completion_mask.sum(1).float().mean(),
+                 "truncated_ratio": rollout.truncated.float().mean(),
                  "generation_s": gen_time,
-                 "_gen_tokens": float(rollout.completion_mask.sum())}
+                 "_gen_tokens": rollout.completion_mask.sum()}
         for j, spec in enumerate(self.cfg.reward_specs):
-            stats[f"reward/{spec.name}"] = float(torch.nanmean(rollout.rewards[:, j]))
+            stats[f"reward/{spec.name}"] = torch.nanmean(rollout.rewards[:, j])
         return stats
 
     def _record(self, stats: dict, rollout_stats: dict, t0: float, start: float) -> dict:
         merged = dict(rollout_stats)
         merged.update(stats)
-        merged = reduce_mean_dict(merged, self.env)
+        merged = read_scalars(merged, self.env)  # the step's one device-to-host read (and, torchrun, one all-reduce)
         tokens = merged.pop("_gen_tokens") * self.env.world_size  # mean over ranks x ranks = global count
         positions = merged.pop("positions") * self.env.world_size  # what the loss's forwards ran on, all ranks
         padded = merged.pop("padded_positions") * self.env.world_size  # the same sequences as padded rows

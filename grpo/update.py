@@ -12,7 +12,7 @@ import torch
 
 from grpo_kernels.loss_types import LOSS_TABLE
 
-from .distributed import DistEnv, all_reduce_sum
+from .distributed import DistEnv, all_reduce_sum, read_scalars
 from .packing import Packing, micro_batch_share, packed_micro_batches, padded_positions
 from .policy import GRPOPolicy
 from .rollout import Rollout
@@ -124,7 +124,16 @@ def _packed_micro_batches(rollout: Rollout, rows: torch.Tensor, order: list[int]
 
 
 def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rollout, rows: torch.Tensor,
-                   advantages: torch.Tensor, old_logps, ref_logps, options: StepOptions) -> dict:
+                   advantages: torch.Tensor, old_logps, ref_logps, options: StepOptions,
+                   order: list[int] | None = None) -> dict[str, float]:
+    """``optimizer_step_unread``, then its metrics as floats in one host read (this rank's values)."""
+    return read_scalars(optimizer_step_unread(model, policy, optimizer, scheduler, rollout, rows, advantages,
+                                              old_logps, ref_logps, options, order))
+
+
+def optimizer_step_unread(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rollout, rows: torch.Tensor,
+                          advantages: torch.Tensor, old_logps, ref_logps, options: StepOptions,
+                          order: list[int] | None = None) -> dict:
     """Gradient-accumulated loss over ``rows`` in micro-batches, clipping, one optimizer and scheduler step.
 
     ``model`` is ``policy``, its DDP wrapper, or ``policy`` itself sharded with FSDP2 (grpo/sharding.py). When
@@ -132,9 +141,11 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
     is one padded micro-batch of one on-policy step), the loss backpropagates through them instead of running the
     backbone again. Micro-batch losses are weighted so that the step's loss is that of the whole mini-batch in one
     call (``packing.micro_batch_share``; padded micro-batches are equal, so each weighs 1 / their number). Returns
-    the token-weighted means of the loss metrics plus ``loss``, ``grad_norm``, the positions the forwards ran on
-    (``positions``) and those a padded run would (``padded_positions``, see ``packing.padded_positions``) as
-    floats: one host sync per step (two when packed: the rows' order).
+    the token-weighted means of the loss metrics plus ``loss`` and ``grad_norm`` as 0-d device tensors, not read
+    (``distributed.read_scalars`` reads them, in the trainer together with the rollout's statistics: one host read
+    per step), and the positions the forwards ran on (``positions``) and those a padded run would
+    (``padded_positions``, see ``packing.padded_positions``) as host floats. ``order``: ``rows`` as host ints, which
+    packed micro-batches are planned from (None: read from ``rows``, one host sync).
     """
     optimizer.zero_grad(set_to_none=True)
     env = options.env
@@ -154,7 +165,7 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
         micro = _padded_micro_batches(rollout, rows, extra, options.micro_batch_size, global_norm)
         padded = sum(mb.positions for mb in micro)
     else:
-        order = rows.tolist()
+        order = rows.tolist() if order is None else order
         micro = _packed_micro_batches(rollout, rows, order, extra, options, reduction)
         padded = padded_positions(rollout, order, options.micro_batch_size)
     totals: dict[str, torch.Tensor] = {}
@@ -182,10 +193,7 @@ def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rol
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     optimizer.step()
     scheduler.step()
-    names = list(totals)
-    values = torch.stack([totals[k] / token_total.clamp(min=1.0) for k in names]
-                         + [loss_total, grad_norm.float()]).tolist()  # one host sync for every metric
-    out = dict(zip(names, values[:len(names)]))
-    out.update(loss=values[-2], grad_norm=values[-1], positions=float(sum(mb.positions for mb in micro)),
+    out = {k: v / token_total.clamp(min=1.0) for k, v in totals.items()}
+    out.update(loss=loss_total, grad_norm=grad_norm.float(), positions=float(sum(mb.positions for mb in micro)),
                padded_positions=float(padded))
     return out

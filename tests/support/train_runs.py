@@ -32,8 +32,8 @@ def fault_env() -> dict:
     return run_env(DS_ACCELERATOR="cpu")
 
 
-def run_cmd(cmd, timeout=600):
-    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout)
+def run_cmd(cmd, timeout=600, cwd=REPO):
+    return subprocess.run(cmd, cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def train_tiny(out, steps, *extra):

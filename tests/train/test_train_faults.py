@@ -1,5 +1,5 @@
 """Runs of ``python -m grpo.train`` under faults (docs/training-runs.md): a second run into a locked folder (a real
-second process), kill -9 while a checkpoint is written, damaged checkpoint files falling back to the newest intact
+second process), two runs started together without --output-dir, kill -9 while a checkpoint is written, damaged checkpoint files falling back to the newest intact
 one, pruning next to a damaged checkpoint. Tiny model, 2-3 steps per run: seconds each. Write failures, torn metrics
 lines and changed settings: tests/train/test_train_faults_io.py.
 """
@@ -100,6 +100,23 @@ def test_two_runs_started_together_into_one_folder(tmp_path):
     line = one_error_line(results[1][1])
     assert "is in use by another run" in line or "is not empty" in line, line
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow  # two whole processes (~40 s on a busy 2-core machine); the race itself is injected in the fast
+#                    suite: test_train_runs.py::test_new_version_takes_the_next_number_atomically
+def test_two_runs_started_together_without_output_dir(tmp_path):
+    """Two processes started at the same moment with no --output-dir: both train, each in its own runs/version_N
+    (the one it printed), neither refused."""
+    cmd = [sys.executable, "-m", "grpo.train"] + TINY + ["--max-steps", "1"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=fault_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=120), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], results
+    printed = sorted(out.splitlines()[0] for _, out, _ in results)
+    assert printed == [f"[grpo.train] output folder {os.path.join('runs', f'version_{n}')}" for n in (0, 1)], printed
+    for n in (0, 1):
+        assert [r["step"] for r in read_metrics(tmp_path / "runs" / f"version_{n}")] == [1]
 
 
 @pytest.mark.slow

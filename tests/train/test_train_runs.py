@@ -1,21 +1,26 @@
 """Whole runs of ``python -m grpo.train`` (grpo/): one-line errors for every bad argument, run folders
-(refused / overwritten / resumed, nothing left to do), checkpoint-resume reproducing the uninterrupted run with every
+(refused / overwritten / resumed, nothing left to do; without --output-dir a new runs/version_N per run, rank 0's
+choice on every rank), checkpoint-resume reproducing the uninterrupted run with every
 counter continued, the Python API (TrainConfig), a JSONL of arithmetic through the built-in tokenizer, the default
 copy run shortened (held-out greedy accuracy), and torchrun with two gloo processes.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo import TrainConfig, train
+from grpo import TrainConfig, run_folder, train
 from grpo.checkpoint import latest_checkpoint
-from grpo.errors import UsageError
+from grpo.distributed import DistEnv
+from grpo.errors import OutputError, UsageError
+from grpo.run_folder import default_output_dir, new_version
 
-from ..support.train_runs import SMALL, read_metrics, run_cmd
+from ..support.train_runs import SMALL, TINY, one_error_line, read_metrics, run_cmd
 
 # Another CPU rounds differently and RL is chaotic, so a run on another machine is as good as a run with another
 # seed: the bound must sit below the seed spread, not near one machine's value (0.5 failed on a 2-core AMD EPYC at
@@ -108,6 +113,94 @@ def test_run_folder_refused_overwritten_and_resumed(tmp_path, capsys):
     assert [r["step"] for r in read_metrics(out)] == [0, 1] and (out / "notes.txt").read_text() == "mine"
 
 
+# ------------------------------------------------------------------------------------------------- runs/version_N
+def test_runs_without_output_dir_get_new_folders_and_resume_the_newest(tmp_path, monkeypatch, capsys):
+    """The main command run again: with no --output-dir each run gets a new runs/version_N under the current folder
+    (N one more than the largest), printed at start; --resume without it continues the newest one that holds a
+    checkpoint (a newer folder without one is passed over), --resume PATH the run folder of that checkpoint.
+    Nothing to resume, and --overwrite with no folder to overwrite, are one-line errors that create nothing."""
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    assert train.main(TINY + ["--max-steps", "1", "--resume"]) == 2
+    assert "no runs/version_N folder holds one: pass --output-dir DIR" in one_error_line(capsys.readouterr().err)
+    assert train.main(TINY + ["--max-steps", "1", "--overwrite"]) == 2
+    assert "--overwrite replaces the run in --output-dir DIR" in one_error_line(capsys.readouterr().err)
+    assert not runs.exists()
+    for n in (0, 1):
+        assert train.main(TINY + ["--max-steps", "2"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"[grpo.train] output folder {os.path.join('runs', f'version_{n}')}\n"), out
+        assert [r["step"] for r in read_metrics(runs / f"version_{n}")] == [1, 2]
+    (runs / "version_2").mkdir()  # a run that stopped before its first checkpoint
+    assert train.main(TINY + ["--max-steps", "3", "--resume"]) == 0
+    out = capsys.readouterr().out
+    version_1 = os.path.join("runs", "version_1")
+    assert f"output folder {version_1} (--resume: the newest run folder with a checkpoint)" in out, out
+    assert f"resumed from {os.path.join(version_1, 'checkpoint-2')} at step 2" in out, out
+    assert [r["step"] for r in read_metrics(runs / "version_1")] == [1, 2, 3]
+    checkpoint = os.path.join("runs", "version_0", "checkpoint-1")
+    assert train.main(TINY + ["--max-steps", "2", "--resume", checkpoint]) == 0
+    out = capsys.readouterr().out
+    assert f"output folder {os.path.join('runs', 'version_0')} (the folder of --resume {checkpoint})" in out, out
+    assert [r["step"] for r in read_metrics(runs / "version_0")] == [1, 2]
+    assert sorted(os.listdir(runs)) == ["version_0", "version_1", "version_2"]
+
+
+def test_new_version_takes_the_next_number_atomically(tmp_path, monkeypatch):
+    """N is one more than the largest version_N folder (other names and files do not count); a folder made by
+    another run between the listing and the mkdir is left alone and the next N taken; threads making folders at
+    once each get their own."""
+    root = tmp_path / "runs"
+    assert new_version(str(root)) == 0 and (root / "version_0").is_dir()
+    for name in ("version_5", "default", "version_x"):
+        (root / name).mkdir()
+    (root / "version_9").write_text("a file, not a run folder")
+    assert new_version(str(root)) == 6
+    real_mkdir = os.mkdir
+
+    def another_run_first(path, *args, **kwargs):
+        if str(path).endswith("version_7") and not os.path.exists(path):
+            real_mkdir(path)  # the other run's mkdir lands first
+            (tmp_path / "theirs").write_text(str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run_folder.os, "mkdir", another_run_first)
+        assert new_version(str(root)) == 8
+    assert (tmp_path / "theirs").read_text() == str(root / "version_7")
+    many = tmp_path / "many"
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: new_version(str(many)), range(40)))
+    assert sorted(got) == list(range(40)) and len(os.listdir(many)) == 40
+
+
+def test_every_rank_uses_rank_0_s_run_folder(tmp_path, monkeypatch, capsys):
+    """Under torchrun only rank 0 lists runs/ and makes the folder; another rank gets its N from the one
+    all-reduce (rank 0's part stands in for gloo here), makes and prints nothing, and stops when rank 0 could not
+    choose (no run to resume: UsageError; runs/ not writable: OutputError)."""
+    root = tmp_path / "runs"
+    sent = []
+
+    def rank_0_sends(code):
+        def all_reduce_sum(t, env):
+            sent.append(int(t))
+            t += code
+            return t
+        return all_reduce_sum
+
+    monkeypatch.setattr(run_folder, "all_reduce_sum", rank_0_sends(4))  # rank 0 made version_3
+    rank_1 = DistEnv(rank=1, world_size=2)
+    assert default_output_dir(None, rank_1, str(root)) == str(root / "version_3")
+    assert sent == [0] and not root.exists() and capsys.readouterr().out == ""
+    for code, error in ((0, UsageError), (-1, OutputError)):
+        monkeypatch.setattr(run_folder, "all_reduce_sum", rank_0_sends(code))
+        with pytest.raises(error, match="rank 0 could not choose a run folder"):
+            default_output_dir("latest", rank_1, str(root))
+    monkeypatch.setattr(run_folder, "all_reduce_sum", rank_0_sends(0))  # rank 0's side: its code is N + 1
+    assert default_output_dir(None, DistEnv(rank=0, world_size=2), str(root)) == str(root / "version_0")
+    assert sent[-1] == 1 and capsys.readouterr().out == f"[grpo.train] output folder {root / 'version_0'}\n"
+
+
 def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
     """Checkpoint at step 4 (end of the first rollout: 2 iterations x 2 mini-batches), resume: steps 5-8 have the
     very same losses as the uninterrupted run (model, AdamW, scheduler, RNG and sampler state restored; old and
@@ -179,12 +272,15 @@ def test_default_run_learns_to_copy_held_out_strings(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_two_processes_stay_in_sync(tmp_path):
-    """torchrun + gloo: each rank samples its own groups, DDP averages gradients, parameters stay identical."""
-    out = tmp_path / "ddp"
+    """torchrun + gloo: each rank samples its own groups, DDP averages gradients, parameters stay identical. No
+    --output-dir: both ranks train in the one runs/version_0 that rank 0 made (and printed)."""
+    out = tmp_path / "runs" / "version_0"
     proc = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                 "-m", "grpo.train", "--max-steps", "4", "--output-dir", str(out), "--beta", "0.04",
-                 "--micro-batch-size", "8", "--eval-every", "2"] + SMALL)
+                 "-m", "grpo.train", "--max-steps", "4", "--beta", "0.04",
+                 "--micro-batch-size", "8", "--eval-every", "2"] + SMALL, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[:6000]
+    assert proc.stdout.count("[grpo.train] output folder") == 1 and os.listdir(tmp_path / "runs") == ["version_0"]
+    assert f"[grpo.train] output folder {os.path.join('runs', 'version_0')}\n" in proc.stdout
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and len(summary["param_checksums"]) == 2
     assert summary["param_checksums"][0] == summary["param_checksums"][1]
