@@ -344,7 +344,7 @@ def test_torch_head_keeps_two_tiles_with_the_cap():
     """head.torch with the cap and the entropy bonus (its heaviest backward), several row tiles and a partial vocab
     tile: the traced transient memory is the plan's two tiles (planner.plan_head), not a third for the cap's
     derivative (torch_chunks.dlogits_)."""
-    from grpo_kernels import planner
+    from grpo_kernels.paths import HEAD_TORCH
 
     from ..support.memory_trace import transient_peak
 
@@ -354,7 +354,7 @@ def test_torch_head_keeps_two_tiles_with_the_cap():
     ids, adv = torch.randint(0, 9000, (8, 8), generator=g), torch.randn(8, generator=g)
     options = dict(config=_config(beta=0.0, entropy_coef=0.01), impl="torch", memory_budget=600_000)
     plan = plan_call(gk.fused_linear_grpo_loss, hidden, weight, ids, adv, **options)
-    assert plan.path == planner.HEAD_TORCH and plan.chunk_rows < 64
+    assert plan.path == HEAD_TORCH and plan.chunk_rows < 64
 
     def run():
         loss, metrics = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, **options)
