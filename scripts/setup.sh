@@ -8,13 +8,11 @@
 #     pinned by constraints.txt); otherwise torch==2.13.0 from the default index (the CUDA build on Linux);
 #   - the pinned torch already installed: nothing.
 # Then `pip install -e ".[train,test,bench]"` pinned by constraints.txt. Idempotent: a second run only checks.
-# Knobs: PYTHON (python3, for the venv), TORCH_CPU_INDEX, SETUP_PIP (the pip command; tests replace it).
+# Knobs: PYTHON (python3, for the venv), TORCH_CPU_INDEX (both read by lib_venv.sh), SETUP_PIP (the pip command;
+# tests replace it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib_venv.sh
-PYTHON=${PYTHON:-python3}
-TORCH_VERSION=2.13.0
-TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 make_venv .venv
 PIP=${SETUP_PIP:-.venv/bin/python -m pip}
 read -r action reason < <(bash scripts/torch_source.sh .venv/bin/python "$TORCH_VERSION")

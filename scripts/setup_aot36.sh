@@ -7,23 +7,19 @@
 #   index, where a configured local wheel folder may serve it), triton==3.6.0, numpy.
 # The package itself is not installed: the child process imports it from the checkout (PYTHONPATH).
 # Use: GRPO_AOT_PYTHON=.venv-triton36/bin/python .venv/bin/python -m pytest tests/kernels/test_aot.py (docs/kernels.md).
-# Idempotent: a second run only checks the two versions (~2 s). Knobs: PYTHON, TORCH_CPU_INDEX, AOT36_VENV.
+# Idempotent: a second run only checks the two versions (~2 s). Knobs: AOT36_VENV; PYTHON, TORCH_CPU_INDEX
+# (lib_venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib_venv.sh
-PYTHON=${PYTHON:-python3}
 VENV=${AOT36_VENV:-.venv-triton36}
-TORCH_VERSION=2.13.0
 TRITON_VERSION=3.6.0
-TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 check='import torch, triton, numpy, sys; v = (torch.__version__.split("+")[0], triton.__version__); print(*v); sys.exit(v != tuple(sys.argv[1:]))'
 if venv_ready "$VENV" "$check" "$TORCH_VERSION" "$TRITON_VERSION"; then
     echo "$VENV ready: torch $TORCH_VERSION triton $TRITON_VERSION (cached)"
     exit 0
 fi
-make_venv "$VENV"
-PIP="$VENV/bin/python -m pip"
-install_cpu_torch "$VENV/logs" "$TORCH_VERSION"
+torch_venv "$VENV" "$TORCH_VERSION"
 # Why --no-deps for triton: its wheel needs nothing else here; a resolver pass could replace the CPU torch.
 $PIP install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
 $PIP install -q --disable-pip-version-check numpy

@@ -15,16 +15,14 @@
 #   triton==3.9.0 (as .venv; --no-deps: the Triton interpreter case; a resolver pass could replace the CPU torch).
 # The package itself is not installed: the tests run from the checkout (python -m pytest puts it first on sys.path).
 # Use: .venv-verl/bin/python -m pytest tests/verl -q (docs/verl.md). Idempotent: a second run only checks the
-# versions (~10 s, mostly `import verl`; the first run 3-6 min on 2 cores). Knobs: PYTHON, TORCH_CPU_INDEX, VERL_VENV.
+# versions (~10 s, mostly `import verl`; the first run 3-6 min on 2 cores). Knobs: VERL_VENV; PYTHON, TORCH_CPU_INDEX
+# (lib_venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib_venv.sh
-PYTHON=${PYTHON:-python3}
 VENV=${VERL_VENV:-.venv-verl}
-TORCH_VERSION=2.13.0
 VERL_VERSION=0.9.1
 TRITON_VERSION=3.9.0
-TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 CONSTRAINTS=scripts/verl-constraints.txt
 check='import sys, torch, triton, verl, transformers, pytest, megatron.core
 v = (torch.__version__.split("+")[0], verl.__version__, triton.__version__)
@@ -33,9 +31,7 @@ if venv_ready "$VENV" "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION
     echo "$VENV ready: torch $TORCH_VERSION verl $VERL_VERSION triton $TRITON_VERSION (cached)"
     exit 0
 fi
-make_venv "$VENV"
-PIP="$VENV/bin/python -m pip"
-install_cpu_torch "$VENV/logs" "$TORCH_VERSION"
+torch_venv "$VENV" "$TORCH_VERSION"
 $PIP install -q --disable-pip-version-check --no-deps "verl==$VERL_VERSION"
 $PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" ray tensordict transformers hydra-core accelerate dill \
     codetiming numpy packaging pytest megatron-core > "$VENV/logs/verl.log" 2>&1 \
