@@ -1,5 +1,5 @@
 """The names of the paths a call can take, and what each is, defined once: the planner chooses among them
-(``planner.py``), the path modules and ``explain`` compare with them, never with string literals (docs/DESIGN.md,
+(``planner/``), the path modules and ``explain`` compare with them, never with string literals (docs/DESIGN.md,
 "The planner and the paths").
 """
 from __future__ import annotations

@@ -8,13 +8,12 @@
 #     pinned by constraints.txt); otherwise torch==2.13.0 from the default index (the CUDA build on Linux);
 #   - the pinned torch already installed: nothing.
 # Then `pip install -e ".[train,test,bench]"` pinned by constraints.txt. Idempotent: a second run only checks.
-# Knobs: PYTHON (python3, for the venv), TORCH_CPU_INDEX, SETUP_PIP (the pip command; tests replace it).
+# Knobs: PYTHON (python3, for the venv), TORCH_CPU_INDEX (both read by lib_venv.sh), SETUP_PIP (the pip command;
+# tests replace it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-TORCH_VERSION=2.13.0
-TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+source scripts/lib_venv.sh
+make_venv .venv
 PIP=${SETUP_PIP:-.venv/bin/python -m pip}
 read -r action reason < <(bash scripts/torch_source.sh .venv/bin/python "$TORCH_VERSION")
 echo "torch: $reason"
@@ -25,13 +24,7 @@ case $action in
         constraints=$(mktemp)
         trap 'rm -f "$constraints"' EXIT
         grep -vE '^(torch|triton)==' constraints.txt > "$constraints" ;;
-    cpu)
-        mkdir -p .venv/logs
-        if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --index-url "$TORCH_CPU_INDEX" \
-                "torch==$TORCH_VERSION" > .venv/logs/torch-cpu-index.log 2>&1; then
-            echo "torch: $TORCH_CPU_INDEX not reachable (.venv/logs/torch-cpu-index.log); trying the default index"
-            $PIP install -q --disable-pip-version-check "torch==$TORCH_VERSION"
-        fi ;;
+    cpu) install_cpu_torch .venv/logs "$TORCH_VERSION" ;;
     default) $PIP install -q --disable-pip-version-check "torch==$TORCH_VERSION" ;;
     *) echo "scripts/torch_source.sh: unexpected answer '$action $reason'" >&2; exit 1 ;;
 esac

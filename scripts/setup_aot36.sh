@@ -7,27 +7,19 @@
 #   index, where a configured local wheel folder may serve it), triton==3.6.0, numpy.
 # The package itself is not installed: the child process imports it from the checkout (PYTHONPATH).
 # Use: GRPO_AOT_PYTHON=.venv-triton36/bin/python .venv/bin/python -m pytest tests/kernels/test_aot.py (docs/kernels.md).
-# Idempotent: a second run only checks the two versions (~2 s). Knobs: PYTHON, TORCH_CPU_INDEX, AOT36_VENV.
+# Idempotent: a second run only checks the two versions (~2 s). Knobs: AOT36_VENV; PYTHON, TORCH_CPU_INDEX
+# (lib_venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+source scripts/lib_venv.sh
 VENV=${AOT36_VENV:-.venv-triton36}
-TORCH_VERSION=2.13.0
 TRITON_VERSION=3.6.0
-TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 check='import torch, triton, numpy, sys; v = (torch.__version__.split("+")[0], triton.__version__); print(*v); sys.exit(v != tuple(sys.argv[1:]))'
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$check" "$TORCH_VERSION" "$TRITON_VERSION" > /dev/null 2>&1; then
+if venv_ready "$VENV" "$check" "$TORCH_VERSION" "$TRITON_VERSION"; then
     echo "$VENV ready: torch $TORCH_VERSION triton $TRITON_VERSION (cached)"
     exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
-mkdir -p "$VENV/logs"
-if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --index-url "$TORCH_CPU_INDEX" \
-        "torch==$TORCH_VERSION" > "$VENV/logs/torch-cpu-index.log" 2>&1; then
-    echo "torch: $TORCH_CPU_INDEX not reachable ($VENV/logs/torch-cpu-index.log); trying the default index"
-    $PIP install -q --disable-pip-version-check "torch==$TORCH_VERSION"
-fi
+torch_venv "$VENV" "$TORCH_VERSION"
 # Why --no-deps for triton: its wheel needs nothing else here; a resolver pass could replace the CPU torch.
 $PIP install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
 $PIP install -q --disable-pip-version-check numpy

@@ -15,32 +15,23 @@
 #   triton==3.9.0 (as .venv; --no-deps: the Triton interpreter case; a resolver pass could replace the CPU torch).
 # The package itself is not installed: the tests run from the checkout (python -m pytest puts it first on sys.path).
 # Use: .venv-verl/bin/python -m pytest tests/verl -q (docs/verl.md). Idempotent: a second run only checks the
-# versions (~10 s, mostly `import verl`; the first run 3-6 min on 2 cores). Knobs: PYTHON, TORCH_CPU_INDEX, VERL_VENV.
+# versions (~10 s, mostly `import verl`; the first run 3-6 min on 2 cores). Knobs: VERL_VENV; PYTHON, TORCH_CPU_INDEX
+# (lib_venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+source scripts/lib_venv.sh
 VENV=${VERL_VENV:-.venv-verl}
-TORCH_VERSION=2.13.0
 VERL_VERSION=0.9.1
 TRITON_VERSION=3.9.0
-TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 CONSTRAINTS=scripts/verl-constraints.txt
 check='import sys, torch, triton, verl, transformers, pytest, megatron.core
 v = (torch.__version__.split("+")[0], verl.__version__, triton.__version__)
 print(*v, "transformers", transformers.__version__); sys.exit(v != tuple(sys.argv[1:]))'
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -W ignore -c "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION" \
-        > /dev/null 2>&1; then
+if venv_ready "$VENV" "$check" "$TORCH_VERSION" "$VERL_VERSION" "$TRITON_VERSION"; then
     echo "$VENV ready: torch $TORCH_VERSION verl $VERL_VERSION triton $TRITON_VERSION (cached)"
     exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
-mkdir -p "$VENV/logs"
-if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --index-url "$TORCH_CPU_INDEX" \
-        "torch==$TORCH_VERSION" > "$VENV/logs/torch-cpu-index.log" 2>&1; then
-    echo "torch: $TORCH_CPU_INDEX not reachable ($VENV/logs/torch-cpu-index.log); trying the default index"
-    $PIP install -q --disable-pip-version-check "torch==$TORCH_VERSION"
-fi
+torch_venv "$VENV" "$TORCH_VERSION"
 $PIP install -q --disable-pip-version-check --no-deps "verl==$VERL_VERSION"
 $PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" ray tensordict transformers hydra-core accelerate dill \
     codetiming numpy packaging pytest megatron-core > "$VENV/logs/verl.log" 2>&1 \

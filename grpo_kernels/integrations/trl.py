@@ -82,6 +82,7 @@ import warnings
 import torch
 
 from ..config import EXTRA_OUTPUTS
+from .report import Route, backend, route_table
 from .transformers import zero3_enabled, cast_to, fold_logit_scale, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction",
@@ -280,15 +281,6 @@ def _targets():
 
 
 @dataclasses.dataclass(frozen=True)
-class Route:
-    """One kind of call TRL makes through its fused LM head: where it runs after ``patch_trl`` and why."""
-
-    calls: str
-    runs_on: str  # "grpo_kernels" or "TRL"
-    why: str
-
-
-@dataclasses.dataclass(frozen=True)
 class TRLPatchReport:
     """What ``patch_trl`` did: the TRL version, the names it swapped, and which calls use grpo_kernels and which
     fall back to TRL's own kernel (and why). ``print(report)`` shows it as a short table.
@@ -319,11 +311,7 @@ class TRLPatchReport:
                 + (", batch_invariant=True" if self.batch_invariant else "")
                 + (f", round_logits={self.round_logits!r}" if self.round_logits is not None else "") + "); swapped: "
                 + ", ".join(self.patched))
-        w1 = max(len("calls"), *(len(r.calls) for r in self.routes))
-        w2 = max(len("runs on"), *(len(r.runs_on) for r in self.routes))
-        lines = [head, f"  {'calls':<{w1}}  {'runs on':<{w2}}  why", f"  {'-' * w1}  {'-' * w2}  ---"]
-        lines += [f"  {r.calls:<{w1}}  {r.runs_on:<{w2}}  {r.why}" for r in self.routes]
-        return "\n".join(lines)
+        return route_table(head, self.routes)
 
     def __enter__(self) -> "TRLPatchReport":
         return self
@@ -333,21 +321,10 @@ class TRLPatchReport:
             unpatch_trl()
 
 
-def _backend() -> str:
-    """Which grpo_kernels path the routed calls take on this machine (``resolve_impl``'s rule for impl="auto")."""
-    import os
-
-    forced = os.environ.get("GRPO_KERNELS_IMPL", "")
-    if forced in ("triton", "torch"):
-        return f"impl={forced} (GRPO_KERNELS_IMPL)"
-    here = "CUDA available here" if torch.cuda.is_available() else "no CUDA here"
-    return f"Triton kernels on CUDA tensors, chunked PyTorch on CPU ({here})"
-
-
 def _routes(strict: bool) -> tuple[Route, ...]:
     refused = "strict: ValueError at trainer setup" if strict else "warned once"
     return (
-        Route("GRPO/RLOO policy log-probs + entropy", "grpo_kernels", _backend()),
+        Route("GRPO/RLOO policy log-probs + entropy", "grpo_kernels", backend()),
         Route("SFT/DPO/KTO policy + extra outputs", "grpo_kernels",
               "is_top1, mean_logits, log_sum_sq_probs: same sweep over V, no gradient"),
         Route("reference model log-probs (DPO, KTO, GRPO beta > 0)", "grpo_kernels", "same fused head, no gradient"),
@@ -406,7 +383,7 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
     fallbacks = "; ".join(r.calls for r in report.fallbacks)
     logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s, batch_invariant=%s): policy (GRPO, RLOO, SFT, DPO, KTO), reference and "
                 "padding-free log-probs run on grpo_kernels [%s]; TRL's own kernel for: %s", version,
-                "patched" if newly else "already patched", strict, batch_invariant, _backend(), fallbacks)
+                "patched" if newly else "already patched", strict, batch_invariant, backend(), fallbacks)
     return report
 
 

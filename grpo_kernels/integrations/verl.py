@@ -47,7 +47,7 @@ import sys
 
 import torch
 
-from .trl import Route
+from .report import Route, backend, route_table
 
 __all__ = ["SUPPORTED_VERL_VERSIONS", "REDUCTIONS", "linear_cross_entropy", "patch_verl", "unpatch_verl",
            "is_verl_patched", "VerlPatchReport"]
@@ -167,27 +167,12 @@ class VerlPatchReport:
     def __str__(self) -> str:
         head = (f"grpo_kernels.verl: verl {self.verl_version} {'patched' if self.newly_patched else 'already patched'}"
                 f"; swapped: " + ", ".join(self.patched))
-        w1 = max(len("calls"), *(len(r.calls) for r in self.routes))
-        w2 = max(len("runs on"), *(len(r.runs_on) for r in self.routes))
-        lines = [head, f"  {'calls':<{w1}}  {'runs on':<{w2}}  why", f"  {'-' * w1}  {'-' * w2}  ---"]
-        lines += [f"  {r.calls:<{w1}}  {r.runs_on:<{w2}}  {r.why}" for r in self.routes]
-        return "\n".join(lines)
-
-
-def _backend() -> str:
-    """Which grpo_kernels path the calls take on this machine (``resolve_impl``'s rule for impl="auto")."""
-    import os
-
-    forced = os.environ.get("GRPO_KERNELS_IMPL", "")
-    if forced in ("triton", "torch"):
-        return f"impl={forced} (GRPO_KERNELS_IMPL)"
-    here = "CUDA available here" if torch.cuda.is_available() else "no CUDA here"
-    return f"Triton kernels on CUDA tensors, chunked PyTorch on CPU ({here})"
+        return route_table(head, self.routes)
 
 
 def _routes() -> tuple[Route, ...]:
     return (
-        Route("FSDP fused forward, impl_backend=triton", "grpo_kernels", _backend()),
+        Route("FSDP fused forward, impl_backend=triton", "grpo_kernels", backend()),
         Route("old / reference log-probs (no grad)", "grpo_kernels", "the one-sweep no-grad path"),
         Route("Megatron fused forward (TP vocab shards)", "grpo_kernels",
               "vocab-parallel head; partial d hidden, as verl's kernel"),
@@ -238,7 +223,7 @@ def patch_verl(batch_invariant: bool | None = None) -> VerlPatchReport:
     report = VerlPatchReport(verl_version=version, patched=tuple(f"{name}.{SEAM_NAME}" for name in _STATE["swapped"]),
                              routes=_routes(), newly_patched=newly)
     logger.info("grpo_kernels.verl: verl %s %s: %s replaced by grpo_kernels' fused head [%s%s]; verl's own for: %s",
-                version, "patched" if newly else "already patched", ", ".join(report.patched), _backend(),
+                version, "patched" if newly else "already patched", ", ".join(report.patched), backend(),
                 ", batch-invariant" if batch_invariant else "",
                 "; ".join(r.calls for r in report.routes if r.runs_on != "grpo_kernels"))
     return report

@@ -29,7 +29,7 @@ from grpo_kernels.integrations.trl import (  # noqa: E402
 from ..support.tolerances import ATOL, assert_three_way, max_err  # noqa: E402
 from ..support.trl_runs import (  # noqa: E402
     WORDS, assert_head_function_three_way, assert_informative, assert_same_run, even_words, head_inputs, head_truth,
-    run_head, short, word_tokenizer,
+    run_head, short, train_quietly, word_tokenizer,
 )
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
@@ -83,9 +83,7 @@ def _train(tiny_lm, tmp_path, patched: bool, dtype=torch.float32, **overrides):
             patch_trl()
         trainer = GRPOTrainer(model=path, reward_funcs=[even_words, short], args=GRPOConfig(**options),
                               train_dataset=dataset, processing_class=tokenizer)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train()
+        train_quietly(trainer)
     finally:
         grpo_kernels.linear_token_logprobs = original
         unpatch_trl()

@@ -6,7 +6,6 @@ Why exact inputs (``_dyadic_head``): with products and sums exact in fp32, TRL's
 the same raw value; otherwise an fp32 difference in the order of a sum could move one logit across a bf16 rounding
 boundary in one of them (a jump of one bf16 ulp, not an fp32 difference). Why no bias: TRL adds it to the bf16 tile
 in bf16, a second rounding the recipe (one rounding of ``hidden @ weight.T + bias``) does not have."""
-import warnings
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from grpo_kernels.integrations.trl import TRLLogProbFunction, patch_trl, roundin
 from grpo_kernels.reference import logprobs_and_entropy  # noqa: E402
 
 from ..support.tolerances import assert_three_way, max_err, same_maths_slack  # noqa: E402
-from ..support.trl_runs import even_words, short  # noqa: E402
+from ..support.trl_runs import even_words, short, train_quietly  # noqa: E402
 from .test_hf_trl import tiny_lm  # noqa: E402,F401  (the module-scoped fixture)
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
@@ -98,9 +97,7 @@ def _train_bf16(tiny_lm, tmp_path, monkeypatch, round_logits=None, patched=True)
             patch_trl(round_logits=round_logits)
         trainer = GRPOTrainer(model=path, reward_funcs=[even_words, short], args=args, train_dataset=dataset,
                               processing_class=tokenizer)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train()
+        train_quietly(trainer)
     finally:
         unpatch_trl()
         monkeypatch.undo()

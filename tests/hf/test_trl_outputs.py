@@ -34,7 +34,7 @@ from grpo_kernels.reference import token_extras  # noqa: E402
 
 from ..support.tolerances import assert_three_way, grad_scale  # noqa: E402
 from ..support.trl_runs import (  # noqa: E402
-    TIMING_KEYS, WORDS, assert_informative, assert_same_run, head_truth, run_head, word_tokenizer,
+    TIMING_KEYS, WORDS, assert_informative, assert_same_run, head_truth, run_head, train_quietly, word_tokenizer,
 )
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
@@ -233,9 +233,7 @@ def _train(kind: str, tiny_lm, tmp_path, monkeypatch, patched: bool, dtype=torch
                 patch_trl(strict=True)
             trainer = trainer_cls(model=path, args=config, train_dataset=_dataset(kind, prompts, greedy),
                                   processing_class=tokenizer)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer.train()
+            train_quietly(trainer)
         finally:
             unpatch_trl()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

@@ -39,6 +39,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 import grpo_kernels  # noqa: E402
 from grpo_kernels.integrations.trl import patch_trl, unpatch_trl  # noqa: E402
 from tests.support.tolerances import assert_three_way  # noqa: E402
+from tests.support.trl_runs import train_quietly  # noqa: E402
 
 VOCAB, TEMPERATURE = 45, 0.7
 # (prompt length, completion length) per sample: ragged, a 1-token completion, a 1-token prompt.
@@ -399,9 +400,7 @@ def _async_run(tmp_path, patched: bool, dtype=torch.float32):
         trainer = AsyncGRPOTrainer(model=str(path), args=args, train_dataset=Dataset.from_dict({"prompt": ["w1"] * 8}),
                                    processing_class=tokenizer, reward_funcs=[lambda completions, **kw: [0.0]],
                                    rollout_worker=_RolloutStub(_rollouts()), weight_transfer=_NoWeightSync())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train()
+        train_quietly(trainer)
     finally:
         unpatch_trl()
     return trainer.state.log_history, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

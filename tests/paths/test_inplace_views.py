@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels import planner
+from grpo_kernels.paths import LOGITS_FAST, LOGITS_SWEEP, LOGITS_TORCH
+from grpo_kernels.planner import common as planner_common
 from grpo_kernels._checks import overlaps_in_memory
 from grpo_kernels.explain import plan_call
 from grpo_kernels.logits.logprobs import TORCH_LOGITS_TEMPS
@@ -52,12 +53,12 @@ KINDS = ["shifted", "transposed", "step", "vocab-strided"]
 ROOTED = ("shifted", "transposed", "vocab-strided")  # box views: the buffer becomes its own gradient
 # (function, impl, grad_in_forward, importance_sampling_level) -> the path the planner picks
 PATHS = {
-    "token_logprobs-torch": ("token_logprobs", "torch", True, "token", planner.LOGITS_TORCH),
-    "token_logprobs-triton": ("token_logprobs", "triton", True, "token", planner.LOGITS_SWEEP),
-    "grpo_loss-torch": ("grpo_loss", "torch", True, "token", planner.LOGITS_TORCH),
-    "grpo_loss-triton-fast": ("grpo_loss", "triton", True, "token", planner.LOGITS_FAST),
-    "grpo_loss-triton-sweep": ("grpo_loss", "triton", False, "token", planner.LOGITS_SWEEP),
-    "grpo_loss-triton-sequence": ("grpo_loss", "triton", True, "sequence", planner.LOGITS_SWEEP),
+    "token_logprobs-torch": ("token_logprobs", "torch", True, "token", LOGITS_TORCH),
+    "token_logprobs-triton": ("token_logprobs", "triton", True, "token", LOGITS_SWEEP),
+    "grpo_loss-torch": ("grpo_loss", "torch", True, "token", LOGITS_TORCH),
+    "grpo_loss-triton-fast": ("grpo_loss", "triton", True, "token", LOGITS_FAST),
+    "grpo_loss-triton-sweep": ("grpo_loss", "triton", False, "token", LOGITS_SWEEP),
+    "grpo_loss-triton-sequence": ("grpo_loss", "triton", True, "sequence", LOGITS_SWEEP),
 }
 
 
@@ -187,7 +188,7 @@ def test_shifted_logits_in_place_allocate_no_logits_sized_tensor(entry, impl, B_
     if entry.startswith("liger"):
         monkeypatch.setenv("GRPO_KERNELS_IMPL", impl)
     # a default budget small enough that the PyTorch path's row chunks (fp32 temporaries) stay below the logits' size
-    monkeypatch.setattr(planner, "DEFAULT_WORKING_BYTES", 1 << 14)
+    monkeypatch.setattr(planner_common, "DEFAULT_WORKING_BYTES", 1 << 14)  # where Budget reads it
     Tn, Vn, Hn = 16, 512, 2  # the weight gradient (V x H) and the torch path's chunks stay below the logits
     g = torch.Generator().manual_seed(B_)
     hidden0 = torch.randn(B_, Tn + 1, Hn, generator=g)

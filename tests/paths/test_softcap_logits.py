@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels import GRPOLossConfig, planner
+from grpo_kernels import GRPOLossConfig
+from grpo_kernels.paths import LOGITS_FAST, LOGITS_SWEEP, LOGITS_TORCH
 from grpo_kernels.reference import soft_cap
 
 from ..support.cases import CASES, make_inputs, optional_inputs
@@ -135,11 +136,11 @@ _ENTROPY_KL = GRPOLossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.05, tem
 # name -> (impl, config, the path it must take): the fast kernel, the sweep with the Triton token stage, the sweep
 # with the reference stage (a sequence-level ratio), the PyTorch path
 LOSS_PATHS = {
-    "logits.fast": ("triton", _ENTROPY_KL, planner.LOGITS_FAST),
-    "logits.sweep-token-stage": ("triton", _ENTROPY_KL.replace(grad_in_forward=False), planner.LOGITS_SWEEP),
+    "logits.fast": ("triton", _ENTROPY_KL, LOGITS_FAST),
+    "logits.sweep-token-stage": ("triton", _ENTROPY_KL.replace(grad_in_forward=False), LOGITS_SWEEP),
     "logits.sweep-sequence": ("triton", _ENTROPY_KL.replace(loss_type="grpo", importance_sampling_level="sequence"),
-                              planner.LOGITS_SWEEP),
-    "logits.torch": ("torch", _ENTROPY_KL, planner.LOGITS_TORCH),
+                              LOGITS_SWEEP),
+    "logits.torch": ("torch", _ENTROPY_KL, LOGITS_TORCH),
 }
 _CASE = next(c for c in CASES if c.id == "grpo-beta-kl")  # old and reference log-probs
 
@@ -238,7 +239,7 @@ def test_torch_path_keeps_two_temporaries_per_chunk(dtype):
     args = (x, inputs["ids"], inputs["advantages"], inputs["mask"])
     options = dict(config=_ENTROPY_KL, impl="torch", memory_budget=100_000, **optional_inputs(inputs))
     plan = plan_call(gk.grpo_loss, *args, **options)
-    assert plan.path == planner.LOGITS_TORCH and plan.chunk_rows < 32
+    assert plan.path == LOGITS_TORCH and plan.chunk_rows < 32
 
     def run():
         loss, metrics = gk.grpo_loss(*args, **options)

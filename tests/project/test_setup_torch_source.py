@@ -69,7 +69,7 @@ def _setup(tmp_path, driver, torch, cpu_index_reachable=True):
     that logs its arguments (one line per call) and fails on the CPU index when it is "unreachable"."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for name in ("setup.sh", "torch_source.sh"):
+    for name in ("setup.sh", "lib_venv.sh", "torch_source.sh"):
         shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
     shutil.copy(ROOT / "constraints.txt", repo / "constraints.txt")
     _fake_python(repo / ".venv" / "bin" / "python", torch)

@@ -1,7 +1,9 @@
 """What the TRL trainer tests share (tests/hf/test_hf_trl.py, tests/hf/test_softcap_trl.py): the word-level
 tokenizer of the tiny models, the rewards, the comparison of an unpatched and a patched run, and direct calls of
-TRL's fused head function (ours or TRL's ``ChunkedLogProbFunction``)."""
+TRL's fused head function (ours or TRL's ``ChunkedLogProbFunction``), a training run without warnings."""
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -109,3 +111,11 @@ def assert_head_function_three_way(ours, theirs, truth, what=""):
         assert_three_way(o, n, t, torch.float32, f"{what} {name}")
     for name, o, n, t in zip(("d hidden", "d weight", "d bias"), grads, n_grads, t_grads):
         assert_three_way(o, n, t, torch.float32, f"{what} {name}", scale=grad_scale(t))
+
+
+def train_quietly(trainer):
+    """``trainer.train()`` with the libraries' warnings silenced: these runs compare numbers, not messages (the tests
+    of a warning catch it themselves)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()

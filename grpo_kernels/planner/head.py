@@ -1,20 +1,25 @@
-"""The fused head's plans: ``plan_head(HeadCall) -> Plan`` and one small function per head path (docs/DESIGN.md,
-"The planner"). Split from ``planner.py`` along the seam between the two families of paths; the call and plan types,
-the budget and the shared sizing helpers stay there, and ``planner`` re-exports what callers use (``plan_head``,
-``head_accumulator_bytes``, ``sequence_chunks``), so ``planner.plan_head`` stays the one entry of the head."""
+"""The fused head's plans: ``plan_head(HeadCall) -> Plan`` for ``fused_linear_grpo_loss`` / ``linear_token_logprobs``,
+one small function per head path (head.torch, head.no_grad, head.fast, head.fast_sequence, head.fast_vocab_parallel,
+head.light; docs/DESIGN.md, "The planner and the paths"), and the head's own sizing: its fp32 accumulators
+(``head_accumulator_bytes``), its chunks of whole sequences (``sequence_chunks``), its extra outputs' bytes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import torch
 
-from ._testing import knobs
-from .head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
-from .invariance import INVARIANT_LIGHT_ROOM, block_rows
-from .loss_types import per_token_gradient_known
-from .paths import HEAD_FAST, HEAD_FAST_SEQUENCE, HEAD_FAST_VOCAB_PARALLEL, HEAD_LIGHT, HEAD_NO_GRAD, HEAD_TORCH
-from .planner import (DEFAULT_WORKING_BYTES, NO_GRAD_CHUNK_CAP, HeadCall, Plan, _cdiv, _even_rows, _extra_bytes,
-                      _fast_min_rows, _per_token_bytes, _shown, _with_cap_note)
+from .._testing import knobs
+from ..head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
+from ..invariance import INVARIANT_LIGHT_ROOM, block_rows
+from ..loss_types import per_token_gradient_known
+from ..paths import HEAD_FAST, HEAD_FAST_SEQUENCE, HEAD_FAST_VOCAB_PARALLEL, HEAD_LIGHT, HEAD_NO_GRAD, HEAD_TORCH
+from .common import HeadCall, Plan, per_token_bytes, shown, with_cap_note
+
+# Fewest rows per chunk worth the fused head's fast path: below ~256 rows the per-chunk read + write of the fp32 dW
+# accumulator (8 V H bytes) costs more than the chunk's GEMMs (6 R V H FLOPs) on an H100 / H200.
+FAST_PATH_MIN_ROWS = 256
+# The no-grad head pass gains nothing from chunks above this (the GEMM is at full speed from ~400 rows at V = 152k).
+NO_GRAD_CHUNK_CAP = 256 << 20
 
 
 def head_accumulator_bytes(V: int, H: int, weight_dtype: torch.dtype, bias_dtype, need_weight: bool,
@@ -92,12 +97,12 @@ def plan_head(call: HeadCall) -> Plan:
         plan = plan or _head_light(call, costs, why)
     if call.batch_invariant:
         plan = replace(plan, batch_invariant=True)
-    return _with_cap_note(plan, call.inputs.transform)
+    return with_cap_note(plan, call.inputs.transform)
 
 
-def _fixed_rows(call) -> int:
+def _fixed_rows(call: HeadCall) -> int:
     """The batch-invariant paths' rows per block on the call's device (``invariance.block_rows``)."""
-    return block_rows(call.inputs.hidden.device if isinstance(call, HeadCall) else call.inputs.logits.device)
+    return block_rows(call.inputs.hidden.device)
 
 
 def _head_torch(call: HeadCall, costs: _HeadCosts) -> Plan:
@@ -117,7 +122,7 @@ def _head_torch(call: HeadCall, costs: _HeadCosts) -> Plan:
             accum.append(("fp32 d weight accumulator", 4 * V * H))
     loop_fixed = 4 * vt * H if half else 0  # the weight tile in fp32, alive with the logits tiles
     per_row = TORCH_HEAD_TEMPS * acc * vt + (acc * H if half else 0)
-    small = _per_token_bytes(N, 4) + _extra_bytes(call, acc)
+    small = per_token_bytes(N, 4) + _extra_bytes(call, acc)
     need = costs.fixed + sum(b for _, b in accum) + small + loop_fixed + per_row
     if budget < need:
         raise call.budget.error(call.op, HEAD_TORCH, need)
@@ -137,7 +142,7 @@ def _head_no_grad(call: HeadCall, costs: _HeadCosts) -> Plan:
     """Row chunks of fp32 logits for the GEMM + fold, at most ``NO_GRAD_CHUNK_CAP`` bytes each."""
     V, N = call.inputs.weight.shape[0], call.n_valid
     budget = call.budget.working()
-    small = _per_token_bytes(N, 3) + _extra_bytes(call)
+    small = per_token_bytes(N, 3) + _extra_bytes(call)
     room = min(budget - costs.fixed - small, knobs().no_grad_chunk_cap or NO_GRAD_CHUNK_CAP)
     if room < 4 * V:
         raise call.budget.error(call.op, HEAD_NO_GRAD, costs.fixed + small + 4 * V)
@@ -166,7 +171,7 @@ def _head_fast_family(call: HeadCall, costs: _HeadCosts):
     (V, H), bias = call.inputs.weight.shape, call.inputs.bias
     accum = head_accumulator_bytes(V, H, call.inputs.weight.dtype, None if bias is None else bias.dtype,
                                    call.needs[1], call.needs[2] and bias is not None)
-    small = _per_token_bytes(call.n_valid, 18)
+    small = per_token_bytes(call.n_valid, 18)
     budget = call.budget.working(accum + costs.fixed + small)
     max_rows = max(0, budget - accum - costs.fixed - small) // (4 * V)
     items = [("fp32 d weight / d bias accumulators", accum)] if accum else []
@@ -184,8 +189,8 @@ def _head_fast(call: HeadCall, costs: _HeadCosts, budget: int, items: list, max_
     N = call.n_valid
     least = min(N, _fast_min_rows())
     if N and max_rows < least:
-        return None, (f"the budget leaves room for {_shown(max_rows)} rows per chunk beside the accumulators, fewer "
-                      f"than {_shown(least)}")
+        return None, (f"the budget leaves room for {shown(max_rows)} rows per chunk beside the accumulators, fewer "
+                      f"than {shown(least)}")
     V = call.inputs.weight.shape[0]
     rows = _even_rows(N, max(max_rows, 1))
     chunk = min(rows, max(N, 1)) * 4 * V
@@ -195,9 +200,9 @@ def _head_fast(call: HeadCall, costs: _HeadCosts, budget: int, items: list, max_
         if max_rows < rows:
             return None, f"batch_invariant: the budget leaves room for fewer rows per chunk than its {rows}-row blocks"
     items = items + [("fp32 logits chunk (d logits written in place)", chunk),
-                     ("per-token values and terms", _per_token_bytes(N, 18))]
+                     ("per-token values and terms", per_token_bytes(N, 18))]
     return _head_plan(call, costs, HEAD_FAST, "Triton, a token-level configuration, a gradient wanted, and the "
-                      f"accumulators plus a chunk of at least {_shown(least)} rows fit the budget", budget, items,
+                      f"accumulators plus a chunk of at least {shown(least)} rows fit the budget", budget, items,
                       chunk_rows=rows, flops_nhv=_flops(call, 6 if call.needs[1] else 4),
                       token_stage="in the epilogue kernel"), ""
 
@@ -211,7 +216,7 @@ def _head_fast_sequence(call: HeadCall, costs: _HeadCosts, budget: int, items: l
     chunks = sequence_chunks(counts, max_rows, offsets, call.inputs.shape[-1])
     rows = max(c[3] - c[2] for c in chunks)
     items = items + [("fp32 logits chunk (d logits written in place)", rows * 4 * call.inputs.weight.shape[0]),
-                     ("per-token values", _per_token_bytes(call.n_valid, 18))]
+                     ("per-token values", per_token_bytes(call.n_valid, 18))]
     return _head_plan(call, costs, HEAD_FAST_SEQUENCE, "Triton, a gradient wanted, and every sequence's valid "
                       "tokens fit one chunk beside the accumulators", budget, items, chunk_rows=rows,
                       sequence_chunks=tuple(chunks), flops_nhv=_flops(call, 6 if call.needs[1] else 4)), ""
@@ -222,9 +227,9 @@ def _head_fast_vocab_parallel(call: HeadCall, costs: _HeadCosts, budget: int, it
     and the shards' sizes may differ; the chunk itself is R x V_shard."""
     V, N = call.inputs.weight.shape[0], call.n_valid
     total, world = call.shard.total or V, max(call.shard.world, 1)
-    small = _per_token_bytes(N, 18)
+    small = per_token_bytes(N, 18)
     if call.budget.given is None:
-        working = DEFAULT_WORKING_BYTES
+        working = call.budget.working()
     else:  # the shard-sized items as if the shard were the whole vocabulary: the same rows on every rank
         working = budget - (accum + costs.weight_cast) * total // V - (costs.fixed - costs.weight_cast) - small
     rows_all = max(0, working) // (4 * total + 12 * world)
@@ -270,10 +275,10 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
     d logits (and the fp32 d hidden of the block, for half-precision inputs over several chunks) fit the budget.
     Blocks of fewer rows than N only when the fp32 d hidden of every row does not fit (d weight is then summed over
     the blocks in the weight's dtype)."""
-    from .kernels.linear_backward_kernels import backward_layout  # lazy: the Triton path's geometry
-    from .kernels.linear_forward_kernels import forward_partial_bytes
+    from ..kernels.linear_backward_kernels import backward_layout  # lazy: the Triton path's geometry
+    from ..kernels.linear_forward_kernels import forward_partial_bytes
     inputs, (V, H), N = call.inputs, call.inputs.weight.shape, call.n_valid
-    budget, small = call.budget.working(), _per_token_bytes(N, 8) + _extra_bytes(call)
+    budget, small = call.budget.working(), per_token_bytes(N, 8) + _extra_bytes(call)
     needs = (call.needs[0], call.needs[1], call.needs[2] and inputs.bias is not None)
     if torch.compiler.is_compiling():
         # Why deferred: the layout's geometry reads the device and torch's matmul precision, which the compiler
@@ -313,3 +318,29 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
         notes = (f"d weight is summed over {_cdiv(N, layout.row_block)} row blocks in the weight's dtype",)
     return _head_plan(call, costs, HEAD_LIGHT, why, budget, items, chunk_bytes=layout.chunk_bytes,
                       row_block=layout.row_block, chunk_rows=chunk_rows, flops_nhv=_flops(call, 8), notes=notes)
+
+
+def _fast_min_rows() -> int:
+    return knobs().fast_path_min_rows or FAST_PATH_MIN_ROWS
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _even_rows(n: int, max_rows: int) -> int:
+    """Rows per chunk for n rows at most max_rows each, spread evenly (no small last chunk)."""
+    if n <= 0:
+        return max(1, min(max_rows, 1))
+    return _cdiv(n, _cdiv(n, max_rows))
+
+
+def _extra_bytes(call, state_bytes: int = 0) -> int:
+    """Bytes of a head call's extra outputs (``config.TokenExtras``: 4 per fp32 statistic, 1 for is_top1, per
+    row), plus ``state_bytes`` per row and per statistic for a path that carries its own running sums (is_top1:
+    one more bool)."""
+    ex = call.extras
+    if not ex:
+        return 0
+    return call.n_valid * ((4 + state_bytes) * (ex.log_sum_sq_probs + ex.mean_logits)
+                           + (1 + (state_bytes + 1 if state_bytes else 0)) * ex.is_top1)
