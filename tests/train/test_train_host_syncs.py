@@ -46,12 +46,13 @@ def _reads_per_phase(monkeypatch, cfg: TrainConfig) -> dict:
     def mark():
         marks.append((len(records), stack[-1]))
 
-    def left_out(owner, name):
+    def wrap(owner, name, frame):
+        """Run ``owner.name`` inside the stack frame ``frame()`` returns, marking where it starts and ends."""
         real = getattr(owner, name)
 
         @functools.wraps(real)
         def wrapped(*args, **kwargs):
-            stack.append(("left out", name))
+            stack.append(frame())
             mark()
             try:
                 return real(*args, **kwargs)
@@ -59,22 +60,16 @@ def _reads_per_phase(monkeypatch, cfg: TrainConfig) -> dict:
                 stack.pop()
                 mark()
         monkeypatch.setattr(owner, name, wrapped)
+
+    def left_out(owner, name):
+        wrap(owner, name, lambda: ("left out", name))
 
     def starts(kind, owner, name, then_left_out: bool):
-        real = getattr(owner, name)
-
-        @functools.wraps(real)
-        def wrapped(*args, **kwargs):
+        def frame():
             counter[kind] += 1
             stack[0] = (kind, counter[kind])
-            stack.append(("left out", name) if then_left_out else stack[0])
-            mark()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                stack.pop()
-                mark()
-        monkeypatch.setattr(owner, name, wrapped)
+            return ("left out", name) if then_left_out else stack[0]
+        wrap(owner, name, frame)
 
     starts("rollout", trainer_module.Trainer, "make_rollout", then_left_out=True)
     starts("step", trainer_module, "optimizer_step_unread", then_left_out=False)
