@@ -71,6 +71,7 @@ class LogitsCall:
     wants_grad: bool
     inplace: bool
     batch_invariant: bool = False
+    invariant_rows: int | None = None  # batch_invariant's rows per block (None: the device's, invariance.block_rows)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class HeadCall:
     shard: object = None
     batch_invariant: bool = False
     extras: TokenExtras | None = None
+    invariant_rows: int | None = None  # batch_invariant's rows per block (None: the device's, invariance.block_rows)
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,7 @@ def _logits_torch(call: LogitsCall) -> Plan:
         raise call.budget.error(call.op, LOGITS_TORCH, need_row + small)
     rows = max(1, min(N, (budget - small) // need_row))
     if call.batch_invariant:  # every chunk exactly this many rows, whatever N and the budget (invariance.py)
-        rows = block_rows(logits.device)
+        rows = block_rows(logits.device, call.invariant_rows)
         if budget < rows * need_row + small:
             raise call.budget.error(call.op, LOGITS_TORCH + " (batch_invariant)", rows * need_row + small)
     items = (("fp32 temporaries of one row chunk", rows * need_row), ("per-token values", _per_token_bytes(N, 4)))
