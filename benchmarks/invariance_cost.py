@@ -1,7 +1,7 @@
 """The cost of ``batch_invariant=True`` against the default call, on the CPU, in one process, written as the table
 docs/benchmarks.md ("Batch invariance: cost") includes: benchmarks/results/invariance_cost_cpu.md.
 
-    .venv/bin/python -m benchmarks.invariance_cost --out benchmarks/results [--rounds 5] [--threads 1]
+    .venv/bin/python -m benchmarks.invariance_cost --out benchmarks/results [--rounds 9] [--threads 1]
 
 Four sections, each call fp32 with the loss dapo (old and reference log-probs, beta 0.04):
 - the quick grid's CPU shape (B = 8, T = 64, H = 64, V = 8000; "padded": a third of the tokens masked, 344 valid
@@ -270,16 +270,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def header(argv: list[str], rounds: int, load_before: float, load_after: float) -> list[str]:
-    cores = os.cpu_count() or 1
+def header(argv: list[str], rounds: int, started: tuple, load_after: float) -> list[str]:
+    """The file's first lines; ``started``: (date, commit, load average) read before the first timing."""
+    (date, commit, load_before), cores, threads = started, os.cpu_count() or 1, torch.get_num_threads()
     shared = max(load_before, load_after) > 0.5 * cores
     load = (f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after on {cores} cores"
             + (": a shared machine, other jobs ran alongside; the interleaving puts their load on every variant "
                "alike, so read the ratios more than the times" if shared else ": idle"))
     return ["# Batch invariance: cost on the CPU", "",
             f"Written by `python -m benchmarks.invariance_cost {' '.join(argv)}` on "
-            f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} at commit {_commit()}.", "",
-            f"Machine: {cpu_model()}, {cores} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"{date} at commit {commit}.", "",
+            f"Machine: {cpu_model()}, {cores} cores, torch {torch.__version__} ({threads} thread"
+            f"{'' if threads == 1 else 's'}), "
             f"Python {platform.python_version()}; {load}.", "",
             f"Timing: the median of {rounds} interleaved rounds after one warm-up call of each variant (a round runs "
             "every variant of a case once, the order rotating); fp32; loss dapo with old and reference log-probs, "
@@ -290,7 +292,7 @@ def main(argv=None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.invariance_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help=f"folder for {RESULTS_NAME} (created)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case (each runs every variant)")
+    parser.add_argument("--rounds", type=int, default=9, help="timed rounds per case (each runs every variant)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (one: on a shared machine more "
                                                                 "threads wait on each other at every op)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the command's own test)")
@@ -302,10 +304,10 @@ def main(argv=None) -> str:
     threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
     try:  # (restored after: the command's test runs it in the test process)
-        load_before = os.getloadavg()[0]
+        started = (datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), _commit(), os.getloadavg()[0])
         body = quick_section(grid, a.rounds) + block_section(grid, a.rounds) + n_section(grid, a.rounds)
         body += floor_section(grid)
-        text = "\n".join(header(argv, a.rounds, load_before, os.getloadavg()[0]) + body)
+        text = "\n".join(header(argv, a.rounds, started, os.getloadavg()[0]) + body)
     finally:
         torch.set_num_threads(threads)
     path = os.path.join(a.out, RESULTS_NAME)
