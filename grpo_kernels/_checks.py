@@ -68,6 +68,21 @@ def round_logits(value) -> str | None:
     return value
 
 
+def invariant_block_rows(value, batch_invariant) -> int | None:
+    """None (the device's block, ``invariance.BLOCK_ROWS``) or the rows per block of a batch-invariant call, an int
+    >= 1, only with ``batch_invariant=True`` (never ignored: another block is another bit pattern, docs/numerics.md
+    "Batch invariance")."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"invariant_block_rows must be None or an int number of rows >= 1, got {value!r}")
+    if batch_invariant is not True:
+        raise ValueError(f"invariant_block_rows={value} sets the rows per block of batch_invariant=True, but "
+                         f"batch_invariant is {batch_invariant!r}; set batch_invariant=True or leave "
+                         "invariant_block_rows None")
+    return value
+
+
 def host_value_checks() -> bool:
     """Whether the value checks read their verdict on the host (``GRPO_KERNELS_CHECK_VALUES=1``)."""
     return os.environ.get(CHECK_VALUES_ENV, "0") == "1"

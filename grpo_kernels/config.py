@@ -37,6 +37,7 @@ class LogitTransform:
     temperature: float = 1.0
     softcap: float | None = None
     round_logits: str | None = None
+    invariant_block_rows: int | None = None
 
     def __post_init__(self) -> None:
         _checks.temperature(self.temperature)
@@ -123,6 +124,12 @@ class GRPOLossConfig:
         loss and metrics are sums in a fixed per-sequence order (the same bits padded or packed). Fixed row
         blocks (the last one padded), fixed vocabulary chunks, no split depending on the batch; implies
         ``deterministic``.
+    invariant_block_rows: None (the device's block: 256 rows on CPU, 512 on CUDA, ``invariance.BLOCK_ROWS``) or
+        the rows per block of ``batch_invariant=True`` (an int >= 1; refused without batch_invariant). Every call
+        computes whole blocks, so a block far above the batch's rows costs a block's work (docs/numerics.md
+        "Batch invariance": the floor and the cost at small N). Another block is another bit pattern: results are
+        bitwise equal only between calls with the same block (pass the same value to the no-gradient log-prob
+        functions that make old / reference log-probs).
     round_logits: None, or "bf16" / "fp16": round the raw logits (``hidden @ weight.T + bias`` accumulated in fp32,
         or the given logits) to that dtype, to nearest even, before the soft cap, the temperature and the softmax,
         as a sampler (vLLM) or TRL's head under autocast does (docs/numerics.md "Rounding the logits"); the
@@ -155,6 +162,7 @@ class GRPOLossConfig:
     capturable: bool = False
     batch_invariant: bool = False
     round_logits: str | None = None
+    invariant_block_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -195,6 +203,7 @@ class GRPOLossConfig:
         if self.batch_invariant and not self.deterministic:
             raise ValueError("batch_invariant=True needs deterministic=True (float atomics add in an order that "
                              "changes from run to run)")
+        _checks.invariant_block_rows(self.invariant_block_rows, self.batch_invariant)
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                or not isinstance(self.memory_budget, int) or self.memory_budget < 0):
             raise ValueError(f"memory_budget must be None or an int number of bytes >= 0, got {self.memory_budget!r}")

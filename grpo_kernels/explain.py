@@ -60,11 +60,13 @@ def plan_call(*args, **kwargs):
         transform = LogitTransform(a["temperature"], a["softcap"], a["round_logits"])
         inputs = LogitsInputs.validate(a["logits"], a["ids"], transform, a["impl"],
                                        inplace_backward=a["inplace_backward"])
-        return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"], a["batch_invariant"])
+        return plan_token_logprobs(inputs, bool(a["inplace_backward"]), a["memory_budget"], a["batch_invariant"],
+                                   a["invariant_block_rows"])
     inputs, shard, rows = validate_head_logprobs(a["hidden"], a["weight"], a["ids"], a["bias"], a["mask"],
                                                  HeadCallArgs.of(a))
     return plan_linear_token_logprobs(inputs, rows, shard, a["memory_budget"], a["deterministic"],
-                                      TokenExtras.of(a["extra_outputs"]), a["batch_invariant"])
+                                      TokenExtras.of(a["extra_outputs"]), a["batch_invariant"],
+                                      a["invariant_block_rows"])
 
 
 def _config(arguments: dict) -> GRPOLossConfig:

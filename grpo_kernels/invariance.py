@@ -9,10 +9,17 @@ vocabulary is cut at places that depend on V alone. Every GEMM, every chunk redu
 has the same shape whatever N is, and the same code computes a row at any position of any block (a row's result in
 a GEMM does not depend on its row index within a fixed shape; each reduction is per row).
 
-The block size is a constant per device type (a different size would change which kernels run): 256 rows on CPU
-(the PyTorch tiles: smaller blocks cost more than the padding saves; at N = 512, H = 64, V = 8000 the torch head's
-loss step takes 1.78x the default call's time with 64-row blocks, 1.09x with 256, docs/benchmarks.md), 512 on CUDA (one cuBLAS / Triton configuration per shape; a 512 x V fp32 chunk is 311 MB at V =
-151936). Tests set smaller blocks with the ``invariant_rows`` knob so that small batches cross block edges.
+The block size is a constant per device type unless the caller chooses one (a different size changes which kernels
+run, so it is another bit pattern): 256 rows on CPU (the PyTorch tiles: at N = 512, H = 64, V = 8000 the head's loss
+step takes 1.27x the default call's time with 64-row blocks, 1.18x with 128, 1.06x with 256, 1.04x with 512, and 512
+rows are slower on the logits path and pay twice the padding at small N; benchmarks/results/invariance_cost_cpu.md,
+written by ``python -m benchmarks.invariance_cost --out benchmarks/results``), 512 on CUDA (one cuBLAS / Triton
+configuration per shape; a 512 x V fp32 chunk is 311 MB at V = 151936). A call computes whole blocks, so far below
+a block it costs several times the default call (the same file: 13x the head's loss step at N = 1, 3.2x at N = 64),
+and its smallest ``memory_budget`` is one block's working memory. ``invariant_block_rows`` (GRPOLossConfig, the
+log-prob functions, ``patch_trl``) sets a smaller block for such workloads: results are then bitwise equal only
+between calls with the same block; it is never chosen silently. Tests set smaller blocks with the ``invariant_rows``
+knob so that small batches cross block edges.
 """
 from __future__ import annotations
 
@@ -27,8 +34,12 @@ DEFAULT_BLOCK_ROWS = 512  # other device types (meta plans stand for CUDA)
 INVARIANT_LIGHT_ROOM = 256 << 20
 
 
-def block_rows(device) -> int:
-    """The fixed rows per block of the batch-invariant paths on ``device``."""
+def block_rows(device, rows: int | None = None) -> int:
+    """The fixed rows per block of the batch-invariant paths on ``device``: ``rows`` when the caller chose them
+    (``invariant_block_rows``, validated by ``_checks.invariant_block_rows``), else the test knob, else the device
+    type's ``BLOCK_ROWS``."""
+    if rows is not None:
+        return rows
     if knobs().invariant_rows is not None:
         return knobs().invariant_rows
     return BLOCK_ROWS.get(torch.device(device).type, DEFAULT_BLOCK_ROWS)

@@ -17,10 +17,12 @@ from .logits.logprobs import logits_token_logprobs
 
 
 def plan_token_logprobs(inputs: LogitsInputs, inplace_backward: bool, memory_budget=None,
-                        batch_invariant: bool = False) -> planner.Plan:
+                        batch_invariant: bool = False, invariant_block_rows: int | None = None) -> planner.Plan:
     wants_grad = torch.is_grad_enabled() and inputs.logits.requires_grad
+    rows = _checks.invariant_block_rows(invariant_block_rows, _flag(batch_invariant))
     return planner.plan_logits(planner.LogitsCall("token_logprobs", inputs, None, planner.Budget.of(memory_budget),
-                                                  wants_grad, bool(inplace_backward), _flag(batch_invariant)))
+                                                  wants_grad, bool(inplace_backward), batch_invariant,
+                                                  invariant_rows=rows))
 
 
 def _flag(batch_invariant) -> bool:
@@ -31,7 +33,8 @@ def _flag(batch_invariant) -> bool:
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
                    impl: str = "auto", inplace_backward: bool = False, memory_budget: int | None = None,
-                   softcap: float | None = None, batch_invariant: bool = False, round_logits: str | None = None):
+                   softcap: float | None = None, batch_invariant: bool = False, round_logits: str | None = None,
+                   invariant_block_rows: int | None = None):
     """Log-probability of ``ids`` under ``softmax(logits / temperature)``, differentiable w.r.t. logits.
 
     logits: (B, T, V) or (N, V), float32 / bfloat16 / float16 (float64 with impl="torch"); position t scores
@@ -49,10 +52,12 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     round_logits: None, or "bf16" / "fp16": round the logits (read as fp32) to that dtype, to nearest even, before
     the soft cap and the temperature, the sampler's recipe (GRPOLossConfig.round_logits; a no-op for bf16 logits
     rounded to bf16). The gradient passes through the rounding unchanged (straight-through).
+    invariant_block_rows: None (the device's block) or the rows per block of ``batch_invariant=True``
+    (GRPOLossConfig.invariant_block_rows: another block is another bit pattern).
     """
     inputs = LogitsInputs.validate(logits, ids, LogitTransform(temperature, softcap, round_logits), impl,
                                    inplace_backward=inplace_backward)
-    plan = plan_token_logprobs(inputs, bool(inplace_backward), memory_budget, batch_invariant)
+    plan = plan_token_logprobs(inputs, bool(inplace_backward), memory_budget, batch_invariant, invariant_block_rows)
     logp, entropy, _ = logits_token_logprobs(inputs, plan, inplace_backward)
     return (logp, entropy) if return_entropy else logp
 
@@ -116,12 +121,13 @@ def validate_head_logprobs(hidden, weight, ids, bias, mask, args: HeadCallArgs):
 
 def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, memory_budget=None,
                                deterministic: bool = True, extras: TokenExtras | None = None,
-                               batch_invariant: bool = False) -> planner.Plan:
+                               batch_invariant: bool = False, invariant_block_rows: int | None = None) -> planner.Plan:
     wants = torch.is_grad_enabled()
     needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
+    block = _checks.invariant_block_rows(invariant_block_rows, _flag(batch_invariant))
     return planner.plan_head(planner.HeadCall("linear_token_logprobs", inputs, None, planner.Budget.of(memory_budget),
                                               needs, rows.count, bool(deterministic), shard=shard,
-                                              batch_invariant=_flag(batch_invariant), extras=extras))
+                                              batch_invariant=batch_invariant, extras=extras, invariant_rows=block))
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,
@@ -130,7 +136,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
                           vocab_start: int | None = None, gather_head=None, memory_budget: int | None = None,
                           softcap: float | None = None, capturable: bool = False, hidden_grad: str = "reduced",
                           extra_outputs: tuple[str, ...] = (), batch_invariant: bool = False,
-                          round_logits: str | None = None):
+                          round_logits: str | None = None, invariant_block_rows: int | None = None):
     """Per-token log-prob of ``ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``, or under
     ``softmax(softcap * tanh((hidden @ weight.T + bias) / softcap) / temperature)`` with ``softcap`` (Gemma 2's
     ``final_logit_softcapping``, applied inside the kernels on every path).
@@ -154,6 +160,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
     batch_invariant: each row's log-prob, entropy, extras and gradient with respect to its hidden state are bitwise
     the same whatever else is in the call: batch size, position, mask, memory budget (docs/numerics.md, "Batch
     invariance"; d weight sums over rows: deterministic, not invariant). Needs ``deterministic``.
+    invariant_block_rows: None (the device's block) or the rows per block of ``batch_invariant=True``
+    (GRPOLossConfig.invariant_block_rows: another block is another bit pattern; pass the loss's value).
 
     round_logits: None, or "bf16" / "fp16": round the raw logits ``hidden @ weight.T + bias`` (accumulated in fp32)
     to that dtype, to nearest even, before the soft cap and the temperature, as a sampler (vLLM) or TRL's head under
@@ -184,7 +192,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch
                             hidden_grad, extra_outputs)
         inputs, shard, rows = validate_head_logprobs(hidden, weight, ids, bias, mask, args)
         extras = TokenExtras.of(extra_outputs)
-        plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic, extras, batch_invariant)
+        plan = plan_linear_token_logprobs(inputs, rows, shard, memory_budget, deterministic, extras, batch_invariant,
+                                          invariant_block_rows)
         if shard is not None:
             logp, entropy, _ = vocab_parallel.sharded_head_logprobs(inputs, shard, plan, rows,
                                                                     reduce_hidden_grad=hidden_grad == "reduced")

@@ -40,7 +40,7 @@ def validate_logits_loss(logits, ids, args: LossArguments, cfg: GRPOLossConfig, 
     batch = LossInputs.validate(B, T, logits.device, cfg, args)
     wants_grad = torch.is_grad_enabled() and logits.requires_grad
     call = planner.LogitsCall("grpo_loss", inputs, cfg, planner.Budget.of(cfg.memory_budget), wants_grad,
-                              bool(inplace_backward), cfg.batch_invariant)
+                              bool(inplace_backward), cfg.batch_invariant, invariant_rows=cfg.invariant_block_rows)
     return inputs, batch, planner.with_sequences_note(planner.plan_logits(call), batch.seqs)
 
 
@@ -121,7 +121,8 @@ def plan_head_loss(inputs: HeadInputs, batch: LossInputs, cfg: GRPOLossConfig, r
 
     plan = planner.plan_head(planner.HeadCall("fused_linear_grpo_loss", inputs, cfg,
                                               planner.Budget.of(cfg.memory_budget), needs, rows.count,
-                                              cfg.deterministic, counts, vocab_parallel_shard, cfg.batch_invariant))
+                                              cfg.deterministic, counts, vocab_parallel_shard, cfg.batch_invariant,
+                                              invariant_rows=cfg.invariant_block_rows))
     return planner.with_sequences_note(plan, batch.seqs)
 
 

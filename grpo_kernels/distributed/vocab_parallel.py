@@ -389,7 +389,7 @@ def sharded_head_logprobs(inputs: HeadInputs, shard: VocabShard, plan, rows: Val
     local = replace(inputs, hidden=hidden, ids=local_ids, shape=local_ids.shape)
     logp_r, entropy_r, _, _ = head_token_logprobs(local, plan, ValidRows(None, local_ids.numel()))
     z_c = _TargetLogit.apply(hidden, inputs.weight, inputs.bias, local_ids, inputs.transform, plan.deterministic,
-                             block_rows(hidden.device) if plan.batch_invariant else 0)
+                             (plan.chunk_rows or block_rows(hidden.device)) if plan.batch_invariant else 0)
     lse_r = z_c - logp_r  # the shard's logsumexp, differentiable: d lse_r / dz = softmax of the shard
     table = _GatherReplicated.apply(torch.stack([lse_r, torch.where(owned, z_c, 0.0), entropy_r]), shard)
     # the entropy of a mixture of the shards' softmaxes with weights w_r = exp(lse_r - lse): sum_r w_r H_r + H(w).

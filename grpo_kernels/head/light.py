@@ -106,7 +106,7 @@ def _layout_at_run_time(o: LightOptions, hidden, weight, needs) -> LightOptions:
     V, H = weight.shape
     rows, room = hidden.shape[0], o.working_bytes
     if o.batch_invariant:  # the fixed blocks' layout, as the planner would make it (never the budget's)
-        rows, room = block_rows(hidden.device), INVARIANT_LIGHT_ROOM
+        rows, room = o.chunk_rows or block_rows(hidden.device), INVARIANT_LIGHT_ROOM
     layout = backward_layout(rows, V, H, hidden.dtype, hidden.device, room, *needs, o.deterministic)
     if layout is None:
         raise ValueError(f"memory_budget leaves {o.working_bytes} bytes, below the smallest backward layout of the "

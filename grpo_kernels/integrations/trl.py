@@ -81,6 +81,7 @@ import warnings
 
 import torch
 
+from .. import _checks
 from ..config import EXTRA_OUTPUTS
 from .report import Route, backend, route_table
 from .transformers import zero3_enabled, cast_to, fold_logit_scale, fused_head_blocker, logit_scale_of
@@ -104,7 +105,8 @@ _TRAINER_MODULES = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer", "trl
 
 # (module, attribute) -> original value, filled by patch_trl and emptied by unpatch_trl.
 _ORIGINALS: dict = {}
-_STATE = {"strict": False, "warned": set(), "batch_invariant": False, "round_logits": None}
+_STATE = {"strict": False, "warned": set(), "batch_invariant": False, "round_logits": None,
+          "invariant_block_rows": None}
 # patch_trl's round_logits values: a dtype name (GRPOLossConfig.round_logits), or "autocast"
 TRL_ROUNDINGS = (None, "bf16", "fp16", "autocast")
 _AUTOCAST_ROUNDING = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -195,6 +197,7 @@ class TRLLogProbFunction:
         kernel_temperature, kernel_softcap = fold_logit_scale(temperature, logit_scale, final_logit_softcapping)
         out = gk.linear_token_logprobs(hidden, weight, targets, bias=bias, temperature=kernel_temperature,
                                        batch_invariant=_STATE["batch_invariant"],
+                                       invariant_block_rows=_STATE["invariant_block_rows"],
                                        round_logits=rounding_for(hidden.device.type, _STATE["round_logits"]),
                                        softcap=kernel_softcap, return_entropy=want_entropy,
                                        gather_head=_zero3_gather(*head_params), extra_outputs=extras)
@@ -296,6 +299,7 @@ class TRLPatchReport:
     newly_patched: bool
     batch_invariant: bool = False
     round_logits: str | None = None
+    invariant_block_rows: int | None = None
 
     @property
     def kernel_calls(self) -> tuple[Route, ...]:
@@ -309,6 +313,7 @@ class TRLPatchReport:
         head = (f"grpo_kernels.patch_trl: TRL {self.trl_version} "
                 f"{'patched' if self.newly_patched else 'already patched'} (strict={self.strict}"
                 + (", batch_invariant=True" if self.batch_invariant else "")
+                + (f", invariant_block_rows={self.invariant_block_rows}" if self.invariant_block_rows else "")
                 + (f", round_logits={self.round_logits!r}" if self.round_logits is not None else "") + "); swapped: "
                 + ", ".join(self.patched))
         return route_table(head, self.routes)
@@ -337,7 +342,8 @@ def _routes(strict: bool) -> tuple[Route, ...]:
     )
 
 
-def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits: str | None = None) -> TRLPatchReport:
+def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits: str | None = None,
+              invariant_block_rows: int | None = None) -> TRLPatchReport:
     """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``.
 
     Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
@@ -352,6 +358,9 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
         the autocast dtype when torch autocast is enabled at call time (a trainer with ``bf16=True``), else not, so
         the log-probs are those of TRL's own head, which computes its logits in the autocast dtype (docs/numerics.md
         "Rounding the logits").
+    invariant_block_rows: None (the device's block) or the rows per block of ``batch_invariant=True`` on every call
+        (``GRPOLossConfig.invariant_block_rows``: another block is another bit pattern); refused without
+        batch_invariant.
     Returns a ``TRLPatchReport`` (printable table of what was patched and what runs where) and logs one INFO line
     on the ``grpo_kernels`` logger.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.
@@ -362,6 +371,7 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
         raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     if round_logits not in TRL_ROUNDINGS:
         raise ValueError(f"round_logits must be one of {TRL_ROUNDINGS}, got {round_logits!r}")
+    _checks.invariant_block_rows(invariant_block_rows, batch_invariant)
     try:
         version = _trl_version()
     except ImportError as exc:
@@ -371,6 +381,7 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
                            f", found TRL {version}; nothing was patched")
     targets = _targets()  # resolve everything before changing anything
     _STATE["strict"], _STATE["batch_invariant"], _STATE["round_logits"] = strict, batch_invariant, round_logits
+    _STATE["invariant_block_rows"] = invariant_block_rows
     newly = not _ORIGINALS
     if newly:
         for module, name, replacement in targets:
@@ -379,7 +390,7 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
     report = TRLPatchReport(trl_version=version, strict=strict,
                             patched=tuple(f"{module.__name__}.{name}" for module, name, _ in targets),
                             routes=_routes(strict), newly_patched=newly, batch_invariant=batch_invariant,
-                            round_logits=round_logits)
+                            round_logits=round_logits, invariant_block_rows=invariant_block_rows)
     fallbacks = "; ".join(r.calls for r in report.fallbacks)
     logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s, batch_invariant=%s): policy (GRPO, RLOO, SFT, DPO, KTO), reference and "
                 "padding-free log-probs run on grpo_kernels [%s]; TRL's own kernel for: %s", version,
@@ -395,7 +406,7 @@ def unpatch_trl() -> None:
         setattr(sys.modules[module_name], name, original)
     _ORIGINALS.clear()
     _STATE["strict"] = _STATE["batch_invariant"] = False
-    _STATE["round_logits"] = None
+    _STATE["round_logits"] = _STATE["invariant_block_rows"] = None
     _STATE["warned"].clear()
 
 

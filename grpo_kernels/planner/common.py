@@ -52,6 +52,7 @@ class LogitsCall:
     wants_grad: bool
     inplace: bool
     batch_invariant: bool = False
+    invariant_rows: int | None = None  # batch_invariant's rows per block (None: the device's, invariance.block_rows)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class HeadCall:
     shard: object = None
     batch_invariant: bool = False
     extras: TokenExtras | None = None
+    invariant_rows: int | None = None  # batch_invariant's rows per block (None: the device's, invariance.block_rows)
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ def plan_head(call: HeadCall) -> Plan:
 
 def _fixed_rows(call: HeadCall) -> int:
     """The batch-invariant paths' rows per block on the call's device (``invariance.block_rows``)."""
-    return block_rows(call.inputs.hidden.device)
+    return block_rows(call.inputs.hidden.device, call.invariant_rows)
 
 
 def _head_torch(call: HeadCall, costs: _HeadCosts) -> Plan:
@@ -285,6 +285,7 @@ def _head_light(call: HeadCall, costs: _HeadCosts, why: str) -> Plan:
         # cannot trace; the head's registered op picks it within the same bytes when it runs
         return _head_plan(call, costs, HEAD_LIGHT, why, budget, [("per-token values", small)], flops_nhv=8,
                           working_bytes=budget - costs.fixed - small,
+                          chunk_rows=_fixed_rows(call) if call.batch_invariant else None,
                           notes=("backward layout chosen when the op runs (torch.compile)",))
     forward = forward_partial_bytes(N, V, inputs.dtype, inputs.hidden.device,
                                     len(call.extras.names) if call.extras else 0)

@@ -61,7 +61,7 @@ def _logits_torch(call: LogitsCall) -> Plan:
         raise call.budget.error(call.op, LOGITS_TORCH, need_row + small)
     rows = max(1, min(N, (budget - small) // need_row))
     if call.batch_invariant:  # every chunk exactly this many rows, whatever N and the budget (invariance.py)
-        rows = block_rows(logits.device)
+        rows = block_rows(logits.device, call.invariant_rows)
         if budget < rows * need_row + small:
             raise call.budget.error(call.op, LOGITS_TORCH + " (batch_invariant)", rows * need_row + small)
     items = (("fp32 temporaries of one row chunk", rows * need_row), ("per-token values", per_token_bytes(N, 4)))

@@ -68,16 +68,16 @@ def _per_sequence(t, order, pool: Pool, packed: bool):
     return {i: t[b, :n] for b, (i, n) in enumerate(zip(order, lengths))}
 
 
-def token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budget=None):
+def token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budget=None, block=None):
     """token_logprobs on the arranged logits; the backward of sum(a logp + b entropy) with each sequence's own
-    coefficients (0 at padding). Returns per sequence (logp, entropy, d logits)."""
+    coefficients (0 at padding). Returns per sequence (logp, entropy, d logits). ``block``: invariant_block_rows."""
     logits, _ = _arrange(pool, order, "logits", packed)
     ids, _ = _arrange(pool, order, "ids", packed)
     a, _ = _arrange(pool, order, "grad_logp", packed)
     b, _ = _arrange(pool, order, "grad_entropy", packed)
     x = logits.clone().requires_grad_(True)
     logp, ent = gk.token_logprobs(x, ids, temperature=0.8, return_entropy=True, impl=impl, batch_invariant=True,
-                                  memory_budget=budget)
+                                  memory_budget=budget, invariant_block_rows=block)
     (a * logp + b * ent).sum().backward()
     return [_per_sequence(t, order, pool, packed) for t in (logp.detach(), ent.detach(), x.grad)]
 
@@ -175,7 +175,7 @@ def _hidden_grid(pool: Pool, order, packed: bool):
     return hidden, ids, cu
 
 
-def linear_token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budget=None, extras=()):
+def linear_token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budget=None, extras=(), block=None):
     """linear_token_logprobs on the arranged hidden states (padded: with the mask, so the valid rows are compacted;
     packed: all rows), backward of sum(a logp + b entropy). Returns per sequence (logp, entropy, d hidden, extras)."""
     hidden, ids, _ = _hidden_grid(pool, order, packed)
@@ -187,7 +187,8 @@ def linear_token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budge
             mask[row, : pool.ids[i].shape[0]] = True
     x = hidden.clone().requires_grad_(True)
     out = gk.linear_token_logprobs(x, pool.weight, ids, temperature=0.8, return_entropy=True, impl=impl, mask=mask,
-                                   memory_budget=budget, extra_outputs=extras, batch_invariant=True)
+                                   memory_budget=budget, extra_outputs=extras, batch_invariant=True,
+                                   invariant_block_rows=block)
     logp, ent = (out.logp, out.entropy) if extras else out
     (a * logp + b * ent).sum().backward()
     values = [logp.detach(), ent.detach(), x.grad]
@@ -280,20 +281,23 @@ def test_losses_are_batch_invariant_and_the_same_padded_or_packed(impl, fn, conf
             assert torch.equal(metrics_p[key], metrics_k[key]), f"{order}: metric {key}"
 
 
-def _old_logps_without_gradients(pool: Pool, fn: str, impl: str, order) -> dict:
+def _old_logps_without_gradients(pool: Pool, fn: str, impl: str, order, block=None) -> dict:
     """Per sequence, the log-probs the no-gradient call gives in the packed arrangement ``order`` (the old /
     reference log-probs a trainer computes at generation time, in other batches than the loss's)."""
     x, _ = _arrange(pool, order, "hidden" if fn == "fused_linear_grpo_loss" else "logits", True)
     ids, _ = _arrange(pool, order, "ids", True)
     with torch.no_grad():
         if fn == "fused_linear_grpo_loss":
-            logp = gk.linear_token_logprobs(x, pool.weight, ids, temperature=0.8, impl=impl, batch_invariant=True)
+            logp = gk.linear_token_logprobs(x, pool.weight, ids, temperature=0.8, impl=impl, batch_invariant=True,
+                                            invariant_block_rows=block)
         else:
-            logp = gk.token_logprobs(x, ids, temperature=0.8, impl=impl, batch_invariant=True)
+            logp = gk.token_logprobs(x, ids, temperature=0.8, impl=impl, batch_invariant=True,
+                                     invariant_block_rows=block)
     return _per_sequence(logp, order, pool, True)
 
 
-def _loss_at(pool: Pool, fn: str, impl: str, order, cfg: dict, old: dict | None, nudge: bool = False):
+def _loss_at(pool: Pool, fn: str, impl: str, order, cfg: dict, old: dict | None, nudge: bool = False,
+             block=None):
     """(loss, d input) of ``fn`` on the packed sequences ``order`` with old_logps from ``old`` (None: the loss's own
     log-probs, detached, so its ratio is exactly 1); ``nudge`` moves every old log-prob by one ulp."""
     x, cu = _arrange(pool, order, "hidden" if fn == "fused_linear_grpo_loss" else "logits", True)
@@ -305,7 +309,8 @@ def _loss_at(pool: Pool, fn: str, impl: str, order, cfg: dict, old: dict | None,
     args = (x, pool.weight) if fn == "fused_linear_grpo_loss" else (x,)
     adv = torch.linspace(-1.5, 2.0, len(LENGTHS))[list(order)]
     loss, _ = getattr(gk, fn)(*args, ids, adv, old_logps=old_t, cu_seqlens=cu, impl=impl, batch_invariant=True,
-                              temperature=0.8, **{**cfg, "beta": 0.0})  # no reference: the ratio alone
+                              temperature=0.8, invariant_block_rows=block,
+                              **{**cfg, "beta": 0.0})  # no reference: the ratio alone
     loss.backward()
     return loss.detach(), x.grad
 
@@ -328,3 +333,43 @@ def test_old_logps_without_gradients_give_a_ratio_of_exactly_one(impl, fn, confi
         assert torch.equal(ours[1], exact[1]), f"{order}: the gradient differs from the ratio-1 call's"
         nudged = _loss_at(pool, fn, impl, order, LOSS_CONFIGS[config], old, nudge=True)
         assert not torch.equal(nudged[0], exact[0]), "a one-ulp change of the old log-probs went unseen"
+
+
+# A block the caller chooses (``invariant_block_rows``, no knob): single sequences of 7 / 8 / 9 rows and batches of
+# 15 / 16 / 17 rows cross its edges, each sequence at several positions
+CHOSEN_BLOCK = 8
+CHOSEN_ORDERS = [(3,), (7,), (2,), (0, 2, 1), (5, 0), (2, 3, 1), (7, 3), (3, 7, 1)]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_chosen_block_is_batch_invariant_at_its_size(impl, plans):
+    """invariant_block_rows=8: every sequence's log-probs, entropy and gradient bitwise the same in every arrangement
+    (padded or packed) with that block, on the head (head.torch / head.light and head.no_grad under the
+    interpreter) and the logits (logits.torch; the Triton logits paths have no row blocks); every plan has 8-row
+    blocks (the option reaches the planner, not the device's 256)."""
+    pool = _pool(torch.float32)
+    orders = CHOSEN_ORDERS if impl == "torch" else CHOSEN_ORDERS[:5]
+    head = [(_label(order, packed), linear_token_logprobs_call(pool, order, packed, impl, block=CHOSEN_BLOCK))
+            for order in orders for packed in (False, True)]
+    assert_invariant(head, f"linear_token_logprobs ({impl}, invariant_block_rows={CHOSEN_BLOCK})")
+    if impl == "torch":
+        logits = [(_label(order, packed), token_logprobs_call(pool, order, packed, impl, block=CHOSEN_BLOCK))
+                  for order in orders for packed in (False, True)]
+        assert_invariant(logits, f"token_logprobs ({impl}, invariant_block_rows={CHOSEN_BLOCK})")
+    assert plans and all(p.batch_invariant and p.chunk_rows == CHOSEN_BLOCK for p in plans), \
+        {(p.path, p.chunk_rows) for p in plans}
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_chosen_block_gives_a_ratio_of_exactly_one(impl, knobs):
+    """Old log-probs of a no-gradient call in another batch with the same chosen block: the loss and its gradient
+    are bitwise the ratio-1 call's (head.torch; head.no_grad against head.fast under the interpreter)."""
+    knobs(fast_path_min_rows=1)
+    pool = _pool(torch.float32)
+    fn, cfg = "fused_linear_grpo_loss", LOSS_CONFIGS["dapo-num-items"]
+    old = _old_logps_without_gradients(pool, fn, impl, (6, 5, 7, 2, 4, 1, 0, 3), block=CHOSEN_BLOCK)
+    for order in ((2, 0, 3), (5, 0)):
+        exact = _loss_at(pool, fn, impl, order, cfg, None, block=CHOSEN_BLOCK)
+        ours = _loss_at(pool, fn, impl, order, cfg, old, block=CHOSEN_BLOCK)
+        assert torch.equal(ours[0], exact[0]), f"{order}: loss {ours[0].item()!r} != {exact[0].item()!r} (ratio != 1)"
+        assert torch.equal(ours[1], exact[1]), f"{order}: the gradient differs from the ratio-1 call's"

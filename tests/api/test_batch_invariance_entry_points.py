@@ -133,3 +133,65 @@ def test_patch_trl_makes_every_seam_call_batch_invariant(small_blocks, monkeypat
         assert seen and all(seen)
     finally:
         gk.unpatch_trl()
+
+
+@pytest.mark.parametrize("value", [0, -4, 2.0, True, "8"])
+def test_a_bad_block_names_the_option(value):
+    """invariant_block_rows: an int >= 1 on every entry point that takes it, else a ValueError naming it."""
+    hidden, logits, ids = _rows()
+    calls = [lambda: GRPOLossConfig(batch_invariant=True, invariant_block_rows=value),
+             lambda: gk.token_logprobs(logits, ids, batch_invariant=True, invariant_block_rows=value),
+             lambda: gk.linear_token_logprobs(hidden, WEIGHT, ids, batch_invariant=True, invariant_block_rows=value),
+             lambda: gk.explain(gk.linear_token_logprobs, hidden, WEIGHT, ids, batch_invariant=True,
+                                invariant_block_rows=value),
+             lambda: gk.patch_trl(batch_invariant=True, invariant_block_rows=value)]
+    for call in calls:
+        with pytest.raises(ValueError, match="invariant_block_rows must be None or an int number of rows >= 1"):
+            call()
+
+
+def test_a_block_without_batch_invariant_is_refused():
+    """Never silently ignored: a block with batch_invariant=False raises, naming both options."""
+    hidden, logits, ids = _rows()
+    calls = [lambda: GRPOLossConfig(invariant_block_rows=8),
+             lambda: gk.token_logprobs(logits, ids, invariant_block_rows=8),
+             lambda: gk.linear_token_logprobs(hidden, WEIGHT, ids, invariant_block_rows=8),
+             lambda: gk.patch_trl(invariant_block_rows=8)]
+    for call in calls:
+        with pytest.raises(ValueError, match="invariant_block_rows=8 sets the rows per block of batch_invariant=True"):
+            call()
+
+
+def test_explain_shows_the_chosen_block():
+    hidden, _, ids = _rows()
+    text = gk.explain(gk.linear_token_logprobs, hidden, WEIGHT, ids, batch_invariant=True, invariant_block_rows=4)
+    assert "every block has 4 rows" in text
+    assert "every block has 256 rows" in gk.explain(gk.linear_token_logprobs, hidden, WEIGHT, ids,
+                                                    batch_invariant=True)
+
+
+def test_patch_trl_passes_the_chosen_block_to_every_seam_call(monkeypatch, plans):
+    pytest.importorskip("trl", reason="TRL is in the test extra")
+    from trl.trainer import utils as trl_utils
+
+    from ..support.trl_runs import run_head
+
+    report = gk.patch_trl(batch_invariant=True, invariant_block_rows=4)
+    try:
+        assert report.invariant_block_rows == 4 and "invariant_block_rows=4" in str(report)
+        h, _, ids = _rows(seed=1)
+        h, w, b = (t.clone().requires_grad_(True) for t in (h, WEIGHT, torch.zeros(V)))
+        run_head(trl_utils._ChunkedLogProbFunction, h, w, b, ids)
+        assert plans and all(p.batch_invariant and p.chunk_rows == 4 for p in plans), [p.chunk_rows for p in plans]
+    finally:
+        gk.unpatch_trl()
+    assert gk.integrations.trl._STATE["invariant_block_rows"] is None
+
+
+def test_grpo_train_refuses_a_block_it_cannot_pass_on():
+    """grpo.train's old / reference log-probs do not take the option yet: TrainConfig refuses it (no flag)."""
+    from grpo import TrainConfig
+    from grpo.errors import UsageError
+
+    with pytest.raises(UsageError, match="invariant_block_rows is not supported by grpo.train yet"):
+        TrainConfig(loss=GRPOLossConfig(batch_invariant=True, invariant_block_rows=64))

@@ -172,6 +172,25 @@ def test_logprob_functions_compile(impl, softcap):
     assert backend.graphs <= 2
 
 
+def test_a_chosen_invariant_block_compiles(plans):
+    """linear_token_logprobs(batch_invariant=True, invariant_block_rows=8) on the Triton head (head.light, whose
+    layout the compiled op picks when it runs): the compiled call's log-probs and d hidden are bitwise eager's, and
+    the compiled plan keeps the 8-row block."""
+    hidden, weight, ids, _, _, _, _ = _batch(13)
+
+    def fn(h):
+        return linear_token_logprobs(h, weight, ids, impl="triton", batch_invariant=True, invariant_block_rows=8)
+
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        h = hidden.clone().requires_grad_(True)
+        logp = f(h)
+        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        results.append((logp.detach(), h.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert {(p.path, p.chunk_rows) for p in plans} == {("head.light", 8)}
+
+
 def test_modules_compile():
     """GRPOLoss and FusedLinearGRPOLoss (Liger's argument order, reference log-probs from ref_input / ref_weight)."""
     import grpo_kernels as gk
@@ -305,7 +324,7 @@ def test_options_cross_the_op_boundary_unchanged():
     cfg = GRPOLossConfig(loss_type="sapo", beta=0.04, delta=1.5, importance_sampling_level="sequence",
                          max_completion_length=77, memory_budget=(1 << 40) + 3, softcap=30.0, deterministic=False,
                          round_logits="bf16")
-    for obj in (cfg, GRPOLossConfig(), LightOptions("head.no_grad", LogitTransform(0.25, None), False, 7, 8, 9, 10),
+    for obj in (cfg, GRPOLossConfig(), GRPOLossConfig(batch_invariant=True, invariant_block_rows=64), LightOptions("head.no_grad", LogitTransform(0.25, None), False, 7, 8, 9, 10),
                 FastOptions(torch.bfloat16, cfg, LogitTransform(0.9, 20.0, "fp16"), 256)):
         assert ops.decode(type(obj), *ops.encode(obj)) == obj
     with pytest.raises(ValueError, match="option values"):
