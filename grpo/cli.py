@@ -26,12 +26,12 @@ FROM_MODEL = {"softcap"}
 # Loss options for callers that capture the loss in a CUDA graph (capturable: no host sync, the padded rows computed
 # too); grpo.train captures none, so such a flag would only add work. TrainConfig refuses them from Python.
 NOT_FOR_TRAINING = {"capturable"}
-# Not a flag yet: the old / reference log-probs (grpo/policy.py) must take the same block as the loss; TrainConfig
-# refuses it from Python until they do.
-NOT_YET_FOR_TRAINING = {"invariant_block_rows"}
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
 
 _LOSS_HELP = {
+    "invariant_block_rows": "with --batch-invariant: the rows per fixed block (default: the device's, 256 on CPU, "
+                            "512 on CUDA); another block is another bit pattern, for the loss and the old / reference "
+                            "log-probs alike (docs/numerics.md, 'Batch invariance')",
     "loss_type": "policy term and how token losses are averaged into one number (TRL's names; see docs/DESIGN.md)",
     "beta": "coefficient of the KL penalty to the initial policy (>= 0; > 0 keeps a frozen reference copy of the "
             "model in memory)",
@@ -109,7 +109,7 @@ def _add(group, name: str, help_text: str, **kwargs) -> None:
 def _add_loss_arguments(group) -> None:
     hints = typing.get_type_hints(GRPOLossConfig)
     for field in dataclasses.fields(GRPOLossConfig):
-        if field.name in SHARED_WITH_SAMPLING | FROM_MODEL | NOT_FOR_TRAINING | NOT_YET_FOR_TRAINING:
+        if field.name in SHARED_WITH_SAMPLING | FROM_MODEL | NOT_FOR_TRAINING:
             continue
         default = getattr(DEFAULT_LOSS, field.name)
         hint = hints[field.name]

@@ -244,9 +244,6 @@ class TrainConfig:
         _check(not loss.capturable,
                "loss.capturable=True prepares the loss for CUDA-graph capture, which grpo.train does not do: it would "
                "only compute the padded rows too; leave it False")
-        _check(loss.invariant_block_rows is None,
-               "loss.invariant_block_rows is not supported by grpo.train yet (its old / reference log-probs would use "
-               "the device's block, the loss another: a ratio that is not exactly 1); leave it None")
         _check(loss.temperature in (1.0, self.temperature),
                f"loss.temperature={loss.temperature} differs from --temperature {self.temperature}: the loss must "
                "score tokens at the temperature they were sampled with; set TrainConfig.temperature only")

@@ -142,6 +142,7 @@ class GRPOPolicy(nn.Module):
         return gk.linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=self.loss_config.temperature,
                                         softcap=self.loss_config.softcap, impl=self.impl, mask=mask,
                                         batch_invariant=self.loss_config.batch_invariant,
+                                        invariant_block_rows=self.loss_config.invariant_block_rows,
                                         round_logits=self.loss_config.round_logits)
 
 

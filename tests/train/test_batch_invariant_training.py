@@ -16,6 +16,7 @@ import grpo.policy
 from grpo import TrainConfig
 from grpo.cli import config_from_argv
 from grpo.distributed import DistEnv
+from grpo.errors import UsageError
 from grpo.packing import Packing, packed_micro_batches
 from grpo.trainer import Trainer
 from grpo.update import StepOptions, optimizer_step, rollout_logprobs, trim
@@ -134,3 +135,20 @@ def test_the_flag_reaches_every_log_prob_call(tmp_path, monkeypatch):
     rollout, _ = trainer.make_rollout()
     rollout_logprobs(trainer.policy, rollout, 8, trainer.packing)
     assert seen and all(seen)
+
+
+def test_the_chosen_block_reaches_every_log_prob_call(tmp_path, monkeypatch):
+    """--invariant-block-rows R sets the loss config's block, the policy's generation-time log-probs take the same R
+    (else their bit pattern would differ from the loss's), and without --batch-invariant it is refused."""
+    cfg = config_from_argv(["--batch-invariant", "--invariant-block-rows", "8", "--output-dir", str(tmp_path / "r")])
+    assert cfg.loss.invariant_block_rows == 8
+    with pytest.raises(UsageError, match="invariant_block_rows=8 .* but batch_invariant is False"):
+        config_from_argv(["--invariant-block-rows", "8", "--output-dir", str(tmp_path / "r")])
+    seen = []
+    original = grpo.policy.gk.linear_token_logprobs
+    monkeypatch.setattr(grpo.policy.gk, "linear_token_logprobs",
+                        lambda *a, **k: seen.append(k.get("invariant_block_rows")) or original(*a, **k))
+    trainer = _trainer(tmp_path, "block", invariant_block_rows=8)
+    rollout, _ = trainer.make_rollout()
+    rollout_logprobs(trainer.policy, rollout, 8, trainer.packing)
+    assert seen and all(rows == 8 for rows in seen), seen
