@@ -156,3 +156,27 @@ def test_floats_reach_the_ops_as_graph_inputs(impl):
     floats = [n for n in placeholders if isinstance(n.meta.get("example_value"), torch.Tensor)
               and n.meta["example_value"].dtype == torch.float64 and n.meta["example_value"].dim() == 0]
     assert len(floats) == 1, f"graph inputs: {[n.name for n in placeholders]}"
+
+
+def test_a_config_built_outside_the_step_and_a_crossed_branch():
+    """A ``GRPOLoss`` module whose config is replaced between calls (beta, epsilon_high): its floats become symbolic
+    once they change, as the step's own arguments do; then beta = 0 (the KL term's branch, traced on the side of the
+    first values) compiles one more graph, which a second beta = 0 and later non-zero betas reuse. Every call gives
+    eager's loss (exact: module docstring)."""
+    backend = CountingBackend()
+    module = gk.GRPOLoss(impl="torch")
+
+    def step(logits, ids, adv, ref):
+        return module(logits, ids, adv, ref_logps=ref)[0]
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    hidden, weight, ids, mask, adv, old, ref = _batch(2, 5)
+    logits = hidden @ weight.T
+    counts = []
+    for beta, eps_high in ((0.04, 0.2), (0.05, 0.28), (0.06, 0.3), (0.0, 0.25), (0.0, 0.2), (0.07, 0.22)):
+        module.config = gk.GRPOLossConfig(beta=beta, epsilon_high=eps_high)
+        assert torch.equal(compiled(logits, ids, adv, ref), step(logits, ids, adv, ref)), (beta, eps_high)
+        counts.append(backend.graphs)
+    # the first values' static graph, the symbolic one (call 2), then the beta = 0 side (call 4; PyTorch may trace
+    # it twice: a restart that specializes beta at 0): no compile at calls 3, 5 and 6
+    assert counts[2] == counts[1] and counts[4] == counts[5] == counts[3], counts
