@@ -42,9 +42,41 @@ def mask_like(mask, shape: tuple, what: str = "") -> None:
         raise ValueError(f"mask must be bool, integer or float, got {mask.dtype}")
 
 
+def is_number(value) -> bool:
+    """An int or float (not a bool), concrete or, under torch.compile, symbolic: Dynamo shows a symbolic float to
+    the traced code as a float."""
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def is_finite(value) -> bool:
+    """``math.isfinite`` written as comparisons, so that it also reads a symbolic float (torch.compile's automatic
+    dynamic or ``dynamic=True``, where ``math.isfinite`` does not trace): False for NaN and +-inf. On a symbolic
+    value each comparison becomes a guard of the compiled graph (docs/api.md, "Errors and edge cases")."""
+    return -math.inf < value < math.inf
+
+
+def shown(value) -> str:
+    """``repr(value)`` for an error message. Under torch.compile a number may be symbolic, which has no repr that
+    Dynamo can trace, and the traced code cannot tell it from a constant: the message names the argument and says
+    the value is not shown."""
+    if is_number(value) and torch.compiler.is_compiling():
+        return "a value traced by torch.compile (not shown)"
+    return repr(value)
+
+
+def finite(name: str, value, *, positive: bool = False, nonneg: bool = False) -> None:
+    """A finite number (> 0 with ``positive``, >= 0 with ``nonneg``), concrete or symbolic (``is_finite``)."""
+    if not is_number(value) or not is_finite(value):
+        raise ValueError(f"{name} must be a finite number, got {shown(value)}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {shown(value)}")
+    if nonneg and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {shown(value)}")
+
+
 def temperature(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"temperature must be a finite number > 0, got {value!r}")
+    if not is_number(value) or not is_finite(value) or value <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {shown(value)}")
     return float(value)
 
 
@@ -52,8 +84,8 @@ def softcap(value) -> float | None:
     """None (no soft cap) or a finite cap > 0 (``z = cap * tanh(x / cap)``, docs/numerics.md "Soft-capped logits")."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"softcap must be None or a finite number > 0, got {value!r}")
+    if not is_number(value) or not is_finite(value) or value <= 0:
+        raise ValueError(f"softcap must be None or a finite number > 0, got {shown(value)}")
     return float(value)
 
 

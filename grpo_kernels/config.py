@@ -6,7 +6,6 @@ the trainer's numbers.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from . import _checks
@@ -15,15 +14,6 @@ from .peer_warnings import warn_like_peers
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPLS = ("auto", "triton", "torch")
-
-
-def _finite(name: str, value, *, positive: bool = False, nonneg: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    if nonneg and value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -173,30 +163,31 @@ class GRPOLossConfig:
                 f"got {self.importance_sampling_level!r}"
             )
         _checks.round_logits(self.round_logits)
-        _finite("beta", self.beta, nonneg=True)
-        _finite("temperature", self.temperature, positive=True)
+        _checks.finite("beta", self.beta, nonneg=True)
+        _checks.finite("temperature", self.temperature, positive=True)
         if self.softcap is not None:
-            _finite("softcap", self.softcap, positive=True)
-        _finite("epsilon_high", self.epsilon_high, positive=True)
-        _finite("epsilon_low", self.epsilon_low, nonneg=True)
+            _checks.finite("softcap", self.softcap, positive=True)
+        _checks.finite("epsilon_high", self.epsilon_high, positive=True)
+        _checks.finite("epsilon_low", self.epsilon_low, nonneg=True)
         if self.loss_type != "cispo" and self.epsilon_low >= 1.0:
-            raise ValueError(f"epsilon_low must be in [0, 1) so that 1 - epsilon_low > 0, got {self.epsilon_low!r}")
+            raise ValueError(f"epsilon_low must be in [0, 1) so that 1 - epsilon_low > 0, got "
+                             f"{_checks.shown(self.epsilon_low)}")
         if self.delta is not None:
-            _finite("delta", self.delta, positive=True)
+            _checks.finite("delta", self.delta, positive=True)
         if self.max_completion_length is not None:
             if isinstance(self.max_completion_length, bool) or not isinstance(self.max_completion_length, int) \
                     or self.max_completion_length < 1:
                 raise ValueError(f"max_completion_length must be a positive int, got {self.max_completion_length!r}")
-        _finite("sapo_temperature_pos", self.sapo_temperature_pos, positive=True)
-        _finite("sapo_temperature_neg", self.sapo_temperature_neg, positive=True)
+        _checks.finite("sapo_temperature_pos", self.sapo_temperature_pos, positive=True)
+        _checks.finite("sapo_temperature_neg", self.sapo_temperature_neg, positive=True)
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            _finite(name, getattr(self, name))
+            _checks.finite(name, getattr(self, name))
         if self.off_policy_mask_threshold is not None:
-            _finite("off_policy_mask_threshold", self.off_policy_mask_threshold)
-        _finite("top_entropy_quantile", self.top_entropy_quantile)
+            _checks.finite("off_policy_mask_threshold", self.off_policy_mask_threshold)
+        _checks.finite("top_entropy_quantile", self.top_entropy_quantile)
         if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}")
-        _finite("entropy_coef", self.entropy_coef)
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {_checks.shown(self.top_entropy_quantile)}")
+        _checks.finite("entropy_coef", self.entropy_coef)
         for name in ("use_bias_correction_kl", "deterministic", "grad_in_forward", "capturable", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

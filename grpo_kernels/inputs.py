@@ -13,7 +13,6 @@ Each ``validate`` raises a ValueError naming the argument (a wrong id would read
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -199,7 +198,7 @@ class LossInputs:
             shapes.check("is_ratio", is_ratio, shapes.per_sequence + shapes.is_ratio_extra + (shapes.token,))
         _num_items(num_items_in_batch)
         if config.beta != 0.0 and ref_logps is None:
-            raise ValueError(f"ref_logps is required when beta != 0 (beta={config.beta}); pass the reference "
+            raise ValueError(f"ref_logps is required when beta != 0 (beta={_checks.shown(config.beta)}); pass the reference "
                              f"model's per-token log-probs of shape{shapes.token_words()}")
         # num_items_in_batch may live anywhere (a CPU scalar is common): it is moved to the loss's device
         _checks.same_device(advantages=advantages, mask=mask, old_logps=old_logps, ref_logps=ref_logps,
@@ -263,9 +262,9 @@ def _num_items(n) -> None:
     if isinstance(n, torch.Tensor):
         if n.numel() != 1:
             raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(n.shape)}")
-    elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
+    elif not _checks.is_number(n) or not _checks.is_finite(n) or n <= 0:
         raise ValueError(f"num_items_in_batch must be a number > 0 (the token count that normalizes the loss) or a "
-                         f"scalar tensor, got {n!r}")
+                         f"scalar tensor, got {_checks.shown(n)}")
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,14 @@ whose fake implementation gives the output shapes and whose autograd registratio
 The eager Function keeps the savings only an eager call can make (docs/api.md, "torch.compile"): d logits written
 into the logits buffer, gradients scaled in place when handed out, a ZeRO-3 head gathered again in the backward.
 
-What crosses an op boundary besides tensors is one pair of lists, ``floats`` and ``ints`` (an op takes no
-dataclass): the frozen option objects (the loss options, the logits transform, a path's layout) are encoded by
-``encode`` and rebuilt by ``decode`` here alone, from the schema ``options_type`` records for each class. The ops
-(``torch.ops.grpo_kernels.<name>``):
+What crosses an op boundary besides tensors is one pair, ``floats`` and ``ints`` (an op takes no dataclass): the
+frozen option objects (the loss options, the logits transform, a path's layout) are encoded by ``encode`` and
+rebuilt by ``decode`` here alone, from the schema ``options_type`` records for each class. ``floats`` is a float64
+CPU tensor, not a list of floats: under torch.compile a float option may be symbolic (the compiler's automatic
+dynamic, or ``dynamic=True``), and a symbolic float passed to an op as a float is specialized (the graph takes its
+value as a constant and recompiles for every new one), while one added to a tensor becomes an input of the graph
+(PyTorch's tensorify pass); the op reads the values when it runs (a CPU tensor: no device sync). ``ints`` stays a
+list: a size computed from symbolic shapes stays symbolic there. The ops (``torch.ops.grpo_kernels.<name>``):
 
 - ``logits_logprobs`` / ``logits_logprobs_backward`` (``logits/logprobs.py``): ``logits.sweep``, ``logits.torch``;
 - ``head_logprobs`` / ``head_logprobs_backward`` (``head/light.py``): ``head.light``, ``head.no_grad``,
@@ -32,7 +36,8 @@ from .config import IMPORTANCE_SAMPLING_LEVELS, GRPOLossConfig, LogitTransform, 
 from .loss_types import LOSS_TYPES
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# (class) -> ((field, kind, choices), ...): kind "nested" | "choice" | "dtype" | "bool" | "int" | "float"
+# (class) -> ((field, kind, choices), ...): kind "nested" | "choice" | "dtype" | "bool" | "int" | "float"; for a
+# float field, "choices" is its default (what ``decode_for_fake`` gives it)
 _SCHEMAS: dict = {}
 
 
@@ -51,7 +56,12 @@ def options_type(cls=None, *, choices: dict | None = None):
                 kind, extra = "choice", tuple(choices[f.name])
             elif args[0] is torch.dtype:
                 kind, extra = "dtype", _DTYPES
-            elif args[0] in (bool, int, float):
+            elif args[0] is float:
+                if f.default is dataclasses.MISSING:  # a fake kernel decodes without the floats
+                    raise TypeError(f"{klass.__name__}.{f.name}: a float option needs a default to cross an op "
+                                    "boundary")
+                kind, extra = "float", f.default
+            elif args[0] in (bool, int):
                 kind, extra = args[0].__name__, None
             else:
                 raise TypeError(f"{klass.__name__}.{f.name}: {hint} cannot cross an op boundary")
@@ -61,20 +71,27 @@ def options_type(cls=None, *, choices: dict | None = None):
     return register(cls) if cls is not None else register
 
 
-def encode(obj, floats: list | None = None, ints: list | None = None) -> tuple[list, list]:
-    """``obj`` (a registered option object) as (floats, ints), the two list arguments every op takes: a float
-    field in ``floats`` (None as NaN); every other field in ``ints`` (a str as its index among the field's choices,
-    a dtype as its index, a bool as 0 / 1, an optional int as a present flag and its value). Why ints apart: a size
-    computed from symbolic shapes under torch.compile stays symbolic in a list of ints (a varying T does not
+def encode(obj) -> tuple[torch.Tensor, list]:
+    """``obj`` (a registered option object) as (floats, ints), the two arguments every op takes: the float fields in
+    ``floats``, a float64 CPU tensor (None as NaN; each value added to a zero, so that a symbolic float reaches the
+    op as a runtime value, module docstring); every other field in ``ints`` (a str as its index among the field's
+    choices, a dtype as its index, a bool as 0 / 1, an optional int as a present flag and its value). Why ints apart:
+    a size computed from symbolic shapes under torch.compile stays symbolic in a list of ints (a varying T does not
     recompile). Written for Dynamo to trace (a loop over a constant schema)."""
-    floats = [] if floats is None else floats
-    ints = [] if ints is None else ints
+    values, ints = _encode_into(obj, [], [])
+    if not values:
+        return torch.zeros((0,), dtype=torch.float64), ints
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.stack([zero + v for v in values]), ints
+
+
+def _encode_into(obj, floats: list, ints: list) -> tuple[list, list]:
     for name, kind, extra in _SCHEMAS[type(obj)]:
         value = getattr(obj, name)
         if kind == "nested":
-            encode(value, floats, ints)
+            _encode_into(value, floats, ints)
         elif kind == "float":
-            floats.append(math.nan if value is None else float(value))
+            floats.append(math.nan if value is None else value)
         elif kind in ("choice", "dtype"):
             ints.append(extra.index(value))
         elif kind == "bool":
@@ -85,26 +102,40 @@ def encode(obj, floats: list | None = None, ints: list | None = None) -> tuple[l
 
 
 def decode(cls, floats, ints):
-    """The ``cls`` instance that ``encode`` gave (floats, ints) for."""
+    """The ``cls`` instance that ``encode`` gave (floats, ints) for; floats: its tensor (read here: the op is
+    running, on a CPU tensor) or a list of the same numbers."""
+    values = floats.tolist() if isinstance(floats, torch.Tensor) else list(floats)
+    return _decode_checked(cls, values, ints)
+
+
+def decode_for_fake(cls, ints):
+    """The ``cls`` instance of ``ints`` with every float option at its default: what a fake kernel decodes, since it
+    cannot read the floats tensor (no values under fake tensors); the output shapes and dtypes depend on no float
+    option."""
+    return _decode_checked(cls, None, ints)
+
+
+def _decode_checked(cls, values, ints):
     try:
-        obj, used = _decode_from(cls, floats, ints, [0, 0])
+        obj, used = _decode_from(cls, values, ints, [0, 0])
     except IndexError:  # too few values (the schema reads past the lists): a ValueError, as for too many
-        raise ValueError(f"{len(floats)} float and {len(ints)} int option values for {cls.__name__}: too few") \
+        raise ValueError(f"{len(values)} float and {len(ints)} int option values for {cls.__name__}: too few") \
             from None
-    if used != [len(floats), len(ints)]:
-        raise ValueError(f"{len(floats)} float and {len(ints)} int option values for {cls.__name__}, which takes "
+    if used != [used[0] if values is None else len(values), len(ints)]:
+        raise ValueError(f"{len(values)} float and {len(ints)} int option values for {cls.__name__}, which takes "
                          f"{used[0]} and {used[1]}")
     return obj
 
 
 def _decode_from(cls, floats, ints, pos: list):
+    """floats None: each float field at its default (``decode_for_fake``)."""
     kwargs = {}
     for name, kind, extra in _SCHEMAS[cls]:
         if kind == "nested":
             kwargs[name], pos = _decode_from(extra, floats, ints, pos)
         elif kind == "float":
-            value = floats[pos[0]]
-            kwargs[name] = None if math.isnan(value) else float(value)
+            value = extra if floats is None else floats[pos[0]]
+            kwargs[name] = None if value is None or math.isnan(value) else float(value)
             pos = [pos[0] + 1, pos[1]]
         elif kind == "int":
             present, value = ints[pos[1]], ints[pos[1] + 1]

@@ -18,6 +18,14 @@ from .sequences import Sequences
 _LOG_1E_8 = math.log(1e-8)
 
 
+def _option(value, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A float option as a 0-dim tensor on ``like``'s device, in ``dtype`` (default: ``like``'s), made by adding it
+    to a zero: the value the scalar overloads of clamp / where / quantile use (the float rounded to the dtype), and
+    under torch.compile a symbolic option stays a runtime input of the graph, where a float passed to those overloads
+    would be specialized (a recompile for every new value; ``ops.py``'s module docstring)."""
+    return torch.zeros((), dtype=like.dtype if dtype is None else dtype, device=like.device) + value
+
+
 # The dtypes ``round_logits`` names (config.GRPOLossConfig.round_logits)
 ROUND_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -171,8 +179,12 @@ def gamma_weights(advantages, log_ratio, mask, is_ratio, config: GRPOLossConfig,
         if not _is_per_sequence(advantages, log_ratio):  # per-token advantages: phi per token
             log_w, broken = seqs.expand(log_w), seqs.expand(broken.to(log_w.dtype)) > 0
         nonneg = advantages >= 0
-        k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg).to(log_w.dtype)
-        lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+        # where of two Python floats gives the default dtype: the same rounding, from 0-dim tensors (``_option``)
+        k = torch.where(nonneg, *(_option(v, log_w, torch.get_default_dtype())
+                                  for v in (config.vespo_k_pos, config.vespo_k_neg))).to(log_w.dtype)
+        lam = torch.where(nonneg, *(_option(v, log_w, torch.get_default_dtype())
+                                    for v in (config.vespo_lambda_pos, config.vespo_lambda_neg))).to(log_w.dtype)
+        lam = lam.clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         # TRL's nan_to_num above also turns a NaN log ratio into a zero weight, which would hide a broken input:
         # a NaN at a valid position (or in is_ratio, read at every position here) must reach the loss.
@@ -204,7 +216,7 @@ def high_entropy_mask(entropy, mask, top_quantile: float) -> torch.Tensor:
     # quantile needs fp32 or fp64; rounding a float64 threshold to fp32 would drop the token that sits on it
     grid = torch.where(mask, e, float("nan"))
     grid = grid if grid.dtype == torch.float64 else grid.float()
-    threshold = torch.nanquantile(grid.reshape(-1), 1.0 - top_quantile)
+    threshold = torch.nanquantile(grid.reshape(-1), _option(1.0 - top_quantile, grid))
     threshold = torch.where(torch.isnan(torch.where(mask, e, 0.0)).any(), float("nan"), threshold)
     return (torch.where(mask, e, 0.0) >= threshold.to(e.dtype)) & mask
 
@@ -380,15 +392,17 @@ def _policy_term(policy, coef_1, adv, logps, log_ratio, mask, is_ratio, cfg, seq
     term, as TRL's) of the loss type's policy term (docs/DESIGN.md section 2). coef_1 and adv share a layout;
     adv_own: the advantages in their own layout (vespo's phi is per sequence when they are)."""
     if policy == "cispo":
-        return -torch.clamp(_grid(coef_1, logps, seqs), max=cfg.epsilon_high).detach() * _grid(adv, logps, seqs) \
-            * logps, None, coef_1
+        return -torch.clamp(_grid(coef_1, logps, seqs), max=_option(cfg.epsilon_high, coef_1)).detach() \
+            * _grid(adv, logps, seqs) * logps, None, coef_1
     if policy == "clipped":
-        coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+        coef_2 = torch.clamp(coef_1, _option(1 - cfg.epsilon_low, coef_1), _option(1 + cfg.epsilon_high, coef_1))
         if cfg.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=cfg.delta)
+            coef_1 = torch.clamp(coef_1, max=_option(cfg.delta, coef_1))
         return -torch.min(coef_1 * adv, coef_2 * adv), None, coef_1
     if policy == "sapo":
-        temp = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(logps.dtype)
+        # where of two Python floats gives the default dtype: the same rounding, from 0-dim tensors (``_option``)
+        temp = torch.where(adv > 0, *(_option(v, adv, torch.get_default_dtype())
+                                      for v in (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))).to(logps.dtype)
         return -torch.sigmoid(temp * (coef_1 - 1)) * 4 / temp * adv, None, coef_1
     phi = gamma_weights(adv_own, log_ratio, mask, is_ratio, cfg, seqs)  # vespo: per sequence with the advantages
     return -_grid(phi, logps, seqs) * _grid(adv, logps, seqs) * logps, phi, coef_1

@@ -48,7 +48,7 @@ class _TokenStage(torch.autograd.Function):
 
 @custom_op("grpo_kernels::token_stage", mutates_args=())
 def _token_stage(logps: torch.Tensor, tokens: list[Optional[torch.Tensor]],
-                 floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 floats: torch.Tensor, ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``token_stage``; tokens: ``LossTokens.as_list()``; floats, ints: ``ops.encode(cfg)``."""
     return token_stage(logps, LossTokens(*tokens), ops.decode(GRPOLossConfig, floats, ints))
 

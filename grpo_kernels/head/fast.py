@@ -149,7 +149,7 @@ class _HeadLossInForward(torch.autograd.Function):
 @custom_op("grpo_kernels::head_loss_fast", mutates_args=())
 def _head_loss_fast(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
                     row_mask: Optional[torch.Tensor], tokens: list[Optional[torch.Tensor]], entropy_scale: torch.Tensor,
-                    needs: list[bool], floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                    needs: list[bool], floats: torch.Tensor, ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                       torch.Tensor, torch.Tensor]:
     """(loss, term sums, d hidden, d weight fp32, d bias fp32) of ``fast_loss`` on the rows ``row_mask`` keeps
     (``ValidRows.deferred``); tokens: ``HeadTokens.as_list()`` on all rows; floats, ints: ``ops.encode(FastOptions)``. A

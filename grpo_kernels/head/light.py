@@ -150,7 +150,7 @@ class _HeadLogprobs(torch.autograd.Function):
 
 @custom_op("grpo_kernels::head_logprobs", mutates_args=())
 def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
-                   row_mask: Optional[torch.Tensor], floats: list[float],
+                   row_mask: Optional[torch.Tensor], floats: torch.Tensor,
                    ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                              torch.Tensor]:
     """(logp, entropy, lse, log_sum_sq_probs, mean_logits, is_top1) (N,) of ``light_forward``, 0 (False) at the rows
@@ -167,7 +167,7 @@ def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 @_head_logprobs.register_fake
 def _(hidden, weight, bias, ids, row_mask, floats, ints):
-    o = ops.decode(LightOptions, floats, ints)
+    o = ops.decode_for_fake(LightOptions, ints)
     dtype = ops.acc_dtype(hidden) if o.path == HEAD_TORCH else torch.float32
     N = hidden.shape[0]
     extras = tuple(hidden.new_empty((N if getattr(o.extras, name) else 0,), dtype=ty)
@@ -178,7 +178,7 @@ def _(hidden, weight, bias, ids, row_mask, floats, ints):
 @custom_op("grpo_kernels::head_logprobs_backward", mutates_args=())
 def _head_logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                             ids: torch.Tensor, row_mask: Optional[torch.Tensor], stats: list[Optional[torch.Tensor]],
-                            needs: list[bool], floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            needs: list[bool], floats: torch.Tensor, ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d weight, d bias) of ``light_backward``; stats: ``LogprobGrads.as_list()``; an empty (0,) tensor
     stands for a gradient not wanted."""
     N = hidden.shape[0]

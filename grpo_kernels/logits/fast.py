@@ -84,7 +84,7 @@ class _LogitsLossInForward(torch.autograd.Function):
 
 @custom_op("grpo_kernels::logits_loss_fast", mutates_args=())
 def _logits_loss_fast(logits: torch.Tensor, ids: torch.Tensor, tokens: list[Optional[torch.Tensor]],
-                      count: torch.Tensor, floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      count: torch.Tensor, floats: torch.Tensor, ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, term sums, d logits) of ``loss_in_forward``; tokens: ``LossTokens.as_list()``; options:
     ``ops.encode(LossOptions)``."""
     loss, sums, dlogits = loss_in_forward(logits, ids, LossTokens(*tokens), count, ops.decode(LossOptions, floats, ints),

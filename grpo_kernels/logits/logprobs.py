@@ -213,7 +213,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 @custom_op("grpo_kernels::logits_logprobs", mutates_args=())
 def _logits_logprobs(logits: torch.Tensor, ids: torch.Tensor, row_mask: Optional[torch.Tensor],
-                     floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     floats: torch.Tensor, ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy, lse) flat (N,) of ``sweep_forward``; floats, ints: ``ops.encode(SweepOptions)``."""
     logp, lse, entropy = sweep_forward(logits, ids, row_mask, ops.decode(SweepOptions, floats, ints))
     return logp, entropy, lse
@@ -221,14 +221,14 @@ def _logits_logprobs(logits: torch.Tensor, ids: torch.Tensor, row_mask: Optional
 
 @_logits_logprobs.register_fake
 def _(logits, ids, row_mask, floats, ints):
-    o = ops.decode(SweepOptions, floats, ints)
+    o = ops.decode_for_fake(SweepOptions, ints)
     dtype = ops.acc_dtype(logits) if o.impl == "torch" else torch.float32
     return tuple(logits.new_empty((ids.numel(),), dtype=dtype) for _ in range(3))
 
 
 @custom_op("grpo_kernels::logits_logprobs_backward", mutates_args=())
 def _logits_logprobs_backward(logits: torch.Tensor, ids: torch.Tensor, stats: list[Optional[torch.Tensor]],
-                              floats: list[float], ints: list[int]) -> torch.Tensor:
+                              floats: torch.Tensor, ints: list[int]) -> torch.Tensor:
     """d logits (a new buffer shaped like logits) of ``sweep_backward``; stats: (lse, entropy, d logp, d entropy
     or None)."""
     lse, entropy, grad_logp, grad_entropy = stats

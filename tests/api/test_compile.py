@@ -14,8 +14,15 @@ from grpo_kernels import GRPOLossConfig, fused_linear_grpo_loss, grpo_loss, line
 
 from ..support.tolerances import assert_three_way, grad_scale
 
-# torch.compile of every entry point (~2 min of compilation on a CPU): CI's second step (-m slow) runs it, so that README's test command stays within 15 minutes
-pytestmark = pytest.mark.slow
+# torch.compile of every entry point is ~3-6 min of compilation on a CPU: one case of each test runs in the fast
+# suite (README's test command), the other cases under -m slow (CI's second step); dynamic float options:
+# tests/api/test_compile_dynamic.py
+SLOW = pytest.mark.slow
+
+
+def _cases(names, values, fast):
+    """pytest params of every (name, value) pair, all but ``fast`` marked slow."""
+    return [pytest.param(n, v, id=f"{n}-{v}", marks=[] if (n, v) == fast else [SLOW]) for n in names for v in values]
 
 B, V, H = 2, 64, 16
 CONFIGS = {
@@ -115,8 +122,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name, impl", _cases(list(CONFIGS), ["torch", "triton"], fast=("gspo", "torch")))
 def test_compiled_step_matches_eager_and_varying_T_compiles_at_most_twice(name, impl):
     backend = CountingBackend()
     step = _step_fn(CONFIGS[name], impl)
@@ -149,8 +155,7 @@ def test_inductor_compiles_the_torch_impl():
     _assert_close_by_three_way(_run(step, args), _run(compiled, args), _truth(step, args), torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("impl, softcap", _cases(["torch", "triton"], [None, 2.0], fast=("torch", 2.0)))
 def test_logprob_functions_compile(impl, softcap):
     """token_logprobs and linear_token_logprobs (with a mask: padded rows are 0 and get no gradient) compile and
     match eager, values and gradients through both outputs, with and without a soft cap."""
@@ -206,7 +211,7 @@ def test_modules_compile():
     _assert_same(_run(fn, args), _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), args))
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=SLOW)])
 def test_autocast_and_keyword_overrides_compile(impl):
     """Under torch.autocast (bf16 head, fp32 master weights; head.fast on Triton) with loss options given as keyword
     overrides inside the compiled step."""
@@ -268,10 +273,11 @@ def _opcheck(name, args, kwargs=None):
     torch.library.opcheck(getattr(torch.ops.grpo_kernels, name).default, args, kwargs)
 
 
-def test_ops_pass_opcheck():
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=SLOW)])
+def test_ops_pass_opcheck(impl):
     """Schema, fake kernels and autograd registrations of the registered ops (torch.library.opcheck): the torch
-    impl's ops, and the Triton ones under the interpreter. Every op takes its non-tensor options as one encoded list
-    (``ops.encode``)."""
+    impl's ops, and the Triton ones under the interpreter (on CUDA: test_compiled_step_on_cuda). Every op takes its
+    non-tensor options as the encoded pair (``ops.encode``: a float64 tensor and a list of ints)."""
     from grpo_kernels import ops  # registered on import of grpo_kernels
     from grpo_kernels.config import LogitTransform
     from grpo_kernels.head.fast import FastOptions
@@ -284,14 +290,13 @@ def test_ops_pass_opcheck():
     hidden, weight, ids, adv, mask, old, ref = _batch(T)
     logits = (hidden @ weight.T).requires_grad_(True)
     capped = LogitTransform(0.7, 3.0)
-    _opcheck("logits_logprobs", (logits, ids, None, *ops.encode(SweepOptions(capped, "torch", 5))))
     h = hidden.reshape(-1, H).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    bias = torch.randn(V, requires_grad=True)
-    _opcheck("head_logprobs", (h, w, bias, ids.reshape(-1), mask.reshape(-1),
-                               *ops.encode(LightOptions("head.torch", capped, True, 4))))
-    from grpo_kernels._triton import interpreting
-    if not interpreting():  # the Triton ops on CUDA: test_compiled_step_on_cuda
+    if impl == "torch":
+        _opcheck("logits_logprobs", (logits, ids, None, *ops.encode(SweepOptions(capped, "torch", 5))))
+        bias = torch.randn(V, requires_grad=True)
+        _opcheck("head_logprobs", (h, w, bias, ids.reshape(-1), mask.reshape(-1),
+                                   *ops.encode(LightOptions("head.torch", capped, True, 4))))
         return
     cfg = GRPOLossConfig(beta=0.04, entropy_coef=0.01)
     weights = mask / mask.sum()
@@ -327,6 +332,12 @@ def test_options_cross_the_op_boundary_unchanged():
     for obj in (cfg, GRPOLossConfig(), GRPOLossConfig(batch_invariant=True, invariant_block_rows=64), LightOptions("head.no_grad", LogitTransform(0.25, None), False, 7, 8, 9, 10),
                 FastOptions(torch.bfloat16, cfg, LogitTransform(0.9, 20.0, "fp16"), 256)):
         assert ops.decode(type(obj), *ops.encode(obj)) == obj
+    floats, ints = ops.encode(cfg)
+    assert floats.dtype == torch.float64 and floats.device.type == "cpu"  # read by the op with no device sync
+    # a fake kernel's decode: every option but the floats, which take their defaults
+    defaults = GRPOLossConfig()
+    assert ops.decode_for_fake(GRPOLossConfig, ints) == cfg.replace(
+        **{name: getattr(defaults, name) for name in ("beta", "delta", "softcap")})
     with pytest.raises(ValueError, match="option values"):
         ops.decode(LogitTransform, [1.0, float("nan"), 2.0], [])
 
@@ -335,6 +346,8 @@ _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
                                  "the GPU run in the GPU check (benchmarks/gpu_check.sh)")
 
 
+# The CUDA cases stay under -m slow (as the whole file was): the GPU check's time limit (benchmarks/gpu_check.sh)
+@SLOW
 @_NEEDS_CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -353,6 +366,7 @@ def test_compiled_step_on_cuda(name, dtype):
     assert backend.graphs <= 2
 
 
+@SLOW
 @_NEEDS_CUDA
 def test_logprob_functions_compile_on_cuda():
     """token_logprobs (logits.sweep), linear_token_logprobs with gradients (head.light, the layout picked when the
