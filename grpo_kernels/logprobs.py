@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks, ops, planner
+from . import _checks, invariance, ops, planner
 from .config import LogitTransform, TokenExtras
 from .distributed import sharded_head, vocab_parallel
 from .head.light import head_token_logprobs
@@ -26,7 +26,7 @@ def plan_token_logprobs(inputs: LogitsInputs, inplace_backward: bool, memory_bud
 def _flag(batch_invariant) -> bool:
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
-    return batch_invariant
+    return invariance.requested(batch_invariant)
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
