@@ -451,8 +451,9 @@ def test_old_logps_without_gradients_give_a_ratio_of_exactly_one(impl, fn, confi
             assert torch.equal(ours[0], exact[0]), (f"{label}: loss {ours[0].item()!r} != {exact[0].item()!r} "
                                                     "(ratio != 1)")
             assert torch.equal(ours[1], exact[1]), f"{label}: the gradient differs from the ratio-1 call's"
-            nudged = _loss_at(pool, fn, impl, order, LOSS_CONFIGS[config], old, nudge=True, batch_invariant=on)
-            assert not torch.equal(nudged[0], exact[0]), "a one-ulp change of the old log-probs went unseen"
+            if on:  # (once per order: the comparison's own check)
+                nudged = _loss_at(pool, fn, impl, order, LOSS_CONFIGS[config], old, nudge=True)
+                assert not torch.equal(nudged[0], exact[0]), "a one-ulp change of the old log-probs went unseen"
 
 
 def test_the_tree_sums_are_the_same_padded_or_packed_where_a_plain_sum_is_not():
