@@ -337,7 +337,8 @@ LOSS_PATHS = {("torch", "fused_linear_grpo_loss"): {"dapo-num-items": "head.torc
 # The case whose checks the default path passes by construction at these sizes: logits.fast computes each row in
 # one program, its gradient known once the row is swept (num_items_in_batch given), and its loss is an fp64 sum of
 # fp32 terms, exact for a few dozen tokens whatever the order (the option's tree sums keep it exact at any size:
-# test_the_tree_sums_are_the_same_padded_or_packed_where_a_plain_sum_is_not). Every other case fails without it.
+# test_the_tree_sums_are_the_same_padded_or_packed_where_a_plain_sum_is_not). Every other case fails without it:
+# the head cases on their gradients, the other logits cases (per-row gradients at this vocabulary) on their sums.
 LOSS_BY_CONSTRUCTION = {("triton", "grpo_loss", "dapo-num-items")}
 
 
