@@ -5,7 +5,13 @@ the fast path's minimum rows, the d-logits route) that real shapes cross on thei
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, fields, replace
+
+# The one knob set from the environment (so that it reaches subprocesses: the vocab-parallel ranks, the trainer):
+# GRPO_KERNELS_TEST_FORCE_VARIANT=1 makes every call run as if it passed batch_invariant=False
+# (``invariance.requested``); tests/api/test_invariance_forced_off.py runs the invariance tests so.
+FORCE_VARIANT_ENV = "GRPO_KERNELS_TEST_FORCE_VARIANT"
 
 
 @dataclass(frozen=True)
@@ -17,7 +23,9 @@ class Knobs:
     interpret_sms (the SM count the interpreter pretends to have), interpret_tile (the fused-linear tile used
     under the interpreter, a ``kernels.linear_tiles.Tile``), logits_programs (the gradient-in-forward kernel's rows in
     flight, at most one per SM: the GPU check times L2-sized grids against full ones). Batch invariance: invariant_rows
-(the fixed rows per block, ``invariance.block_rows``: small test batches cross block edges)."""
+(the fixed rows per block, ``invariance.block_rows``: small test batches cross block edges), force_variant
+    (True: ``batch_invariant=True`` is ignored, every call runs the default paths, so that a test crediting the
+    option can be seen to fail without it; False by default unless ``FORCE_VARIANT_ENV`` is "1")."""
 
     fast_path_min_rows: int | None = None
     no_grad_chunk_cap: int | None = None
@@ -28,9 +36,10 @@ class Knobs:
     interpret_tile: object = None
     logits_programs: int | None = None
     invariant_rows: int | None = None
+    force_variant: bool = False
 
 
-_CURRENT = [Knobs()]
+_CURRENT = [Knobs(force_variant=os.environ.get(FORCE_VARIANT_ENV, "0") == "1")]
 
 
 def knobs() -> Knobs:

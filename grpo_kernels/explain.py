@@ -10,6 +10,7 @@ import inspect
 
 import torch
 
+from . import invariance
 from .config import GRPOLossConfig, LogitTransform, TokenExtras, resolve_config
 from .inputs import LogitsInputs, LossArguments
 from .paths import HEAD_GEMM_PATHS
@@ -72,7 +73,8 @@ def plan_call(*args, **kwargs):
 def _config(arguments: dict) -> GRPOLossConfig:
     """The call's resolved config: ``config`` with every GRPOLossConfig field among the bound arguments on top."""
     known = {f.name for f in dataclasses.fields(GRPOLossConfig)}
-    return resolve_config(arguments.get("config"), {k: v for k, v in arguments.items() if k in known})
+    return invariance.as_run(resolve_config(arguments.get("config"),
+                                            {k: v for k, v in arguments.items() if k in known}))
 
 
 def explain(*args, **kwargs) -> str:

@@ -23,6 +23,8 @@ knob so that small batches cross block edges.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ._testing import knobs
@@ -32,6 +34,21 @@ DEFAULT_BLOCK_ROWS = 512  # other device types (meta plans stand for CUDA)
 # The memory-light head path's backward layout (vocabulary chunks per block) is chosen within this fixed room, never
 # the budget, which would move the chunks: 256 MiB holds a 512-row d-logits chunk of 128k fp32 columns.
 INVARIANT_LIGHT_ROOM = 256 << 20
+
+
+def requested(batch_invariant: bool) -> bool:
+    """Whether a call asking for ``batch_invariant`` runs the batch-invariant paths: always, except under the
+    test-only knob ``force_variant`` (``GRPO_KERNELS_TEST_FORCE_VARIANT=1``), which runs the default paths instead so
+    that the invariance tests can show they fail without the option (tests/api/test_invariance_forced_off.py)."""
+    return batch_invariant and not knobs().force_variant
+
+
+def as_run(cfg):
+    """A loss call's resolved ``GRPOLossConfig`` as it runs: ``batch_invariant`` through ``requested`` (forced off,
+    the chosen block goes too: it is only valid with the option)."""
+    if cfg.batch_invariant == requested(cfg.batch_invariant):
+        return cfg
+    return dataclasses.replace(cfg, batch_invariant=False, invariant_block_rows=None)
 
 
 def block_rows(device, rows: int | None = None) -> int:

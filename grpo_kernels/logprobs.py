@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks, ops, planner
+from . import _checks, invariance, ops, planner
 from .config import LogitTransform, TokenExtras
 from .distributed import sharded_head, vocab_parallel
 from .head.light import head_token_logprobs
@@ -19,16 +19,20 @@ from .logits.logprobs import logits_token_logprobs
 def plan_token_logprobs(inputs: LogitsInputs, inplace_backward: bool, memory_budget=None,
                         batch_invariant: bool = False, invariant_block_rows: int | None = None) -> planner.Plan:
     wants_grad = torch.is_grad_enabled() and inputs.logits.requires_grad
-    rows = _checks.invariant_block_rows(invariant_block_rows, _flag(batch_invariant))
+    on, rows = _flag_and_block(batch_invariant, invariant_block_rows)
     return planner.plan_logits(planner.LogitsCall("token_logprobs", inputs, None, planner.Budget.of(memory_budget),
-                                                  wants_grad, bool(inplace_backward), batch_invariant,
+                                                  wants_grad, bool(inplace_backward), on,
                                                   invariant_rows=rows))
 
 
-def _flag(batch_invariant) -> bool:
+def _flag_and_block(batch_invariant, invariant_block_rows) -> tuple[bool, int | None]:
+    """(whether the call runs the batch-invariant paths, its chosen rows per block), both validated as passed; the
+    test-only ``force_variant`` knob turns both off (``invariance.requested``)."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
-    return batch_invariant
+    rows = _checks.invariant_block_rows(invariant_block_rows, batch_invariant)
+    on = invariance.requested(batch_invariant)
+    return on, rows if on else None
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False,
@@ -124,10 +128,10 @@ def plan_linear_token_logprobs(inputs: HeadInputs, rows: ValidRows, shard=None, 
                                batch_invariant: bool = False, invariant_block_rows: int | None = None) -> planner.Plan:
     wants = torch.is_grad_enabled()
     needs = tuple(wants and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias))
-    block = _checks.invariant_block_rows(invariant_block_rows, _flag(batch_invariant))
+    on, block = _flag_and_block(batch_invariant, invariant_block_rows)
     return planner.plan_head(planner.HeadCall("linear_token_logprobs", inputs, None, planner.Budget.of(memory_budget),
                                               needs, rows.count, bool(deterministic), shard=shard,
-                                              batch_invariant=batch_invariant, extras=extras, invariant_rows=block))
+                                              batch_invariant=on, extras=extras, invariant_rows=block))
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bias=None,

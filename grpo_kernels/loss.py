@@ -14,7 +14,7 @@ from torch import nn
 
 from dataclasses import replace
 
-from . import ops, planner
+from . import invariance, ops, planner
 from .config import GRPOLossConfig, resolve_config
 from .distributed import sharded_head, vocab_parallel
 from .head.fast import head_loss_in_forward, head_sequence_loss_in_forward
@@ -61,7 +61,7 @@ def grpo_loss(logits, ids, advantages, mask=None, old_logps=None, ref_logps=None
     the buffer holds d logits as soon as this returns. Returns a 0-dim fp32 loss (fp64 for fp64 logits) and a
     dict of detached 0-dim metrics.
     """
-    cfg = resolve_config(config, config_overrides)
+    cfg = invariance.as_run(resolve_config(config, config_overrides))
     args = LossArguments(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch,
                          cu_seqlens)
     inputs, batch, plan = validate_logits_loss(logits, ids, args, cfg, impl, inplace_backward)
@@ -153,7 +153,7 @@ def fused_linear_grpo_loss(hidden, weight, ids, advantages, mask=None, bias=None
     ops.check_head_compilable(process_group, gather_head)
     weight, bias = sharded_head.gathered_dtensor_head(weight, bias)
     with sharded_head.gathered(gather_head):
-        cfg = resolve_config(config, config_overrides)
+        cfg = invariance.as_run(resolve_config(config, config_overrides))
         args = LossArguments(advantages, mask, old_logps, ref_logps, is_ratio, sampling_logps, num_items_in_batch,
                              cu_seqlens)
         inputs, batch, rows, shard = validate_head_loss(hidden, weight, ids, bias, args, cfg, impl, process_group,

@@ -1,8 +1,13 @@
 """``batch_invariant=True`` reaches every entry point (docs/api.md): the modules, ``explain()``, the Liger module's
 three functions, ``patch_trl(batch_invariant=True)`` through TRL's own seam; each shown by the guarantee itself (a
-sequence's numbers bitwise the same alone and in a batch) where the entry point computes, and by a clear error for a
-bad value. The guarantee in depth: tests/api/test_batch_invariance.py."""
+sequence's numbers bitwise the same alone and in a batch, a loss the same padded or packed) where the entry point
+computes and the option changes the numbers (each such test fails with the option forced off:
+tests/api/test_invariance_forced_off.py), by the option seen on its way where the numbers are the same without it
+(the Liger functions), and by a clear error for a bad value. The guarantee in depth:
+tests/api/test_batch_invariance.py."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -36,33 +41,52 @@ def _alone_and_in_a_batch(fn):
     return alone, batched
 
 
+def _module_call(m, module: str, seqs, packed: bool):
+    """(loss, d input of the last sequence) of the module on the sequences ``seqs`` (``_rows`` each: the hidden
+    states or the logits by the module), packed with cu_seqlens or padded with a mask; advantages 1,
+    num_items_in_batch given."""
+    k = 0 if module == "FusedLinearGRPOLoss" else 1
+    lengths = [s[2].shape[0] for s in seqs]
+    if packed:
+        x, ids = torch.cat([s[k] for s in seqs]), torch.cat([s[2] for s in seqs])
+        mask, cu = None, torch.tensor([0, *itertools.accumulate(lengths)])
+    else:
+        T = max(lengths) + 1
+        x, ids = torch.zeros(len(seqs), T, seqs[0][k].shape[-1]), torch.zeros(len(seqs), T, dtype=torch.long)
+        mask, cu = torch.zeros(len(seqs), T), None
+        for b, (s, n) in enumerate(zip(seqs, lengths)):
+            x[b, :n], ids[b, :n], mask[b, :n] = s[k], s[2], 1.0
+    x.requires_grad_(True)
+    adv = torch.ones(len(seqs))
+    if module == "FusedLinearGRPOLoss":  # Liger's positional order: (hidden, weight, ids, mask, advantages)
+        loss, _ = m(x, WEIGHT, ids, mask, adv, cu_seqlens=cu, num_items_in_batch=12)
+    else:
+        loss, _ = m(x, ids, adv, mask, cu_seqlens=cu, num_items_in_batch=12)
+    loss.backward()
+    n = lengths[-1]
+    return loss.detach(), (x.grad[-n:] if packed else x.grad[-1, :n])
+
+
 @pytest.mark.parametrize("module", ["GRPOLoss", "FusedLinearGRPOLoss"])
 def test_modules_take_the_option(module, small_blocks):
+    """A module made with batch_invariant=True: a sequence's gradient is the same alone and after another sequence
+    (the head's: its GEMMs follow the batch without the option; the logits loss's is per row by construction), and
+    the loss of the same two sequences is the same padded or packed (the default sums follow the layout)."""
     m = getattr(gk, module)(batch_invariant=True, loss_type="dapo")
     assert m.config.batch_invariant and m.config.deterministic
-
-    def grads(probe, others):
-        rows = [probe] if others is None else [others, probe]
-        idx = -probe[0].shape[0]
-        x = torch.cat([r[0 if module == "FusedLinearGRPOLoss" else 1] for r in rows]).requires_grad_(True)
-        ids = torch.cat([r[2] for r in rows])
-        cu = torch.tensor([0] + ([] if others is None else [others[0].shape[0]]) + [x.shape[0]])
-        adv = torch.ones(cu.numel() - 1)
-        if module == "FusedLinearGRPOLoss":  # Liger's positional order: (hidden, weight, ids, mask, advantages)
-            loss, _ = m(x, WEIGHT, ids, advantages=adv, cu_seqlens=cu, num_items_in_batch=12)
-        else:
-            loss, _ = m(x, ids, adv, cu_seqlens=cu, num_items_in_batch=12)
-        loss.backward()
-        return x.grad[idx:]
-
-    alone, batched = _alone_and_in_a_batch(grads)
-    assert torch.equal(alone, batched)
+    probe, other = _rows(seed=1), _rows(seed=2, n=5)
+    _, alone = _module_call(m, module, [probe], packed=True)
+    packed_loss, batched = _module_call(m, module, [other, probe], packed=True)
+    padded_loss, padded = _module_call(m, module, [other, probe], packed=False)
+    assert torch.equal(alone, batched), "the probe's gradient alone != after another sequence"
+    assert torch.equal(batched, padded), "the probe's gradient packed != padded"
+    assert torch.equal(packed_loss, padded_loss), f"loss packed {packed_loss.item()!r} != padded {padded_loss.item()!r}"
 
 
 def test_explain_says_it():
     hidden, _, ids = _rows()
     text = gk.explain(gk.linear_token_logprobs, hidden, WEIGHT, ids, batch_invariant=True)
-    assert "batch-invariant" in text
+    assert "batch-invariant" in text, "explain does not say batch-invariant: the option did not reach the plan"
     assert "batch-invariant" not in gk.explain(gk.linear_token_logprobs, hidden, WEIGHT, ids)
 
 
@@ -79,31 +103,41 @@ def test_deterministic_false_is_refused_with_it():
         GRPOLossConfig(batch_invariant=True, deterministic=False)
 
 
-def test_liger_entry_points_take_the_option(small_blocks):
+def test_liger_entry_points_take_the_option(small_blocks, monkeypatch):
+    """The option reaches the Liger module's config and, from the two functions, every ``token_logprobs`` call they
+    make (a spy records it). Their numbers are the logits sweep's, which reduces each row alone: a probe row's
+    log-probs and per-token loss gradient are the same alone and in a batch by construction, with the option off
+    as with it on (both checked here; the shape where the sweep's numbers do follow the batch:
+    tests/api/test_batch_invariance.py::test_a_token_alone_is_the_same_as_in_a_batch_on_the_torch_logits_path)."""
     module = liger.LigerFusedLinearGRPOLoss(batch_invariant=True, beta=0.0, use_ref_model=False)
     assert module.config.batch_invariant
+    seen = []
+    original = liger.token_logprobs
+    monkeypatch.setattr(liger, "token_logprobs",
+                        lambda *a, **k: seen.append(k.get("batch_invariant")) or original(*a, **k))
+    for on in (False, True):
+        def logsoftmax(probe, others):  # (B, T + 1, V) logits, Liger's layout; the probe is batch row 0
+            logits = probe[1][None] if others is None else torch.stack([probe[1], probe[1].flip(0)])
+            ids = probe[2][None].expand(logits.shape[0], -1)
+            return liger.fused_selective_log_softmax(logits, ids, temperature=0.9, batch_invariant=on)[0]
 
-    def logsoftmax(probe, others):  # (B, T + 1, V) logits, Liger's layout; the probe is batch row 0
-        logits = probe[1][None] if others is None else torch.stack([probe[1], probe[1].flip(0)])
-        ids = probe[2][None].expand(logits.shape[0], -1)
-        return liger.fused_selective_log_softmax(logits, ids, temperature=0.9, batch_invariant=True)[0]
+        alone, batched = _alone_and_in_a_batch(logsoftmax)
+        assert torch.equal(alone, batched), f"log-probs alone != in a batch (batch_invariant={on})"
 
-    alone, batched = _alone_and_in_a_batch(logsoftmax)
-    assert torch.equal(alone, batched)
+        def triton_loss(probe, others):
+            logits = probe[1][None] if others is None else torch.stack([probe[1], probe[1].flip(0)])
+            x = logits.clone().requires_grad_(True)
+            ids = probe[2][None, 1:].expand(logits.shape[0], -1)
+            adv = torch.ones(logits.shape[0])
+            mask = torch.ones(ids.shape)
+            per_token, _, _ = liger.triton_grpo_loss(x, None, None, ids, adv, mask, beta=0.0, reduce=False,
+                                                     inplace=False, batch_invariant=on)
+            per_token.sum().backward()
+            return x.grad[0]
 
-    def triton_loss(probe, others):
-        logits = probe[1][None] if others is None else torch.stack([probe[1], probe[1].flip(0)])
-        x = logits.clone().requires_grad_(True)
-        ids = probe[2][None, 1:].expand(logits.shape[0], -1)
-        adv = torch.ones(logits.shape[0])
-        mask = torch.ones(ids.shape)
-        per_token, _, _ = liger.triton_grpo_loss(x, None, None, ids, adv, mask, beta=0.0, reduce=False,
-                                                 inplace=False, batch_invariant=True)
-        per_token.sum().backward()
-        return x.grad[0]
-
-    alone, batched = _alone_and_in_a_batch(triton_loss)
-    assert torch.equal(alone, batched)
+        alone, batched = _alone_and_in_a_batch(triton_loss)
+        assert torch.equal(alone, batched), f"d logits alone != in a batch (batch_invariant={on})"
+    assert seen == [False] * 4 + [True] * 4, f"token_logprobs saw batch_invariant {seen}"
 
 
 def test_patch_trl_makes_every_seam_call_batch_invariant(small_blocks, monkeypatch):
@@ -128,8 +162,8 @@ def test_patch_trl_makes_every_seam_call_batch_invariant(small_blocks, monkeypat
             h, w, b = (t.clone().requires_grad_(True) for t in (h, WEIGHT, bias))
             values, grads = run_head(fn, h, w, b, ids)
             outs.append((values[0][-7:], values[1][-7:], grads[0][-7:]))
-        for a, b in zip(*outs):
-            assert torch.equal(a, b)
+        for name, a, b in zip(("logp", "entropy", "d hidden"), *outs):
+            assert torch.equal(a, b), f"{name}: the probe's rows alone != after five others"
         assert seen and all(seen)
     finally:
         gk.unpatch_trl()
@@ -188,10 +222,9 @@ def test_patch_trl_passes_the_chosen_block_to_every_seam_call(monkeypatch, plans
     assert gk.integrations.trl._STATE["invariant_block_rows"] is None
 
 
-def test_grpo_train_refuses_a_block_it_cannot_pass_on():
-    """grpo.train's old / reference log-probs do not take the option yet: TrainConfig refuses it (no flag)."""
+def test_grpo_train_takes_the_chosen_block():
+    """grpo.train takes the option (TrainConfig, --invariant-block-rows) and hands it to its old / reference log-probs
+    too (tests/train/test_batch_invariant_training.py::test_the_chosen_block_reaches_every_log_prob_call)."""
     from grpo import TrainConfig
-    from grpo.errors import UsageError
 
-    with pytest.raises(UsageError, match="invariant_block_rows is not supported by grpo.train yet"):
-        TrainConfig(loss=GRPOLossConfig(batch_invariant=True, invariant_block_rows=64))
+    assert TrainConfig(loss=GRPOLossConfig(batch_invariant=True, invariant_block_rows=64)).loss.invariant_block_rows == 64

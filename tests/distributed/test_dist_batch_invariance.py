@@ -3,7 +3,8 @@ vocabulary shard, a sequence's log-probs, entropies and d hidden from ``linear_t
 and its d hidden from ``fused_linear_grpo_loss(batch_invariant=True)`` are bitwise the same alone and inside batches
 at other positions, on every rank (the shards' statistics are gathered and summed in rank order, never all-reduced
 in the transport's order), on both impls. What holds is for a fixed world size: another split of the vocabulary is
-another sum.
+another sum. Without the option the same comparisons fail (the heads' GEMMs and splits follow the batch: the ranks
+inherit ``GRPO_KERNELS_TEST_FORCE_VARIANT=1`` in tests/api/test_invariance_forced_off.py).
 
 The ranks are plain processes running this file (``python tests/distributed/test_dist_batch_invariance.py RANK
 WORLD STORE OUT``, tests/support/ranks.py), bounded by LAUNCH_TIMEOUT."""

@@ -25,10 +25,10 @@ from grpo_kernels import GRPOLossConfig
 SMALL = dict(prompts_per_step=4, num_generations=4, eval_size=0, save_steps=0, progress=False, seed=0)
 
 
-def _trainer(tmp_path, name: str, packing: bool = True, **loss) -> Trainer:
+def _trainer(tmp_path, name: str, packing: bool = True, batch_invariant: bool = True, **loss) -> Trainer:
     cfg = TrainConfig(output_dir=str(tmp_path / name), max_steps=2, micro_batch_size=4, num_iterations=2,
                       warmup_steps=0, packing=packing,
-                      loss=GRPOLossConfig(beta=0.02, batch_invariant=True, **loss), **SMALL)
+                      loss=GRPOLossConfig(beta=0.02, batch_invariant=batch_invariant, **loss), **SMALL)
     return Trainer(cfg, DistEnv())
 
 
@@ -55,14 +55,24 @@ class RatioSpy:
         return out
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["option", "option-off"])
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_generation_time_logps_give_a_ratio_of_exactly_one(loss_type, packing, tmp_path, monkeypatch):
+def test_generation_time_logps_give_a_ratio_of_exactly_one(loss_type, packing, batch_invariant, tmp_path,
+                                                           monkeypatch):
     """One rollout, two iterations of micro-batches of 4 sequences: the reference log-probs equal the old ones
     (the reference is the initial policy), the first iteration's loss calls all see a ratio of exactly 1 and clip
-    nothing, the second iteration's do not (the comparison can fail)."""
-    trainer = _trainer(tmp_path, "run", packing, loss_type=loss_type)
-    assert trainer.policy.loss_config.batch_invariant and (trainer.packing is not None) == packing
+    nothing, the second iteration's do not (the comparison can fail).
+
+    On the CPU this holds by construction, with or without the option (both checked): the trainer computes the old
+    log-probs on the step's own micro-batches, and the no-gradient call and the loss run the same head.torch tiles
+    on them (one tile per micro-batch), the same GEMM shapes. What the option adds, other batches and other paths:
+    tests/api/test_batch_invariance.py::test_old_logps_without_gradients_give_a_ratio_of_exactly_one; on a GPU,
+    where the no-gradient call runs head.no_grad and the loss head.fast / head.light:
+    tests/kernels/test_gpu_invariance.py::test_no_gradient_logps_give_a_ratio_of_exactly_one_on_the_gpu."""
+    trainer = _trainer(tmp_path, "run", packing, batch_invariant, loss_type=loss_type)
+    assert trainer.policy.loss_config.batch_invariant == batch_invariant
+    assert (trainer.packing is not None) == packing
     rollout, advantages = trainer.make_rollout()
     old = rollout_logprobs(trainer.policy, rollout, trainer.cfg.micro_batch_size, trainer.packing)
     ref = rollout_logprobs(trainer.ref, rollout, trainer.cfg.micro_batch_size, trainer.packing)
@@ -116,9 +126,9 @@ def test_a_packed_step_equals_the_padded_step_bitwise(loss_type, tmp_path):
     (loss_p, metrics_p, grad_p), (loss_k, metrics_k, grad_k) = results
     assert torch.equal(loss_p, loss_k), f"padded {loss_p.item()!r} != packed {loss_k.item()!r}"
     for key in metrics_p:
-        assert torch.equal(metrics_p[key], metrics_k[key]), key
+        assert torch.equal(metrics_p[key], metrics_k[key]), f"metric {key}: padded != packed"
     tokens = packed["packed"]
-    assert torch.equal(grad_p[tokens.token_rows, tokens.token_cols], grad_k)
+    assert torch.equal(grad_p[tokens.token_rows, tokens.token_cols], grad_k), "d hidden padded != packed"
     assert grad_k.abs().max() > 0 and torch.equal(grad_p.sum(-1).ne(0).sum(), grad_k.sum(-1).ne(0).sum())
 
 
