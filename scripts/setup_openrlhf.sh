@@ -6,12 +6,13 @@
 #   configured local wheel folder may serve it): first, so that nothing asks for a bare `torch`, which would pull a
 #   multi-GB CUDA build;
 #   openrlhf==0.11.2 (--no-deps) and the part of its requirements that its model modules (openrlhf.models: actor,
-#   loss, model, ring_attn_utils, utils), openrlhf.utils and the Ray launcher test import: transformers, deepspeed,
-#   peft, accelerate, einops, sympy, pylatexenc, torchdata, ray (without [default]), with pytest, pinned by
-#   scripts/openrlhf-constraints.txt (the set the tests were run with). Left out, as nothing the tests reach imports
-#   them: flash-attn (no CPU build: the tests put a test-only stand-in of the two pure-PyTorch modules OpenRLHF
-#   imports at load, tests/openrlhf/stubs/flash_attn, on sys.path; it is never installed), vllm, bitsandbytes,
-#   datasets, wandb, tensorboard, optimum, torchmetrics, ray[default]'s dashboard;
+#   loss, model, ring_attn_utils, utils), openrlhf.utils, OpenRLHF's own unit tests and the Ray test import:
+#   transformers, deepspeed, peft, accelerate, einops, sympy, pylatexenc, torchdata, ray (without [default]),
+#   aiohttp, with pytest, pinned by scripts/openrlhf-constraints.txt (the set the tests were run with). Left out, as
+#   nothing the tests reach imports them: flash-attn (no CPU build: tests/openrlhf/conftest.py puts a TEST-ONLY
+#   stand-in of the two pure-PyTorch modules OpenRLHF imports at load, tests/openrlhf/stubs/flash_attn, on sys.path;
+#   it is never installed), vllm, bitsandbytes, datasets (two of OpenRLHF's dataset tests need it: not run), wandb,
+#   tensorboard, optimum, torchmetrics and ray[default]'s dashboard;
 #   triton==3.9.0 (as .venv; --no-deps: the Triton interpreter case; a resolver pass could replace the CPU torch).
 # OpenRLHF's wheel also installs a top-level `tests` package (its own unit tests) into site-packages, which would
 # shadow this repository's `tests` package for any process that imports `tests` before the checkout is on sys.path.
@@ -54,7 +55,7 @@ if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --inde
 fi
 $PIP install -q --disable-pip-version-check --no-deps "openrlhf==$OPENRLHF_VERSION"
 $PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" transformers deepspeed peft accelerate einops sympy \
-    pylatexenc torchdata ray numpy packaging pytest > "$VENV/logs/openrlhf.log" 2>&1 \
+    pylatexenc torchdata ray aiohttp numpy packaging pytest > "$VENV/logs/openrlhf.log" 2>&1 \
     || { tail -20 "$VENV/logs/openrlhf.log"; exit 1; }
 $PIP install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
 # OpenRLHF's own tests out of site-packages (see above), kept runnable beside a link to the installed package.
@@ -64,5 +65,6 @@ if [ -d "$SITE/tests" ]; then
     mv "$SITE/tests" "$VENV/openrlhf-tests/tests"
 fi
 ln -sfn "$SITE/openrlhf" "$VENV/openrlhf-tests/openrlhf"
+printf '[pytest]\n' > "$VENV/openrlhf-tests/pytest.ini"  # their rootdir: not this checkout's pytest.ini
 checked > /dev/null
 echo "$VENV ready: torch $TORCH_VERSION openrlhf $OPENRLHF_VERSION triton $TRITON_VERSION"
