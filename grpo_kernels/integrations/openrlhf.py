@@ -44,7 +44,7 @@ import warnings
 import torch
 
 from ..distributed.sharded_head import zero3_gather_head
-from .transformers import (_is_peft_layer, _text_config, _unwrap_peft, cast_to, fold_logit_scale,
+from .transformers import (is_peft_layer, text_config, unwrap_peft, cast_to, fold_logit_scale,
                            fused_head_blocker, logit_scale_of)
 from .trl import Route
 
@@ -97,8 +97,8 @@ def _unwrap(model):
     for _ in range(4):
         if type(model).__module__.split(".")[0] == "deepspeed" and hasattr(model, "module"):
             model = model.module
-        elif _is_peft_layer(model) and hasattr(model, "get_base_model"):
-            model = _unwrap_peft(model)
+        elif is_peft_layer(model) and hasattr(model, "get_base_model"):
+            model = unwrap_peft(model)
         else:
             return model
     return model
@@ -110,11 +110,11 @@ def _head_blocker(lm) -> str | None:
     head = get_head() if callable(get_head) else None
     if head is None:
         return f"{type(lm).__name__} has no lm_head (get_output_embeddings() is None)"
-    if _is_peft_layer(head):
+    if is_peft_layer(head):
         return f"a PEFT adapter on lm_head ({type(head).__name__}); merge it or leave lm_head out of target_modules"
     if not isinstance(head, torch.nn.Linear):
         return f"lm_head is a {type(head).__name__}, not a torch.nn.Linear"
-    config = _text_config(lm)
+    config = text_config(lm)
     blocker = fused_head_blocker(getattr(config, "final_logit_softcapping", None), logit_scale_of(config))
     if blocker is not None:
         return f"{blocker[0]}: {blocker[1]}"
@@ -179,7 +179,7 @@ def _score(actor, lm, hidden, ids, mask, entropy):
     rounding = _rounding(weight)
     if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
         hidden, weight, bias = cast_to(torch.promote_types(hidden.dtype, weight.dtype), hidden, weight, bias)
-    config = _text_config(lm)
+    config = text_config(lm)
     softcap = getattr(config, "final_logit_softcapping", None)
     temperature, softcap = fold_logit_scale(actor.temperature, logit_scale_of(config), softcap)
     gather = zero3_gather_head(head.weight, head.bias) if hasattr(head.weight, "ds_id") else None
