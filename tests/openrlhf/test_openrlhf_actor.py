@@ -111,3 +111,13 @@ def test_gradient_reaches_every_parameter(folder):
     ours, stock = grads
     assert ours.keys() == stock.keys() and len(ours) == len(list(actor.parameters()))
     assert all(g.abs().max() > 0 for g in ours.values())
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_gradient_checkpointing(folder, packing):
+    """OpenRLHF's ``--ds.gradient_checkpointing`` (``actor.gradient_checkpointing_enable()``): the backbone recomputes
+    in the backward; the hidden states the head receives and the results are those of the rule above."""
+    actor = build_actor(folder, packing=packing)
+    actor.gradient_checkpointing_enable()
+    actor.train()
+    check(actor, make_batch(seed=9), CALLS["policy"])
