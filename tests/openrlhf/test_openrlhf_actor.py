@@ -121,3 +121,16 @@ def test_gradient_checkpointing(folder, packing):
     actor.gradient_checkpointing_enable()
     actor.train()
     check(actor, make_batch(seed=9), CALLS["policy"])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", ["policy", "old_or_reference"])
+def test_triton_kernels(folder, monkeypatch, plans, name):
+    """The Triton kernels (``GRPO_KERNELS_IMPL=triton``, the path CUDA tensors take; here under the interpreter) on
+    the same calls: the rule above, padded (a slice of the hidden states, not contiguous) and packed alike."""
+    monkeypatch.setenv("GRPO_KERNELS_IMPL", "triton")
+    for packing in (False, True):
+        plans.clear()
+        check(build_actor(folder, packing=packing), make_batch(batch=2, seed=13), CALLS[name])
+        # ours planned its head call (OpenRLHF's own forward plans nothing), on the Triton kernels
+        assert plans and all(plan.impl == "triton" for plan in plans), [(p.path, p.impl) for p in plans]
