@@ -223,3 +223,41 @@ def test_ray_runtime_env():
         gk_openrlhf.ray_runtime_env({"worker_process_setup_hook": "mine.setup"})
     with pytest.raises(SystemExit, match="usage: python -m grpo_kernels.openrlhf MODULE"):
         gk_openrlhf.main([])
+
+
+def test_dpo_trainer_concatenated_forward(folder):
+    """OpenRLHF's own ``DPOTrainer.concatenated_forward`` (chosen and rejected concatenated, ``return_logprobs``,
+    ``_get_batch_logps`` over the answer tokens) and its ``DPOLoss``, on a trainer holding only what that method reads:
+    the patched actor gives OpenRLHF's numbers (the same maths in another order) and gradient."""
+    from types import SimpleNamespace
+
+    from openrlhf.models import DPOLoss
+    from openrlhf.trainer.dpo_trainer import DPOTrainer
+
+    from ..support.tolerances import assert_same_maths
+
+    trainer = object.__new__(DPOTrainer)
+    trainer.strategy, trainer.tokenizer = SimpleNamespace(ring_attn_group=None), SimpleNamespace(pad_token_id=0)
+    actor = build_actor(folder)
+    chosen, rejected = make_batch(seed=21), make_batch(seed=22, completion=3)
+    prompt_lens = [6, 6, 6]  # a list, as OpenRLHF's collate gives it (concatenated_inputs repeats it: list * 2)
+    head = actor.model.get_output_embeddings().weight
+    results = []
+    for forward in ("patched", "stock"):
+        if forward == "stock":
+            gk_openrlhf.unpatch()
+        with torch.no_grad():
+            ref_chosen, ref_rejected, _, _ = trainer.concatenated_forward(
+                actor, chosen.sequences, chosen.attention_mask, rejected.sequences, rejected.attention_mask,
+                prompt_lens)
+        actor.zero_grad(set_to_none=True)
+        chosen_logps, rejected_logps, _, nll = trainer.concatenated_forward(
+            actor, chosen.sequences, chosen.attention_mask, rejected.sequences, rejected.attention_mask, prompt_lens)
+        loss, _, _ = DPOLoss(beta=0.1)(chosen_logps, rejected_logps, ref_chosen - 0.3, ref_rejected + 0.2)
+        (loss + 0.1 * nll).backward()
+        results.append((chosen_logps.detach(), rejected_logps.detach(), loss.detach(), head.grad.clone()))
+    gk_openrlhf.patch()
+    assert (results[0][0] < 0).all() and (results[0][1] < 0).all()  # every answer scored (no empty loss mask)
+    for name, ours, stock in zip(("chosen", "rejected", "loss", "d lm_head.weight"), *results):
+        scale = grad_scale(stock) if name.startswith("d ") else None
+        assert_same_maths(ours, stock, torch.float32, name, scale=scale)
