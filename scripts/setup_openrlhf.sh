@@ -6,13 +6,14 @@
 #   configured local wheel folder may serve it): first, so that nothing asks for a bare `torch`, which would pull a
 #   multi-GB CUDA build;
 #   openrlhf==0.11.2 (--no-deps) and the part of its requirements that its model modules (openrlhf.models: actor,
-#   loss, model, ring_attn_utils, utils), openrlhf.utils, OpenRLHF's own unit tests and the Ray test import:
-#   transformers, deepspeed, peft, accelerate, einops, sympy, pylatexenc, torchdata, ray (without [default]),
-#   aiohttp, with pytest, pinned by scripts/openrlhf-constraints.txt (the set the tests were run with). Left out, as
-#   nothing the tests reach imports them: flash-attn (no CPU build: tests/openrlhf/conftest.py puts a TEST-ONLY
-#   stand-in of the two pure-PyTorch modules OpenRLHF imports at load, tests/openrlhf/stubs/flash_attn, on sys.path;
-#   it is never installed), vllm, bitsandbytes, datasets (two of OpenRLHF's dataset tests need it: not run), wandb,
-#   tensorboard, optimum, torchmetrics and ray[default]'s dashboard;
+#   loss, model, ring_attn_utils, utils), openrlhf.utils, its PPO actor and DPO trainer modules, its own unit tests
+#   and the Ray test import: transformers, deepspeed, peft, accelerate, einops, sympy, pylatexenc, torchdata, ray
+#   (without [default]), aiohttp, pillow, with pytest, pinned by scripts/openrlhf-constraints.txt (the set the tests
+#   were run with). Left out, as nothing the tests reach imports them: flash-attn (no CPU build; a TEST-ONLY stand-in
+#   of the two pure-PyTorch modules OpenRLHF imports at load, tests/openrlhf/stubs/flash_attn, is put on sys.path by
+#   tests/openrlhf/conftest.py and never installed), vllm (the PPO step test stands a MagicMock in for
+#   openrlhf.trainer.ray.vllm_engine while it imports ppo_actor), bitsandbytes, datasets (two of OpenRLHF's dataset
+#   tests need it: not run), wandb, tensorboard, optimum, torchmetrics and ray[default]'s dashboard;
 #   triton==3.9.0 (as .venv; --no-deps: the Triton interpreter case; a resolver pass could replace the CPU torch).
 # OpenRLHF's wheel also installs a top-level `tests` package (its own unit tests) into site-packages, which would
 # shadow this repository's `tests` package for any process that imports `tests` before the checkout is on sys.path.
@@ -30,7 +31,8 @@ OPENRLHF_VERSION=0.11.2
 TRITON_VERSION=3.9.0
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 CONSTRAINTS=scripts/openrlhf-constraints.txt
-check='import sys, os, importlib.metadata as md, importlib.util as iu, torch, triton, transformers, deepspeed, peft, pytest, ray
+check='import sys, os, importlib.metadata as md, importlib.util as iu
+import torch, triton, transformers, deepspeed, peft, pytest, ray, PIL, aiohttp
 v = (torch.__version__.split("+")[0], md.version("openrlhf"), triton.__version__)
 shadow = iu.find_spec("tests") is not None and "site-packages" in (iu.find_spec("tests").origin or "")
 moved = os.path.isfile(os.path.join(sys.argv[4], "tests", "test_actor_entropy_temperature.py"))
@@ -55,7 +57,7 @@ if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --inde
 fi
 $PIP install -q --disable-pip-version-check --no-deps "openrlhf==$OPENRLHF_VERSION"
 $PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" transformers deepspeed peft accelerate einops sympy \
-    pylatexenc torchdata ray aiohttp numpy packaging pytest > "$VENV/logs/openrlhf.log" 2>&1 \
+    pylatexenc torchdata ray aiohttp pillow numpy packaging pytest > "$VENV/logs/openrlhf.log" 2>&1 \
     || { tail -20 "$VENV/logs/openrlhf.log"; exit 1; }
 $PIP install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
 # OpenRLHF's own tests out of site-packages (see above), kept runnable beside a link to the installed package.
