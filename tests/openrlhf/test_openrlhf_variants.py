@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ..support.openrlhf_env import require_openrlhf
-from ..support.tolerances import ATOL, assert_three_way, grad_scale, max_err, same_maths_slack
+from ..support.tolerances import ATOL, assert_three_way, grad_scale, same_maths_slack
 
 gk_openrlhf = require_openrlhf()
 from openrlhf.models import Actor  # noqa: E402
