@@ -22,6 +22,13 @@ predict the A action tokens (the rows ``action_mask`` drops are skipped: their l
 or the T - 1 predicting rows with ``return_logprobs``. Same signature and results as OpenRLHF's (see
 ``fused_actor_forward``).
 
+Numbers. In bf16 OpenRLHF's lm_head returns bf16 logits that it then casts to fp32; the default
+``round_logits="model"`` rounds our fp32-accumulated logits to the head's dtype the same way before the fp32
+log-softmax, so the patched trainer keeps OpenRLHF's own numbers (old, reference and policy log-probs alike);
+``round_logits=None`` keeps fp32 logits (closer to exact). Under ZeRO-3 the head is gathered for the call with
+``zero3_gather_head`` (inside the engine's forward, where ZeRO-3 takes its gradient); PEFT models are unwrapped with
+``get_base_model()``, a DeepSpeed engine with ``.module``.
+
 Not served here, handed to OpenRLHF's own forward with a one-line warning (once per reason), never a wrong answer:
 - a call that returns the logits (no ``action_mask`` and no ``return_logprobs``), or ``allgather_logits=True``;
 - ring attention (``ring_attn_group``): its sequence-sliced rows and all-gather stay OpenRLHF's;

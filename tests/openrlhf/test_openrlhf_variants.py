@@ -261,3 +261,31 @@ def test_dpo_trainer_concatenated_forward(folder):
     for name, ours, stock in zip(("chosen", "rejected", "loss", "d lm_head.weight"), *results):
         scale = grad_scale(stock) if name.startswith("d ") else None
         assert_same_maths(ours, stock, torch.float32, name, scale=scale)
+
+
+def test_model_inside_an_engine_wrapper(folder):
+    """``actor.model`` wrapped as the ``.module`` of a DeepSpeed engine (OpenRLHF wraps the Actor itself, the ZeRO-3
+    test's layout; a caller may hand an engine to ``Actor(engine)``): the head and backbone are found under
+    ``.module``, the call goes through the wrapper. A wrapper class from the ``deepspeed`` package stands in for the
+    engine here (no process group)."""
+    actor = build_actor(folder)
+
+    class Engine(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    Engine.__module__ = "deepspeed.runtime.engine"
+    wrapped = Actor(Engine(actor.model), temperature=actor.temperature)
+    wrapped.packing_samples = False
+    assert integration._unwrap(wrapped.model) is actor.model
+    batch, call = make_batch(seed=8), CALLS["policy"]
+    ours = run_call(wrapped, patched, batch, call)
+    stock = run_call(wrapped, gk_openrlhf.stock_forward, batch, call)
+    assert ours.output.logits is None  # served, not handed to OpenRLHF's forward
+    truth = float64_truth(wrapped, batch, call, ours)
+    assert_three_way(ours.logp, stock.logp, truth[0], torch.float32, "logp")
+    assert_three_way(ours.d_hidden, stock.d_hidden, truth[2], torch.float32, "d hidden", scale=grad_scale(truth[2]))
