@@ -11,7 +11,9 @@ the one ``trainer/ray/ppo_actor.py`` runs with ``--actor.entropy_coef`` set: ``a
 attention_mask, return_output=True, return_entropy=True)``, a loss ``-mean(adv * logp) - 0.01 * mean(entropy)`` over
 the action tokens, and its backward to every parameter. Three variants, each measured in its own traced call:
 ``stock`` (OpenRLHF's own forward), ``patched`` (``grpo_kernels.openrlhf``, default ``round_logits="model"``) and
-``backbone`` (the model's backbone alone, forward and backward of ``sum(hidden)``: the memory both share).
+``backbone`` (the model's backbone alone, forward and backward of ``sum(hidden)``: the memory both share); and the
+no-grad pass of the old / reference log-probs (``actor(sequences, action_mask, attention_mask)`` under
+``torch.no_grad()``), stock and patched.
 
 Traced peak: ``tests.support.memory_trace.transient_peak`` (the torch profiler's CPU memory events: the most bytes
 held at any moment by allocations made during the call, other than its results: the log-probs and the parameters'
@@ -68,6 +70,13 @@ def _step(actor, forward, batch):
     return [logp, *(p.grad for p in actor.parameters() if p.grad is not None)]
 
 
+def _no_grad_pass(actor, forward, batch):
+    """The old / reference log-probs (``PolicyModelActor.forward`` / ``ReferenceModelActor.forward``)."""
+    sequences, attention_mask, action_mask, _ = batch
+    with torch.no_grad():
+        return [forward(actor, sequences, action_mask, attention_mask)]
+
+
 def _backbone_step(actor, batch):
     from grpo_kernels.integrations.openrlhf import _unwrap
 
@@ -92,14 +101,16 @@ def measure(args, dtype_name: str) -> dict:
     batch = _batch(args)
     variants = {"stock": lambda: _step(actor, gk_openrlhf.stock_forward, batch),
                 "patched": lambda: _step(actor, lambda a, *x, **k: a(*x, **k), batch),
-                "backbone": lambda: _backbone_step(actor, batch)}
+                "backbone": lambda: _backbone_step(actor, batch),
+                "stock_no_grad": lambda: _no_grad_pass(actor, gk_openrlhf.stock_forward, batch),
+                "patched_no_grad": lambda: _no_grad_pass(actor, lambda a, *x, **k: a(*x, **k), batch)}
     peaks, logps = {}, {}
     for name, fn in variants.items():
         fn()  # warm-up (torch.compile of OpenRLHF's entropy, first-call allocations)
         actor.zero_grad(set_to_none=True)
         kept = []
         peaks[name] = transient_peak(lambda: kept.extend(fn()) or kept)
-        if name != "backbone":
+        if name in ("stock", "patched"):
             logps[name] = kept[0].detach()
         actor.zero_grad(set_to_none=True)
     gap = (logps["patched"] - logps["stock"]).abs()
@@ -115,13 +126,15 @@ def _table(args, rows, commit) -> str:
              f"{commit}): B = {args.batch}, prompt {args.prompt} + completion {args.completion} tokens, V = "
              f"{args.vocab}, hidden {args.hidden}, 1 layer, CPU, {torch.get_num_threads()} threads.", "",
              "| dtype | stock peak | patched peak | backbone alone | head and loss: stock | patched | patched / stock "
-             "| logp max / median abs diff (slack) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| logp max / median abs diff (slack) | no-grad pass: stock / patched peak |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         p, h = r["peak_bytes"], r["head_and_loss_bytes"]
         lines.append(f"| {r['dtype']} | {p['stock'] / mib:.1f} MiB | {p['patched'] / mib:.1f} MiB | "
                      f"{p['backbone'] / mib:.1f} MiB | {h['stock'] / mib:.1f} MiB | {h['patched'] / mib:.1f} MiB | "
                      f"{h['patched'] / h['stock']:.3f}x | {r['logp_max_abs_diff']:.2e} / "
-                     f"{r['logp_median_abs_diff']:.2e} ({r['same_maths_slack']:.1e}) |")
+                     f"{r['logp_median_abs_diff']:.2e} ({r['same_maths_slack']:.1e}) | "
+                     f"{p['stock_no_grad'] / mib:.1f} / {p['patched_no_grad'] / mib:.1f} MiB |")
     return "\n".join(lines) + "\n"
 
 
