@@ -289,3 +289,28 @@ def test_model_inside_an_engine_wrapper(folder):
     truth = float64_truth(wrapped, batch, call, ours)
     assert_three_way(ours.logp, stock.logp, truth[0], torch.float32, "logp")
     assert_three_way(ours.d_hidden, stock.d_hidden, truth[2], torch.float32, "d hidden", scale=grad_scale(truth[2]))
+
+
+def test_flash_attn_stand_in(tmp_path):
+    """The test-only flash_attn stand-in (tests/openrlhf/stubs): unpad / pad round trip as OpenRLHF uses it, and its
+    all_gather (forward and backward) on a one-rank gloo group."""
+    import torch.distributed as dist
+    from flash_attn.bert_padding import index_first_axis, pad_input, rearrange, unpad_input
+    from flash_attn.utils.distributed import all_gather
+
+    assert "stand-in" in __import__("flash_attn").__version__  # the stand-in, not a real flash-attn
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    x = torch.arange(8.0).reshape(2, 4, 1)
+    rows, indices, cu_seqlens, longest, used = unpad_input(x, mask)
+    assert rows.flatten().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0] and indices.tolist() == [1, 2, 3, 4, 5]
+    assert cu_seqlens.tolist() == [0, 3, 5] and longest == 3 and used.tolist() == [3, 2]
+    assert torch.equal(pad_input(rows, indices, 2, 4), x * mask.unsqueeze(-1))
+    assert torch.equal(index_first_axis(rearrange(x, "b s ... -> (b s) ..."), indices), rows)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        y = torch.randn(3, 2, requires_grad=True)
+        gathered = all_gather(y, dist.group.WORLD)
+        (gathered * 2).sum().backward()
+        assert torch.equal(gathered, y) and torch.equal(y.grad, torch.full_like(y, 2.0))
+    finally:
+        dist.destroy_process_group()
