@@ -42,7 +42,7 @@ from torch import nn
 from ..distributed.sharded_head import check_dtensor_head, gathered_dtensor_head
 
 __all__ = ["LMHead", "get_lm_head", "causal_lm_token_logprobs", "logit_scale_of", "fold_logit_scale",
-           "fused_head_blocker", "zero3_blocker", "cast_to"]
+           "fused_head_blocker", "zero3_blocker", "cast_to", "text_config", "is_peft_layer", "unwrap_peft"]
 
 
 class LMHead:
@@ -60,7 +60,8 @@ class LMHead:
         self.weight, self.bias, self.logit_scale, self.softcap = weight, bias, logit_scale, softcap
 
 
-def _text_config(model):
+def text_config(model):
+    """The text part of ``model``'s config (a vision-language model's ``get_text_config()``), else the config."""
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -139,14 +140,15 @@ def zero3_blocker(weight) -> tuple[str, str] | None:
     return None
 
 
-def _is_peft_layer(module) -> bool:
+def is_peft_layer(module) -> bool:
+    """Whether ``module`` is a PEFT wrapper or adapter layer (any class of the ``peft`` package in its MRO)."""
     # Checked by module path so that peft need not be installed (it is an optional dependency here).
     return any(cls.__module__.split(".")[0] == "peft" for cls in type(module).__mro__)
 
 
-def _unwrap_peft(model):
+def unwrap_peft(model):
     """The transformers model under a ``PeftModel`` wrapper (adapters stay injected in its layers)."""
-    if _is_peft_layer(model) and hasattr(model, "get_base_model"):
+    if is_peft_layer(model) and hasattr(model, "get_base_model"):
         return model.get_base_model()
     return model
 
@@ -162,12 +164,12 @@ def get_lm_head(model, gather: bool = True) -> LMHead:
     validates: no collective, no graph, and ``weight`` / ``bias`` are the module's parameters as they are
     (DTensors stay DTensors; ``weight.shape`` is the full shape); use it for checks at setup time.
     """
-    model = _unwrap_peft(model)
-    config = _text_config(model)
+    model = unwrap_peft(model)
+    config = text_config(model)
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
-    if _is_peft_layer(head):
+    if is_peft_layer(head):
         raise ValueError(
             f"a PEFT adapter on lm_head ({type(head).__name__}) is not supported by the fused linear head: merge "
             "it into the weight (model.merge_adapter()) or remove 'lm_head' from the adapter's target_modules."
@@ -229,7 +231,7 @@ def causal_lm_token_logprobs(model, input_ids: torch.Tensor, attention_mask: tor
             not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
-    lm_model = _unwrap_peft(model)
+    lm_model = unwrap_peft(model)
     head = get_lm_head(lm_model)
     backbone = lm_model.base_model
     if backbone is lm_model:
