@@ -66,25 +66,42 @@ def series_of(version: str) -> str:
 
 class LegacyChunkedLogProbFunction:
     """Drop-in for TRL 1.12-1.14's ``_ChunkedLogProbFunction`` (TRL calls only ``apply``):
-    ``apply(hidden (N, H), weight (V, H), bias, targets (N,), temperature, chunk_size, final_logit_softcapping=None,
-    logit_scale=1.0) -> (log_probs (N,), entropy (N,))``, fp32 and both differentiable, as TRL's; served by the TRL
-    1.16 drop-in (``Seam.head``) with ``outputs=("log_probs", "entropy")``, so its fallbacks (to this TRL's own
-    function, through ``trl_kernel``), ZeRO-3 gathering and options are the same."""
+    ``apply(hidden (N, H), weight (V, H), [bias,] targets (N,), temperature, chunk_size, final_logit_softcapping=None,
+    logit_scale=1.0) -> (log_probs (N,), entropy (N,))``, fp32 and both differentiable, as TRL's; ``bias`` only where
+    TRL's takes it (1.13, 1.14; ``takes_bias``). Served by the TRL 1.16 drop-in (``Seam.head``) with
+    ``outputs=("log_probs", "entropy")``, so its fallbacks (to this TRL's own function, through ``trl_kernel``),
+    ZeRO-3 gathering and options are the same."""
 
-    def __init__(self, head: Callable):
-        self._head = head
+    def __init__(self, head: Callable, takes_bias: bool):
+        self._head, self.takes_bias = head, takes_bias
 
-    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0):
+    def apply(self, hidden, weight, *args):
+        bias, args = (args[0], args[1:]) if self.takes_bias else (None, args)
+        targets, temperature, chunk_size, final_logit_softcapping, logit_scale = _with_defaults(*args)
         logp, entropy, *_ = self._head(hidden, weight, bias, targets, temperature, chunk_size,
                                        final_logit_softcapping, logit_scale, ("log_probs", "entropy"))
         return logp, entropy
 
 
+def _with_defaults(targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0):
+    return targets, temperature, chunk_size, final_logit_softcapping, logit_scale
+
+
+def _takes_bias(kernel) -> bool:
+    """TRL 1.12's chunked function has no ``bias`` argument; 1.13's and 1.14's have it after ``weight``."""
+    if isinstance(kernel, LegacyChunkedLogProbFunction):  # already patched (patch_trl is idempotent)
+        return kernel.takes_bias
+    return "bias" in inspect.signature(kernel.forward).parameters
+
+
 def legacy_targets(series: str, seam: Seam) -> list:
     """(owner, attribute, replacement) for every name ``patch_trl`` swaps in TRL ``series`` (1.12-1.14): module
     globals and two trainer classes' methods. Raises RuntimeError when one is missing, changing nothing."""
-    function = LegacyChunkedLogProbFunction(seam.head)
+    utils = importlib.import_module("trl.trainer.utils")
+    if getattr(utils, "_ChunkedLogProbFunction", None) is None:
+        raise RuntimeError(f"trl.trainer.utils._ChunkedLogProbFunction not found: not the TRL {series} layout "
+                           "grpo_kernels patches")
+    function = LegacyChunkedLogProbFunction(seam.head, _takes_bias(utils._ChunkedLogProbFunction))
     modules = ("trl.trainer.utils", *_NAMED_FUNCTION_MODULES.get(series, ()))
     targets = [(importlib.import_module(name), "_ChunkedLogProbFunction", function) for name in modules]
     for module_name, class_name in _METHOD_OWNERS:
@@ -181,12 +198,20 @@ def trl_kernel(saved, hidden: torch.Tensor):
 
 @dataclasses.dataclass(frozen=True)
 class _PairKernel:
-    """TRL 1.12-1.14's ``_ChunkedLogProbFunction`` behind TRL 1.16's call: no ``outputs``, ``(log_probs, entropy)``."""
+    """TRL 1.12-1.14's ``_ChunkedLogProbFunction`` behind TRL 1.16's call: no ``outputs`` (nor, in 1.12, ``bias``),
+    ``(log_probs, entropy)``."""
 
     kernel: object
 
-    def apply(self, *args):
-        logp, entropy = self.kernel.apply(*args[:8])
+    def apply(self, hidden, weight, bias, *args):
+        args = args[:5]  # targets, temperature, chunk_size, final_logit_softcapping, logit_scale
+        if _takes_bias(self.kernel):
+            logp, entropy = self.kernel.apply(hidden, weight, bias, *args)
+        elif bias is None:
+            logp, entropy = self.kernel.apply(hidden, weight, *args)
+        else:
+            raise RuntimeError("grpo_kernels.patch_trl: this call cannot run on grpo_kernels, and TRL 1.12's own "
+                               "_ChunkedLogProbFunction has no lm_head bias argument")
         return logp, entropy, None, None, None
 
 
