@@ -6,9 +6,10 @@
 #   torch==2.13.0, CPU build (PyTorch's CPU wheel index; if it cannot be reached in 10 s, the default index, where a
 #   configured local wheel folder may serve it): first, so that nothing asks for a bare `torch`, which would pull a
 #   multi-GB CUDA build;
-#   trl==X and its requirements (transformers, accelerate, datasets, pandas, jinja2, ...) with pytest, pinned by
-#   scripts/trl-versions-constraints.txt (the set the tests ran with; one file for the four series: TRL 1.12-1.15 all
-#   require transformers >= 4.56.2 and run with the main .venv's transformers 5.24.0);
+#   trl==X and its requirements (transformers, accelerate, datasets, pandas, jinja2, ...), requests and aiohttp (the
+#   GRPO trainer module and the experimental AsyncGRPO one import them; TRL lists them under its vllm extra) and
+#   pytest, pinned by scripts/trl-versions-constraints.txt (the set the tests ran with; one file for the four series:
+#   TRL 1.12-1.15 all require transformers >= 4.56.2 and run with the main .venv's transformers 5.24.0);
 #   triton==3.9.0 (--no-deps, as .venv: grpo_kernels' kernels and TRL 1.15's, under the interpreter in the tests);
 #   TRL 1.14 only: liger-kernel==0.8.5 (--no-deps): TRL 1.14 refuses use_liger_kernel=True without it, and that flag
 #   is what sends its GRPO / DPO / KTO trainers through `_ChunkedLogProbFunction`, the seam the 1.14 tests cover.
@@ -24,7 +25,7 @@ LIGER_VERSION=0.8.5
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 CONSTRAINTS=scripts/trl-versions-constraints.txt
 declare -A TRL_RELEASE=([1.12]=1.12.0 [1.13]=1.13.0 [1.14]=1.14.2 [1.15]=1.15.0)
-check='import sys, torch, triton, trl, transformers, datasets, requests, pytest
+check='import sys, torch, triton, trl, transformers, datasets, requests, aiohttp, pytest
 v = (torch.__version__.split("+")[0], trl.__version__, triton.__version__)
 if sys.argv[4] == "liger":
     import liger_kernel
@@ -47,7 +48,7 @@ setup_one() {
         $pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
     fi
     $pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "trl==$release" transformers accelerate datasets \
-        tokenizers numpy requests pytest > "$venv/logs/trl.log" 2>&1 || { tail -20 "$venv/logs/trl.log"; exit 1; }
+        tokenizers numpy requests aiohttp pytest > "$venv/logs/trl.log" 2>&1 || { tail -20 "$venv/logs/trl.log"; exit 1; }
     $pip install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
     [ "$extra" = liger ] && $pip install -q --disable-pip-version-check --no-deps "liger-kernel==$LIGER_VERSION"
     "$venv/bin/python" -W ignore -c "$check" "$TORCH_VERSION" "$release" "$TRITON_VERSION" "$extra" > /dev/null

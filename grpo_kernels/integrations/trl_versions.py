@@ -167,12 +167,13 @@ def _routes_115(routes_116: tuple, route: Callable) -> tuple:
 
 
 def _trl_kernel_runs_here() -> bool:
-    """Whether TRL 1.15's Triton-only kernel can run on this machine's tensors: a CUDA / XPU device with Triton, or
-    Triton's interpreter (TRITON_INTERPRET=1 before TRL's kernels were defined, as the tests set it)."""
-    kernel = getattr(importlib.import_module("trl.trainer.utils"), "_ChunkedLogProbFunction", None)
-    if kernel is None:
+    """Whether TRL 1.15's Triton-only kernel can run on this machine's tensors: Triton and a CUDA device, or Triton's
+    interpreter (TRITON_INTERPRET=1 before TRL's kernels were defined, as the tests set it)."""
+    try:
+        module = importlib.import_module("trl.kernels.chunked_logprob")  # imports Triton at its top
+    except ImportError:
         return False
-    return torch.cuda.is_available() or _interpreted(sys.modules.get(kernel.__module__))
+    return torch.cuda.is_available() or _interpreted(module)
 
 
 def _interpreted(module) -> bool:
@@ -186,7 +187,7 @@ def trl_kernel(saved, hidden: torch.Tensor):
     has no kernel that runs on ``hidden`` (no Triton; CPU tensors without Triton's interpreter), ``_NoTRLKernel``."""
     kernel = saved if saved is not None else getattr(importlib.import_module("trl.trainer.utils"),
                                                      "_ChunkedLogProbFunction", None)
-    if kernel is None:
+    if kernel is None or not hasattr(kernel, "forward"):  # TRL had None (1.15 without Triton), now ours
         return _NoTRLKernel
     if "outputs" not in inspect.signature(kernel.forward).parameters:
         return _PairKernel(kernel)

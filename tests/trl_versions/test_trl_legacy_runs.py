@@ -1,9 +1,9 @@
 """patch_trl on TRL 1.12, 1.13 and 1.14 (each in its own environment, tests/support/trl_versions_env.py): TRL's own
 GRPOTrainer and RLOOTrainer give the same numbers stock and patched, and patched nothing goes to TRL's logits path.
 
-Each case trains a tiny local Llama three times from one seed: stock TRL in fp32, patched in fp32, patched in float64
-(the truth of the three-way rule, tests/support/trl_runs.py ``assert_same_run``: every logged metric and every final
-parameter). Stock runs call TRL's full-logits functions and the model's ``lm_head`` over the completion; patched runs
+Each case trains a tiny local Llama three times from one seed: stock TRL in fp32, patched in fp32, and stock TRL in
+float64 (the truth of the three-way rule, TRL's own maths and so independent of ours; tests/support/trl_runs.py
+``assert_same_run``: every logged metric and every final parameter). Stock runs call TRL's full-logits functions and the model's ``lm_head`` over the completion; patched runs
 call neither, and call ``grpo_kernels.linear_token_logprobs`` instead.
 """
 import pytest
@@ -31,8 +31,10 @@ def _compare(tiny_lm, tmp_path, trainer="grpo", **cfg):
     path, tokenizer = tiny_lm
     *ref, ref_counter = train(path, tokenizer, tmp_path, False, trainer, **cfg)
     *out, counter = train(path, tokenizer, tmp_path, True, trainer, **cfg)
-    *truth, _ = train(path, tokenizer, tmp_path, True, trainer, torch.float64, **cfg)
-    assert_same_run(ref, out, truth)
+    # the truth: TRL's own maths in float64 (full logits, independent of grpo_kernels; TRL 1.14's chunked function
+    # keeps its logits tiles in fp32, so the float64 truth of a use_liger_kernel run is the full-logits one)
+    *truth, _ = train(path, tokenizer, tmp_path, False, trainer, torch.float64, **{**cfg, "use_liger_kernel": False})
+    assert_same_run(ref, out, truth, truth_patched=False)
     assert (counter.functions, counter.lm_head) == (0, 0), "a patched call went to TRL's logits path"
     return ref[0], ref_counter
 

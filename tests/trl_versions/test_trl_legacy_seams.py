@@ -116,7 +116,7 @@ def _call(trainer, entropy: bool, batch_size=None):
 
 @pytest.mark.parametrize("name, entropy_bonus", [("grpo", False), ("grpo", True), ("rloo", False)])
 def test_method_matches_trl(trainers, name, entropy_bonus):
-    """Ours against TRL's own method (fp32) and the float64 truth (ours on the float64 model): log-probs at every
+    """Ours against TRL's own method (fp32) and the float64 truth (TRL's method on the float64 model): log-probs at every
     completion position (1.14: zeros where the mask is 0, as TRL's row mask), entropies, the gradient of the head and
     of the embeddings; rows two at a time (``batch_size``) as TRL chunks them; the entropy's gradient as TRL's (RLOO
     has no entropy bonus: never one)."""
@@ -124,9 +124,9 @@ def test_method_matches_trl(trainers, name, entropy_bonus):
     for t in (trainer, trainer64):
         t._entropy_bonus_enabled = entropy_bonus
     stock_values, stock_grads, stock_entropy = _call(trainer, True, batch_size=2)
+    truth_values, truth_grads, _ = _call(trainer64, True)  # TRL's own method in float64: independent of ours
     patch_trl()
     values, grads, entropy = _call(trainer, True, batch_size=2)
-    truth_values, truth_grads, _ = _call(trainer64, True)
     assert entropy.requires_grad == stock_entropy.requires_grad == (name == "grpo" and entropy_bonus)
     assert values[0].dtype == torch.float32 and truth_values[0].dtype == torch.float64
     for what, o, n, t in zip(("logp", "entropy"), values, stock_values, truth_values):
