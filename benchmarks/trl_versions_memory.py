@@ -37,19 +37,20 @@ def build_trainer(vocab: int, length: int, liger: bool, out: str):
 
     sys.path.insert(0, REPO)
     from tests.support.trl_runs import even_words, word_tokenizer
+    from tests.support.trl_versions_env import LIGER_LAYERS_OFF
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=length,
                          pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
-    off = {n: False for n in ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy")}
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=2, num_generations=2, report_to="none",
                       use_cpu=True, disable_tqdm=True, use_liger_kernel=liger,
-                      liger_kernel_config=off if liger else None)
+                      liger_kernel_config=LIGER_LAYERS_OFF if liger else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=LlamaForCausalLM(config), reward_funcs=even_words, args=args,
-                              train_dataset=Dataset.from_dict({"prompt": ["w1"] * 2}), processing_class=word_tokenizer())
+                              train_dataset=Dataset.from_dict({"prompt": ["w1"] * 2}),
+                              processing_class=word_tokenizer())
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which this does not run
     return trainer
 

@@ -36,7 +36,7 @@ import torch
 from .trl_logps import PerTokenLogpsMethod
 
 __all__ = ["LEGACY_SERIES", "Seam", "series_of", "legacy_targets", "routes_for", "trl_kernel",
-           "LegacyChunkedLogProbFunction"]
+           "LegacyChunkedLogProbFunction", "dotted_name", "owner_of"]
 
 # TRL series served through the pre-1.15 seams (trl_logps.py); 1.15 shares 1.16's.
 LEGACY_SERIES = ("1.12", "1.13", "1.14")
@@ -103,15 +103,15 @@ def legacy_targets(series: str, seam: Seam) -> list:
                            "grpo_kernels patches")
     function = LegacyChunkedLogProbFunction(seam.head, _takes_bias(utils._ChunkedLogProbFunction))
     modules = ("trl.trainer.utils", *_NAMED_FUNCTION_MODULES.get(series, ()))
-    targets = [(importlib.import_module(name), "_ChunkedLogProbFunction", function) for name in modules]
-    for module_name, class_name in _METHOD_OWNERS:
-        owner = getattr(importlib.import_module(module_name), class_name)
-        targets.append((owner, PerTokenLogpsMethod.NAME, PerTokenLogpsMethod(owner, series, seam).bound()))
-    for owner, name, _ in targets:
+    owners = [(importlib.import_module(name), "_ChunkedLogProbFunction") for name in modules]
+    owners += [(getattr(importlib.import_module(module), cls), PerTokenLogpsMethod.NAME)
+               for module, cls in _METHOD_OWNERS]
+    for owner, name in owners:
         if not hasattr(owner, name):
             raise RuntimeError(f"{dotted_name(owner)}.{name} not found: not the TRL {series} layout grpo_kernels "
                                "patches")
-    return targets
+    return [(owner, name, function if inspect.ismodule(owner) else PerTokenLogpsMethod(owner, series, seam).bound())
+            for owner, name in owners]
 
 
 def dotted_name(owner) -> str:

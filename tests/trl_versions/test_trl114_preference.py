@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from ..support.trl_versions_env import require_series, save_tiny_lm
+from ..support.trl_versions_env import LIGER_LAYERS_OFF, require_series, save_tiny_lm
 
 require_series("1.14")
 
@@ -18,7 +18,6 @@ from grpo_kernels.integrations.trl import patch_trl, unpatch_trl  # noqa: E402
 from ..support.trl_runs import assert_informative, assert_same_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
-LIGER_LAYERS_OFF = {name: False for name in ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy")}
 PROMPTS = ["w1 w2", "w3", "w4 w5 w6", "w7", "w8 w9", "w10 w11 w12", "w13", "w14 w15"]
 GOOD = [" w2 w4", " w6", " w8 w10 w12", " w14 w16", " w18", " w3 w5", " w7 w9", " w11"]
 BAD = [" w20 w22", " w31", " w25 w27 w29", " w33 w35", " w36", " w21 w23", " w37 w39", " w24"]

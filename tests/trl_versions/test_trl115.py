@@ -54,8 +54,8 @@ try:
 except Exception as exc:
     print("failed:", type(exc).__name__, str(exc).splitlines()[0])
 """
-STOCK_FAILURE = {False: "failed: RuntimeError 0 active drivers", True: "failed: AttributeError 'NoneType' object has no "
-                 "attribute 'apply'"}
+STOCK_FAILURE = {False: "failed: RuntimeError 0 active drivers",
+                 True: "failed: AttributeError 'NoneType' object has no attribute 'apply'"}
 
 
 @pytest.fixture(scope="module")

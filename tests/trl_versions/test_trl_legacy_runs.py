@@ -3,21 +3,20 @@ GRPOTrainer and RLOOTrainer give the same numbers stock and patched, and patched
 
 Each case trains a tiny local Llama three times from one seed: stock TRL in fp32, patched in fp32, and stock TRL in
 float64 (the truth of the three-way rule, TRL's own maths and so independent of ours; tests/support/trl_runs.py
-``assert_same_run``: every logged metric and every final parameter). Stock runs call TRL's full-logits functions and the model's ``lm_head`` over the completion; patched runs
+``assert_same_run``: every logged metric and every final parameter). Stock runs call TRL's full-logits functions and
+the model's ``lm_head`` over the completion; patched runs
 call neither, and call ``grpo_kernels.linear_token_logprobs`` instead.
 """
 import pytest
 import torch
 
-from ..support.trl_versions_env import require_series, run_command, save_tiny_lm, train
+from ..support.trl_versions_env import LIGER_LAYERS_OFF, require_series, run_command, save_tiny_lm, train
 
 SERIES = require_series("1.12", "1.13", "1.14")
 
 from ..support.trl_runs import assert_informative, assert_same_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
-# transformers' Trainer patches the model with Liger's layers under use_liger_kernel=True unless told not to
-LIGER_LAYERS_OFF = {name: False for name in ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy")}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +65,7 @@ def test_rloo_beta_iterations(tiny_lm, tmp_path):
                     f"flag runs Liger's loss): runs in TRL 1.14's environment, {run_command('1.14')}")
 def test_grpo_use_liger_kernel_chunked_path(tiny_lm, tmp_path):
     """TRL 1.14 under use_liger_kernel=True: stock runs TRL's chunked function (no logits either), patched ours.
-    Liger's own layer kernels stay off (``LIGER_LAYERS_OFF``: its Triton RMSNorm fails under the CPU interpreter, and
-    the seam under test is TRL's chunked head, not them)."""
+    Liger's own layer kernels stay off (``LIGER_LAYERS_OFF``)."""
     logs, stock = _compare(tiny_lm, tmp_path, loss_type="grpo", beta=0.1, num_iterations=2, epsilon=0.05,
                            use_liger_kernel=True, liger_kernel_config=LIGER_LAYERS_OFF)
     assert_informative(logs, "loss", "kl", "grad_norm")

@@ -116,10 +116,10 @@ def _call(trainer, entropy: bool, batch_size=None):
 
 @pytest.mark.parametrize("name, entropy_bonus", [("grpo", False), ("grpo", True), ("rloo", False)])
 def test_method_matches_trl(trainers, name, entropy_bonus):
-    """Ours against TRL's own method (fp32) and the float64 truth (TRL's method on the float64 model): log-probs at every
-    completion position (1.14: zeros where the mask is 0, as TRL's row mask), entropies, the gradient of the head and
-    of the embeddings; rows two at a time (``batch_size``) as TRL chunks them; the entropy's gradient as TRL's (RLOO
-    has no entropy bonus: never one)."""
+    """Ours against TRL's own method (fp32) and the float64 truth (TRL's method on the float64 model): log-probs at
+    every completion position (1.14: zeros where the mask is 0, as TRL's row mask), entropies, the gradient of the
+    head and of the embeddings; rows two at a time (``batch_size``) as TRL chunks them; the entropy's gradient as
+    TRL's (RLOO has no entropy bonus: never one)."""
     trainer, trainer64 = trainers[name, torch.float32], trainers[name, torch.float64]
     for t in (trainer, trainer64):
         t._entropy_bonus_enabled = entropy_bonus
