@@ -78,9 +78,12 @@ def test_grpo_on_a_cpu_without_the_interpreter(tiny_lm, tmp_path, patched, no_tr
 
 @pytest.fixture
 def no_triton(monkeypatch):
-    """TRL 1.15 as it loads without Triton: its kernel module fails to import and trl.trainer.utils holds None."""
+    """TRL 1.15 as it loads without Triton: its kernel module fails to import and trl.trainer.utils holds None.
+    Unpatched before monkeypatch puts TRL's kernel back (unpatching later would restore the None patch_trl saw)."""
     monkeypatch.setitem(sys.modules, "trl.kernels.chunked_logprob", None)
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None)
+    yield
+    unpatch_trl()
 
 
 def test_without_triton_the_report_and_the_stand_in(no_triton):
