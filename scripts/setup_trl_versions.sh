@@ -15,7 +15,8 @@
 #   is what sends its GRPO / DPO / KTO trainers through `_ChunkedLogProbFunction`, the seam the 1.14 tests cover.
 # The package itself is not installed: the tests run from the checkout (python -m pytest puts it first on sys.path).
 # Use: .venv-trl114/bin/python -m pytest tests/trl_versions -q. Idempotent: a second run only checks the versions
-# (~5 s an environment; the first run ~1-2 min each on 2 cores). Knobs: PYTHON, TORCH_CPU_INDEX.
+# (~10 s an environment); the first run of one takes ~2 min on 2 cores with pip's cache warm, ~5 min cold.
+# Knobs: PYTHON, TORCH_CPU_INDEX.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
