@@ -17,7 +17,7 @@ setup(
     install_requires=["torch>=2.4", "triton>=3.2; platform_system == 'Linux'", "numpy"],
     extras_require={
         "train": ["transformers>=4.56", "tokenizers", "matplotlib", "tqdm", "liger-kernel>=0.8.5"],
-        "trl": ["trl>=1.16,<1.17", "transformers>=4.56"],
+        "trl": ["trl>=1.12,<1.17", "transformers>=4.56"],  # 1.12-1.15: tests/trl_versions/
         # deepspeed: the ZeRO-3 test on CPU (installs from its sdist in seconds; no op is compiled)
         "test": ["pytest>=8", "pytest-benchmark>=5", "pytest-xdist>=3.6", "hypothesis>=6.100", "trl==1.16.0", "liger-kernel==0.8.5",
                  "transformers>=4.56", "matplotlib", "tqdm", "deepspeed==0.19.8"],

@@ -10,6 +10,9 @@ Usage (before the trainer is built)::
 or scoped: ``with grpo_kernels.patch_trl() as report: ...`` unpatches on exit (unless it was already patched
 before the ``with``). ``patch_trl(strict=True)`` raises where the default warns and falls back (below).
 
+Versions: TRL 1.16, described here; TRL 1.15 has the same seam, and 1.12-1.14 have older ones
+(``trl_versions.py``, which the version dispatch of ``_targets`` / ``_routes`` hands those series to).
+
 The hook. TRL 1.16's trainers call ``model(..., labels=labels, fused_lm_head=True)`` after
 ``trl.trainer.utils.add_fused_lm_head``; that forward runs the backbone, selects the positions to score, handles
 FSDP2 DTensors, ZeRO-3 gathering, ``cast_lm_head_to_fp32``, MoE aux losses and device maps, and then makes a single
@@ -84,6 +87,7 @@ import torch
 from .. import _checks
 from ..config import EXTRA_OUTPUTS
 from .report import Route, backend, route_table
+from . import trl_versions
 from .transformers import zero3_enabled, cast_to, fold_logit_scale, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction",
@@ -91,8 +95,9 @@ __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched
 
 logger = logging.getLogger("grpo_kernels")
 
-# TRL release series (major.minor) whose fused-LM-head seam this module was written against and tested with.
-SUPPORTED_TRL_VERSIONS = ("1.16",)
+# TRL release series (major.minor) patch_trl serves, each tested in its own environment: 1.16's fused-LM-head seam
+# (this module; 1.15 has it too), the seams of 1.12-1.14 (trl_versions.py).
+SUPPORTED_TRL_VERSIONS = ("1.12", "1.13", "1.14", "1.15", "1.16")
 
 # Outputs of TRL's ChunkedLogProbFunction that grpo_kernels computes: all five of TRL 1.16 (log_probs always; TRL
 # ignores a name it does not know, and so does TRLLogProbFunction; one TRL knows and this set does not, as a later
@@ -142,14 +147,15 @@ def is_supported_trl_version(version: str) -> bool:
     return any(tuple(release[:2]) == tuple(int(x) for x in s.split(".")) for s in SUPPORTED_TRL_VERSIONS)
 
 
-def _fallback(option: str, reason: str) -> None:
-    """Strict mode: raise naming the option. Otherwise warn once per reason that TRL's own kernel is used."""
+def _fallback(option: str, reason: str, using: str = "TRL's own ChunkedLogProbFunction") -> None:
+    """Strict mode: raise naming the option. Otherwise warn once per reason that TRL's own kernel (``using``) is
+    used."""
     if _STATE["strict"]:
         raise ValueError(f"grpo_kernels.patch_trl(strict=True): {option} is not supported by the fused linear "
                          f"head: {reason}")
     if reason not in _STATE["warned"]:
         _STATE["warned"].add(reason)
-        warnings.warn(f"grpo_kernels: {option}: {reason}; using TRL's own ChunkedLogProbFunction for these calls",
+        warnings.warn(f"grpo_kernels: {option}: {reason}; using {using} for these calls",
                       UserWarning, stacklevel=3)
 
 
@@ -169,9 +175,9 @@ class TRLLogProbFunction:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
-        original = _ORIGINALS.get(("trl.trainer.utils", "_ChunkedLogProbFunction"))
-        if original is None:  # unpatched while a model still holds a reference: behave exactly like TRL
-            from trl.kernels import ChunkedLogProbFunction as original
+        # TRL's kernel (also when unpatched while a model still holds a reference: behave exactly like TRL), in
+        # TRL 1.16's call convention whatever the version; a stand-in where TRL 1.15 has none that runs here
+        original = trl_versions.trl_kernel(_ORIGINALS.get(("trl.trainer.utils", "_ChunkedLogProbFunction")), hidden)
         args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
                 outputs)
         # Silent fallbacks first: an output of TRL's that grpo_kernels does not compute (none in TRL 1.16), TRL's
@@ -209,7 +215,10 @@ class TRLLogProbFunction:
 
 def _trl_outputs() -> frozenset:
     """The output names TRL's ChunkedLogProbFunction computes (``log_probs`` and its ``OPTIONAL_OUTPUTS``)."""
-    from trl.kernels.chunked_logprob import OPTIONAL_OUTPUTS
+    try:
+        from trl.kernels.chunked_logprob import OPTIONAL_OUTPUTS
+    except ImportError:  # TRL < 1.15 (no such module), or 1.15 without Triton (imported at its top): ours are all
+        return _ROUTED_OUTPUTS
 
     return frozenset(("log_probs", *OPTIONAL_OUTPUTS))
 
@@ -266,8 +275,12 @@ def _async_grpo_module():
 
 
 def _targets():
-    """(module, attribute, replacement) for every name patch_trl swaps; raises if the seam is not there."""
+    """(owner, attribute, replacement) for every name patch_trl swaps; raises if the seam is not there."""
     import importlib
+
+    series = trl_versions.series_of(_trl_version())
+    if series in trl_versions.LEGACY_SERIES:
+        return trl_versions.legacy_targets(series, trl_versions.Seam(TRLLogProbFunction.apply, _fallback))
 
     utils = importlib.import_module("trl.trainer.utils")
     trainers = [importlib.import_module(name) for name in _TRAINER_MODULES]
@@ -327,6 +340,13 @@ class TRLPatchReport:
 
 
 def _routes(strict: bool) -> tuple[Route, ...]:
+    series = trl_versions.series_of(_trl_version())
+    if series != "1.16":
+        return trl_versions.routes_for(series, strict, backend(), _routes_116(strict), Route)
+    return _routes_116(strict)
+
+
+def _routes_116(strict: bool) -> tuple[Route, ...]:
     refused = "strict: ValueError at trainer setup" if strict else "warned once"
     return (
         Route("GRPO/RLOO policy log-probs + entropy", "grpo_kernels", backend()),
@@ -375,7 +395,7 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
     try:
         version = _trl_version()
     except ImportError as exc:
-        raise ImportError("grpo_kernels.patch_trl needs TRL: pip install 'trl>=1.16,<1.17'") from exc
+        raise ImportError("grpo_kernels.patch_trl needs TRL: pip install 'trl>=1.12,<1.17'") from exc
     if not is_supported_trl_version(version):
         raise RuntimeError(f"grpo_kernels.patch_trl supports TRL {', '.join(s + '.x' for s in SUPPORTED_TRL_VERSIONS)}"
                            f", found TRL {version}; nothing was patched")
@@ -385,25 +405,24 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
     newly = not _ORIGINALS
     if newly:
         for module, name, replacement in targets:
-            _ORIGINALS[(module.__name__, name)] = getattr(module, name)
+            _ORIGINALS[(trl_versions.dotted_name(module), name)] = getattr(module, name)
             setattr(module, name, replacement)
     report = TRLPatchReport(trl_version=version, strict=strict,
-                            patched=tuple(f"{module.__name__}.{name}" for module, name, _ in targets),
+                            patched=tuple(f"{trl_versions.dotted_name(module)}.{name}" for module, name, _ in targets),
                             routes=_routes(strict), newly_patched=newly, batch_invariant=batch_invariant,
                             round_logits=round_logits, invariant_block_rows=invariant_block_rows)
     fallbacks = "; ".join(r.calls for r in report.fallbacks)
-    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s, batch_invariant=%s): policy (GRPO, RLOO, SFT, DPO, KTO), reference and "
-                "padding-free log-probs run on grpo_kernels [%s]; TRL's own kernel for: %s", version,
-                "patched" if newly else "already patched", strict, batch_invariant, backend(), fallbacks)
+    on_ours = "; ".join(r.calls.strip() for r in report.kernel_calls)
+    logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s, batch_invariant=%s): on grpo_kernels: %s [%s]; "
+                "TRL's own for: %s", version, "patched" if newly else "already patched", strict, batch_invariant,
+                on_ours, backend(), fallbacks)
     return report
 
 
 def unpatch_trl() -> None:
     """Undo ``patch_trl``: every swapped attribute gets back the exact object TRL had. No-op when not patched."""
-    import sys
-
     for (module_name, name), original in list(_ORIGINALS.items()):
-        setattr(sys.modules[module_name], name, original)
+        setattr(trl_versions.owner_of(module_name), name, original)
     _ORIGINALS.clear()
     _STATE["strict"] = _STATE["batch_invariant"] = False
     _STATE["round_logits"] = _STATE["invariant_block_rows"] = None

@@ -151,12 +151,13 @@ def test_tied_embeddings_fp32_head(tiny_lm_tied, tmp_path):
 def test_unsupported_version_changes_nothing(monkeypatch):
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     before = (trl_utils._ChunkedLogProbFunction, trl_grpo.add_fused_lm_head)
-    with pytest.raises(RuntimeError, match=r"supports TRL 1\.16\.x, found TRL 1\.17\.0; nothing was patched"):
+    with pytest.raises(RuntimeError, match=r"supports TRL 1\.12\.x, 1\.13\.x, 1\.14\.x, 1\.15\.x, 1\.16\.x, found TRL "
+                                           r"1\.17\.0; nothing was patched"):
         patch_trl()
     assert (trl_utils._ChunkedLogProbFunction, trl_grpo.add_fused_lm_head) == before
     assert not is_trl_patched()
     assert gk_trl.is_supported_trl_version("1.16.3.dev0") and not gk_trl.is_supported_trl_version("1.1.6")
-    assert SUPPORTED_TRL_VERSIONS == ("1.16",)
+    assert SUPPORTED_TRL_VERSIONS == ("1.12", "1.13", "1.14", "1.15", "1.16")  # each tested: tests/trl_versions/
 
 
 def test_patch_is_idempotent_and_unpatch_restores():

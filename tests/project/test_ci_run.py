@@ -37,9 +37,9 @@ def _run_ci(tmp_path, fail: str):
     repo = tmp_path / "repo"
     (repo / ".ci").mkdir(parents=True)
     shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
-    for script in ("setup.sh", "setup_aot36.sh", "setup_verl.sh"):
+    for script in ("setup.sh", "setup_aot36.sh", "setup_verl.sh", "setup_trl_versions.sh"):
         _stub(repo / "scripts" / script)
-    for venv in (".venv", ".venv-triton36", ".venv-verl"):
+    for venv in (".venv", ".venv-triton36", ".venv-verl", *(f".venv-trl11{n}" for n in (2, 3, 4, 5))):
         _stub(repo / venv / "bin" / "python")
     calls = tmp_path / "calls.log"
     calls.touch()

@@ -32,9 +32,9 @@ def short(completions, **kwargs):
     return [-0.1 * len(c.split()) for c in completions]
 
 
-def assert_same_run(ref, out, truth):
+def assert_same_run(ref, out, truth, truth_patched: bool = True):
     """Runs ``(log_history, parameters, number of grpo_kernels head calls)``: TRL unpatched in fp32 (``ref``), patched in
-    fp32 (``out``) and patched in float64 (``truth``). The three-way rule on every logged number (timings aside) and
+    fp32 (``out``) and, in float64 (``truth``), patched or (``truth_patched=False``) TRL's own. The three-way rule on every logged number (timings aside) and
     every final parameter: the patched fp32 run within K times the unpatched fp32 run's distance to the float64 run,
     plus the fp32 ATOL. A few Adam steps amplify fp32 rounding differently on every CPU (Adam divides each gradient
     element by its running RMS, so a near-zero element's rounding moves its weight by a visible step); the middle term
@@ -44,8 +44,8 @@ def assert_same_run(ref, out, truth):
     from .tolerances import assert_three_way
 
     (ref_logs, ref_params, ref_calls), (logs, params, calls), (t_logs, t_params, t_calls) = ref, out, truth
-    assert ref_calls == 0 and calls > 0 and t_calls > 0, \
-        "the patched runs must go through grpo_kernels, the reference must not"
+    assert ref_calls == 0 and calls > 0 and (t_calls > 0) == truth_patched, \
+        "the patched runs must go through grpo_kernels, TRL's own must not"
     assert len(ref_logs) == len(logs) == len(t_logs)
     for step, (a, b, t) in enumerate(zip(ref_logs, logs, t_logs)):
         assert a.keys() == b.keys() == t.keys(), step
