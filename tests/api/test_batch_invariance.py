@@ -504,13 +504,16 @@ def test_a_chosen_block_is_batch_invariant_at_its_size(impl, plans):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_a_chosen_block_gives_a_ratio_of_exactly_one(impl, knobs):
-    """Old log-probs of a no-gradient call in another batch with the same chosen block: the loss and its gradient
-    are bitwise the ratio-1 call's (head.torch; head.no_grad against head.fast under the interpreter)."""
+    """Old log-probs of no-gradient calls in other batches with the same chosen block (on the PyTorch path one token
+    per call, a sampler's decoding steps: GEMMs of one row, which the CPU BLAS computes with another kernel than a
+    many-row GEMM, so only the option makes them agree): the loss and its gradient are bitwise the ratio-1 call's
+    (head.torch; head.no_grad against head.fast under the interpreter)."""
     knobs(fast_path_min_rows=1)
     pool = _pool(torch.float32)
     fn, cfg = "fused_linear_grpo_loss", LOSS_CONFIGS["dapo-num-items"]
-    old = _old_logps_without_gradients(pool, fn, impl, (6, 5, 7, 2, 4, 1, 0, 3), block=CHOSEN_BLOCK)
-    for order in ((2, 0, 3), (5, 0)):
+    old = _old_logps_without_gradients(pool, fn, impl, (6, 5, 7, 2, 4, 1, 0, 3), per_token=impl == "torch",
+                                       block=CHOSEN_BLOCK)
+    for order in ((2, 0, 3), (5, 0), (1,), (6,), (4,)):  # and one sequence of 1 to 3 tokens (GEMMs of 1-3 rows)
         exact = _loss_at(pool, fn, impl, order, cfg, None, block=CHOSEN_BLOCK)
         ours = _loss_at(pool, fn, impl, order, cfg, old, block=CHOSEN_BLOCK)
         assert torch.equal(ours[0], exact[0]), f"{order}: loss {ours[0].item()!r} != {exact[0].item()!r} (ratio != 1)"

@@ -199,7 +199,7 @@ def test_a_block_without_batch_invariant_is_refused():
 def test_explain_shows_the_chosen_block():
     hidden, _, ids = _rows()
     text = gk.explain(gk.linear_token_logprobs, hidden, WEIGHT, ids, batch_invariant=True, invariant_block_rows=4)
-    assert "every block has 4 rows" in text
+    assert "every block has 4 rows" in text, f"the chosen block did not reach the plan:\n{text}"
     assert "every block has 256 rows" in gk.explain(gk.linear_token_logprobs, hidden, WEIGHT, ids,
                                                     batch_invariant=True)
 
@@ -216,7 +216,8 @@ def test_patch_trl_passes_the_chosen_block_to_every_seam_call(monkeypatch, plans
         h, _, ids = _rows(seed=1)
         h, w, b = (t.clone().requires_grad_(True) for t in (h, WEIGHT, torch.zeros(V)))
         run_head(trl_utils._ChunkedLogProbFunction, h, w, b, ids)
-        assert plans and all(p.batch_invariant and p.chunk_rows == 4 for p in plans), [p.chunk_rows for p in plans]
+        assert plans and all(p.batch_invariant and p.chunk_rows == 4 for p in plans), \
+            f"the chosen block did not reach the plan: {[(p.batch_invariant, p.chunk_rows) for p in plans]}"
     finally:
         gk.unpatch_trl()
     assert gk.integrations.trl._STATE["invariant_block_rows"] is None
