@@ -1,5 +1,6 @@
-"""The older TRL series' environments and trainer runs (tests/trl_versions/): TRL 1.12, 1.13, 1.14 and 1.15 each live in
-a cached venv of their own (``.venv-trl112`` ... ``.venv-trl115``, scripts/setup_trl_versions.sh), since one
+"""The older TRL series' environments and trainer runs (tests/trl_versions/): TRL 1.12, 1.13, 1.14 and 1.15 each run
+over the main .venv with their release first on PYTHONPATH (an overlay folder, ``.trl-versions/SERIES``, made by
+scripts/setup_trl_versions.sh; ``bash scripts/trl_version.sh SERIES -m pytest ...`` runs a command so), since one
 environment holds one TRL; elsewhere (the main .venv has TRL 1.16) the tests skip, naming the command that runs them.
 
 ``train`` is tests/hf/test_hf_trl.py's run for any of these series and for RLOO too: a tiny local Llama with the word
@@ -9,6 +10,7 @@ and the number of calls that went to TRL's logits path (``LogitsPathCounter``).
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import pytest
@@ -23,26 +25,37 @@ LIGER_LAYERS_OFF = {name: False for name in ("rope", "rms_norm", "swiglu", "cros
 LOGITS_FUNCTIONS = ("selective_log_softmax", "selective_log_softmax_and_entropy", "entropy_from_logits")
 
 
-def venv_of(series: str) -> str:
-    return ".venv-trl" + series.replace(".", "")
+OVERLAYS = ".trl-versions"  # scripts/setup_trl_versions.sh's folders: one per series, and "common"
+# Set by scripts/trl_version.sh to the series it runs: a module for that series then fails instead of skipping when
+# another TRL is imported (a layout Python does not see would otherwise skip every test, silently green).
+SERIES_ASKED = "GRPO_KERNELS_TEST_TRL_SERIES"
+
+
+def overlay_of(series: str) -> str:
+    return f"{OVERLAYS}/{series}"
 
 
 def run_command(series: str) -> str:
-    python = f"{venv_of(series)}/bin/python"
-    return f"bash scripts/setup_trl_versions.sh {series} && {python} -m pytest tests/trl_versions -q"
+    """The one command that runs tests/trl_versions/ under ``series`` (it makes the overlay first if missing)."""
+    return f"bash scripts/trl_version.sh {series} -m pytest tests/trl_versions -q"
 
 
 def require_series(*series: str) -> str:
     """The installed TRL's series when it is one of ``series``, else skip the calling module, naming the command that
-    runs it in its environment."""
+    runs it; fail it instead where scripts/trl_version.sh asked for one of ``series`` and another TRL is imported."""
     try:
         import trl
     except ImportError:
         trl = None
     found = ".".join(str(getattr(trl, "__version__", "none")).split(".")[:2])
+    asked = os.environ.get(SERIES_ASKED)
+    if asked in series and found != asked:
+        pytest.fail(f"scripts/trl_version.sh {asked} ran this, but the TRL imported is {found} "
+                    f"({getattr(trl, '__file__', None)}): {overlay_of(asked)} is not what Python finds first",
+                    pytrace=False)
     if found not in series:
         commands = "; ".join(run_command(s) for s in series)
-        pytest.skip(f"needs TRL {' or '.join(series)} (found {found}), each in its own environment: {commands} "
+        pytest.skip(f"needs TRL {' or '.join(series)} (found {found}), each with its release over .venv: {commands} "
                     "(CI's slow step runs them)", allow_module_level=True)
     return found
 

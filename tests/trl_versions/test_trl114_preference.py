@@ -1,7 +1,8 @@
-"""patch_trl on TRL 1.14's DPO and KTO trainers (its own environment): under ``use_liger_kernel=True`` they compute
-their policy and reference log-probs with ``_ChunkedLogProbFunction``, imported by name into their modules, which
-patch_trl swaps. Stock (TRL's chunked function) against patched, the float64 truth being TRL's own full-logits run
-(``use_liger_kernel=False``: TRL's chunked function keeps its logits tiles in fp32)."""
+"""patch_trl on TRL 1.14's DPO and KTO trainers (run with scripts/trl_version.sh 1.14): under
+``use_liger_kernel=True`` they compute their policy and reference log-probs with ``_ChunkedLogProbFunction``,
+imported by name into their modules, which patch_trl swaps. Stock (TRL's chunked function) against patched, the
+float64 truth being TRL's own full-logits run (``use_liger_kernel=False``: TRL's chunked function keeps its logits
+tiles in fp32)."""
 import warnings
 
 import pytest
