@@ -60,23 +60,6 @@ def require_series(*series: str) -> str:
     return found
 
 
-def save_tiny_lm(path, tied: bool = False, layers: int = 2):
-    """tests/hf/test_hf_trl.py's tiny Llama + word tokenizer, saved (TRL builds the reference model from the path)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .trl_runs import WORDS, word_tokenizer
-
-    tokenizer = word_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-                         tie_word_embeddings=tied)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path), tokenizer
-
-
 class LogitsPathCounter:
     """Counts the calls that went to TRL's logits path while it is entered: TRL's full-logits functions in the GRPO
     and RLOO modules (``LOGITS_FUNCTIONS``) and every ``lm_head`` forward over more than one position (generation's
@@ -113,13 +96,10 @@ class LogitsPathCounter:
 def train(model_path, tokenizer, tmp_path, patched: bool, trainer: str = "grpo", dtype=torch.float32, **overrides):
     """A few steps of TRL's GRPOTrainer (or RLOOTrainer) with the model in ``dtype``: (log_history, parameters, number
     of grpo_kernels head calls, LogitsPathCounter)."""
-    import grpo_kernels
     import trl
     from datasets import Dataset
 
-    from grpo_kernels.integrations.trl import patch_trl, unpatch_trl
-
-    from .trl_runs import even_words, short
+    from .trl_runs import even_words, head_calls, short
 
     dataset = Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9", "w10", "w11 w12", "w13"] * 4})
     run = f"{trainer}-{'patched' if patched else 'trl'}-{str(dtype)[6:]}"
@@ -130,17 +110,8 @@ def train(model_path, tokenizer, tmp_path, patched: bool, trainer: str = "grpo",
     options.update(overrides)
     config_class, trainer_class = ((trl.GRPOConfig, trl.GRPOTrainer) if trainer == "grpo"
                                    else (trl.RLOOConfig, trl.RLOOTrainer))
-    calls, counter = [], LogitsPathCounter()
-    original = grpo_kernels.linear_token_logprobs
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    grpo_kernels.linear_token_logprobs = spy
-    try:
-        if patched:
-            patch_trl()
+    counter = LogitsPathCounter()
+    with head_calls(patched) as calls:
         built = trainer_class(model=model_path, reward_funcs=[even_words, short], args=config_class(**options),
                               train_dataset=dataset, processing_class=tokenizer)
         for model in (built.model, getattr(built, "ref_model", None)):
@@ -149,8 +120,5 @@ def train(model_path, tokenizer, tmp_path, patched: bool, trainer: str = "grpo",
         with warnings.catch_warnings(), counter.counting():
             warnings.simplefilter("ignore")
             built.train()
-    finally:
-        grpo_kernels.linear_token_logprobs = original
-        unpatch_trl()
     params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
     return built.state.log_history, params, len(calls), counter

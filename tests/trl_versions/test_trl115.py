@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from ..support.trl_versions_env import require_series, save_tiny_lm
+from ..support.trl_runs import save_tiny_lm
+from ..support.trl_versions_env import require_series
 
 require_series("1.15")
 

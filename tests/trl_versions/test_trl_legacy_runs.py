@@ -11,7 +11,8 @@ call neither, and call ``grpo_kernels.linear_token_logprobs`` instead.
 import pytest
 import torch
 
-from ..support.trl_versions_env import LIGER_LAYERS_OFF, require_series, run_command, save_tiny_lm, train
+from ..support.trl_runs import save_tiny_lm
+from ..support.trl_versions_env import LIGER_LAYERS_OFF, require_series, run_command, train
 
 SERIES = require_series("1.12", "1.13", "1.14")
 

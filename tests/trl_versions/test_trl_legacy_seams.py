@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from ..support.trl_versions_env import require_series, save_tiny_lm
+from ..support.trl_runs import save_tiny_lm
+from ..support.trl_versions_env import require_series
 
 SERIES = require_series("1.12", "1.13", "1.14")
 
