@@ -21,7 +21,8 @@
 # beside it, the layout those tests expect); tests/openrlhf/test_openrlhf_shipped.py runs them from there, patched.
 # The package itself is not installed: the tests run from the checkout (python -m pytest puts it first on sys.path).
 # Use: .venv-openrlhf/bin/python -m pytest tests/openrlhf -q (docs/openrlhf.md). Idempotent: a second run only
-# checks the versions. Knobs: OPENRLHF_VENV; PYTHON, TORCH_CPU_INDEX (lib_venv.sh).
+# checks the versions (~20 s; the first run 132 s on 2 cores with pip's cache empty, torch from a local wheel).
+# Knobs: OPENRLHF_VENV; PYTHON, TORCH_CPU_INDEX (lib_venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib_venv.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run .venv's Python with TRL SERIES (1.12, 1.13, 1.14 or 1.15) in place of .venv's TRL 1.16:
 #   bash scripts/trl_version.sh SERIES ARG...    e.g. bash scripts/trl_version.sh 1.12 -m pytest tests/trl_versions -q
-# First makes the series' overlay if it is missing (scripts/setup_trl_versions.sh SERIES; a check of ~1 s when it is
+# First makes the series' overlay if it is missing (scripts/setup_trl_versions.sh SERIES; a check of <1 s when it is
 # there, its line on stderr), then runs `.venv/bin/python ARG...` with .trl-versions/SERIES and .trl-versions/common
 # first on PYTHONPATH (absolute paths, before the caller's PYTHONPATH; child processes inherit it) and
 # GRPO_KERNELS_TEST_TRL_SERIES=SERIES, which makes tests/trl_versions/ fail, not skip, if another TRL is imported
