@@ -1,8 +1,7 @@
 """Traced peak memory of one GRPO policy forward + backward through TRL 1.14's own ``GRPOTrainer._compute_loss``
 (hence its ``_get_per_token_logps_and_entropies``), stock and with ``grpo_kernels.patch_trl()``, on CPU.
 
-    bash scripts/setup_trl_versions.sh 1.14
-    .venv-trl114/bin/python -m benchmarks.trl_versions_memory [--out DIR] [--prompt 512] [--completion 512]
+    bash scripts/trl_version.sh 1.14 -m benchmarks.trl_versions_memory [--out DIR] [--prompt 512] [--completion 512]
 
 Shape: one sequence of ``--prompt`` prompt + ``--completion`` completion tokens, a vocabulary of ``--vocab`` (32000),
 a tiny-width Llama (hidden 64, one layer, untied head) so that the head and the loss dominate, fp32, temperature 1,
@@ -12,8 +11,8 @@ largest number of bytes held at any moment by allocations made during the call, 
 the call's outputs). Variants: TRL stock and patched, each with ``use_liger_kernel`` off (TRL's full-logits path; ours
 on the backbone's hidden states) and, on TRL 1.14, on (TRL's chunked ``_ChunkedLogProbFunction``; patched: ours in
 its place). Also reported: the loss and the largest difference of the gradients from stock's. Prints a markdown
-table; ``--out DIR`` also writes ``DIR/trl_versions_memory.json`` and ``.md``. Runs in a TRL 1.12-1.14 environment
-(the ``use_liger_kernel`` rows on 1.14 only). Not collected by pytest.
+table; ``--out DIR`` also writes ``DIR/trl_versions_memory.json`` and ``.md``. Runs under TRL 1.12, 1.13 or 1.14
+(scripts/trl_version.sh; the ``use_liger_kernel`` rows on 1.14 only). Not collected by pytest.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-# Sourced (never run) by scripts/setup.sh, setup_aot36.sh and setup_verl.sh, from the repository root: the torch every
-# environment pins, and how each script makes its venv and gets the CPU build of torch, written once. Sets the knobs'
-# defaults below and defines functions; runs nothing. The functions read PYTHON, TORCH_CPU_INDEX and PIP (the pip
-# command of the venv being filled; torch_venv sets it).
+# Sourced (never run) by scripts/setup.sh, setup_aot36.sh, setup_verl.sh, setup_openrlhf.sh and setup_trl_versions.sh,
+# from the repository root: the torch every environment pins, how each script makes its venv and gets the CPU build of
+# torch, and how a folder of packages over a venv (an overlay, put first on PYTHONPATH) is made, written once. Sets
+# the knobs' defaults below and defines functions; runs nothing. The functions read PYTHON, TORCH_CPU_INDEX and PIP
+# (the pip command of the venv being filled; torch_venv sets it).
 PYTHON=${PYTHON:-python3}  # the interpreter a venv is made with
 TORCH_VERSION=2.13.0  # as constraints.txt pins it
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
@@ -38,4 +39,18 @@ install_cpu_torch() {
         echo "torch: $TORCH_CPU_INDEX not reachable ($logs/torch-cpu-index.log); trying the default index"
         $PIP install -q --disable-pip-version-check "torch==$version"
     fi
+}
+
+# install_overlay DIR ARG...: `$PIP install --no-deps --target` of ARG... (requirement specifiers, pip options) into
+# the folder DIR, an overlay: packages put first on PYTHONPATH over an existing venv (pip's --target sees nothing
+# installed, hence --no-deps: what the overlay needs is named). Built in DIR.partial and moved into place, so a failed
+# or interrupted run leaves no half-filled DIR and a rebuild replaces an outdated one whole.
+install_overlay() {
+    local dir=$1
+    shift
+    rm -rf "$dir.partial"
+    mkdir -p "$dir.partial"
+    $PIP install -q --disable-pip-version-check --no-deps --target "$dir.partial" "$@"
+    rm -rf "$dir"
+    mv "$dir.partial" "$dir"
 }

@@ -21,17 +21,19 @@
 # beside it, the layout those tests expect); tests/openrlhf/test_openrlhf_shipped.py runs them from there, patched.
 # The package itself is not installed: the tests run from the checkout (python -m pytest puts it first on sys.path).
 # Use: .venv-openrlhf/bin/python -m pytest tests/openrlhf -q (docs/openrlhf.md). Idempotent: a second run only
-# checks the versions. Knobs: PYTHON, TORCH_CPU_INDEX, OPENRLHF_VENV.
+# checks the versions (~20 s; the first run 132 s on 2 cores with pip's cache empty, torch from a local wheel).
+# Knobs: OPENRLHF_VENV; PYTHON, TORCH_CPU_INDEX (lib_venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+source scripts/lib_venv.sh
 VENV=${OPENRLHF_VENV:-.venv-openrlhf}
-TORCH_VERSION=2.13.0
 OPENRLHF_VERSION=0.11.2
 TRITON_VERSION=3.9.0
-TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 CONSTRAINTS=scripts/openrlhf-constraints.txt
-check='import sys, os, importlib.metadata as md, importlib.util as iu
+# The check drops the working directory (this checkout) from sys.path so that this checkout's own `tests` package is
+# not seen: a `tests` found then is site-packages' (OpenRLHF's, which must have been moved out).
+check='import sys, os; sys.path = [p for p in sys.path if p not in ("", os.getcwd())]
+import importlib.metadata as md, importlib.util as iu
 import torch, triton, transformers, deepspeed, peft, pytest, ray, PIL, aiohttp
 v = (torch.__version__.split("+")[0], md.version("openrlhf"), triton.__version__)
 shadow = iu.find_spec("tests") is not None and "site-packages" in (iu.find_spec("tests").origin or "")
@@ -39,22 +41,12 @@ moved = os.path.isfile(os.path.join(sys.argv[4], "tests", "test_actor_entropy_te
 print(*v, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)
 sys.exit(v != tuple(sys.argv[1:4]) or shadow or not moved)'
 export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
-# The check runs from / so that this checkout's own `tests` package is not on sys.path: a `tests` found then is
-# site-packages' (OpenRLHF's, which must have been moved out).
-checked() { [ -x "$VENV/bin/python" ] && (V=$(cd "$VENV" && pwd) && cd / && "$V/bin/python" -W ignore -c "$check" \
-    "$TORCH_VERSION" "$OPENRLHF_VERSION" "$TRITON_VERSION" "$V/openrlhf-tests"); }
-if checked > /dev/null 2>&1; then
+pins=("$TORCH_VERSION" "$OPENRLHF_VERSION" "$TRITON_VERSION" "$VENV/openrlhf-tests")
+if venv_ready "$VENV" "$check" "${pins[@]}"; then
     echo "$VENV ready: torch $TORCH_VERSION openrlhf $OPENRLHF_VERSION triton $TRITON_VERSION (cached)"
     exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
-mkdir -p "$VENV/logs"
-if ! $PIP install -q --disable-pip-version-check --timeout 10 --retries 0 --index-url "$TORCH_CPU_INDEX" \
-        "torch==$TORCH_VERSION" > "$VENV/logs/torch-cpu-index.log" 2>&1; then
-    echo "torch: $TORCH_CPU_INDEX not reachable ($VENV/logs/torch-cpu-index.log); trying the default index"
-    $PIP install -q --disable-pip-version-check "torch==$TORCH_VERSION"
-fi
+torch_venv "$VENV" "$TORCH_VERSION"
 $PIP install -q --disable-pip-version-check --no-deps "openrlhf==$OPENRLHF_VERSION"
 $PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" transformers deepspeed peft accelerate einops sympy \
     pylatexenc torchdata ray aiohttp pillow numpy packaging pytest > "$VENV/logs/openrlhf.log" 2>&1 \
@@ -62,11 +54,12 @@ $PIP install -q --disable-pip-version-check -c "$CONSTRAINTS" transformers deeps
 $PIP install -q --disable-pip-version-check --no-deps "triton==$TRITON_VERSION"
 # OpenRLHF's own tests out of site-packages (see above), kept runnable beside a link to the installed package.
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p "$VENV/openrlhf-tests"
 if [ -d "$SITE/tests" ]; then
-    rm -rf "$VENV/openrlhf-tests" && mkdir -p "$VENV/openrlhf-tests"
+    rm -rf "$VENV/openrlhf-tests/tests"
     mv "$SITE/tests" "$VENV/openrlhf-tests/tests"
 fi
 ln -sfn "$SITE/openrlhf" "$VENV/openrlhf-tests/openrlhf"
 printf '[pytest]\n' > "$VENV/openrlhf-tests/pytest.ini"  # their rootdir: not this checkout's pytest.ini
-checked > /dev/null
+"$VENV/bin/python" -W ignore -c "$check" "${pins[@]}" > /dev/null
 echo "$VENV ready: torch $TORCH_VERSION openrlhf $OPENRLHF_VERSION triton $TRITON_VERSION"

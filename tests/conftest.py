@@ -69,6 +69,17 @@ def plans(monkeypatch):
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo reset before and after the test, so that each test counts its own compiles (the compile tests use it on
+    every test of the module)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def unpatched_trl():
     """TRL unpatched before and after the test (the hf layer's TRL tests use it on every test of the module)."""
     from grpo_kernels.integrations.trl import unpatch_trl

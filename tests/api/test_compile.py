@@ -12,7 +12,10 @@ import torch
 
 from grpo_kernels import GRPOLossConfig, fused_linear_grpo_loss, grpo_loss, linear_token_logprobs, token_logprobs
 
+from ..support.compiling import CountingBackend
 from ..support.tolerances import assert_three_way, grad_scale
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # each test counts its own compiles
 
 # torch.compile of every entry point is ~3-6 min of compilation on a CPU: one case of each test runs in the fast
 # suite (README's test command), the other cases under -m slow (CI's second step); dynamic float options:
@@ -100,26 +103,6 @@ def _assert_close_by_three_way(eager, compiled, truth, dtype):
         assert ma.keys() == mb.keys()
         for k in ma:
             assert_three_way(mb[k].cpu(), ma[k].cpu(), mt[k], dtype, f"compiled metric {k}")
-
-
-class CountingBackend:
-    """A torch.compile backend that counts the graphs it is given (one per compile / recompile) and hands them to
-    ``inner`` (aot_eager: AOTAutograd with the ops' fake kernels and autograd registrations, no code generation)."""
-
-    def __init__(self, inner="aot_eager"):
-        self.inner = torch._dynamo.lookup_backend(inner)
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.inner(gm, example_inputs)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()  # each test counts its own compiles
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name, impl", _cases(list(CONFIGS), ["torch", "triton"], fast=("gspo", "torch")))

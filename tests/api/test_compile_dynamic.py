@@ -24,6 +24,9 @@ import torch
 
 import grpo_kernels as gk
 
+from ..support.compiling import CountingBackend
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # each case counts its own compiles
 V, H = 32, 8
 # per call: (B, T), temperature, epsilon_low, epsilon_high, beta, num_items_in_batch; all distinct from call to call
 CALLS = (((2, 5), 0.7, 0.2, 0.28, 0.04, 9.0), ((3, 7), 0.9, 0.25, 0.3, 0.05, 19.0),
@@ -77,26 +80,6 @@ def _run(step, batch, floats):
     loss.backward()
     return {"loss": loss.detach(), "d hidden": hidden.grad, "d weight": weight.grad,
             **{f"metric {k}": v for k, v in metrics.items()}}
-
-
-class CountingBackend:
-    """aot_eager (the ops' fake kernels and autograd registrations, no code generated), counting the graphs it is
-    given: one per compile or recompile."""
-
-    def __init__(self):
-        self.inner = torch._dynamo.lookup_backend("aot_eager")
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.inner(gm, example_inputs)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()  # each case counts its own compiles
-    yield
-    torch._dynamo.reset()
 
 
 FUNCTIONS = ("token_logprobs", "linear_token_logprobs", "grpo_loss", "fused_linear_grpo_loss")

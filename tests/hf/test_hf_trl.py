@@ -28,8 +28,8 @@ from grpo_kernels.integrations.trl import (  # noqa: E402
 
 from ..support.tolerances import ATOL, assert_three_way, max_err  # noqa: E402
 from ..support.trl_runs import (  # noqa: E402
-    WORDS, assert_head_function_three_way, assert_informative, assert_same_run, even_words, head_inputs, head_truth,
-    run_head, short, train_quietly, word_tokenizer,
+    WORDS, assert_head_function_three_way, assert_informative, assert_same_run, even_words, head_calls, head_inputs,
+    head_truth, run_head, save_tiny_lm, short, train_quietly,
 )
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
@@ -38,25 +38,12 @@ pytestmark = pytest.mark.usefixtures("unpatched_trl")
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
     """A saved tiny Llama + word-level tokenizer: GRPOTrainer builds its reference model from the path."""
-    return _save_tiny_lm(tmp_path_factory.mktemp("tiny_llama"), tied=False)
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny_llama"), tied=False)
 
 
 @pytest.fixture(scope="module")
 def tiny_lm_tied(tmp_path_factory):
-    return _save_tiny_lm(tmp_path_factory.mktemp("tiny_llama_tied"), tied=True)
-
-
-def _save_tiny_lm(path, tied: bool):
-    tokenizer = word_tokenizer()
-    torch.manual_seed(0)
-    # A large init makes the sampling distributions peaked enough that rewards vary inside a group.
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-                         tie_word_embeddings=tied)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path), tokenizer
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny_llama_tied"), tied=True)
 
 
 def _train(tiny_lm, tmp_path, patched: bool, dtype=torch.float32, **overrides):
@@ -70,23 +57,10 @@ def _train(tiny_lm, tmp_path, patched: bool, dtype=torch.float32, **overrides):
                    report_to="none", use_cpu=True, bf16=False, seed=0, save_strategy="no", disable_tqdm=True,
                    model_init_kwargs={"dtype": dtype})
     options.update(overrides)
-    calls = []
-    original = grpo_kernels.linear_token_logprobs
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    grpo_kernels.linear_token_logprobs = spy
-    try:
-        if patched:
-            patch_trl()
+    with head_calls(patched) as calls:
         trainer = GRPOTrainer(model=path, reward_funcs=[even_words, short], args=GRPOConfig(**options),
                               train_dataset=dataset, processing_class=tokenizer)
         train_quietly(trainer)
-    finally:
-        grpo_kernels.linear_token_logprobs = original
-        unpatch_trl()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return trainer.state.log_history, params, len(calls)
 

@@ -17,27 +17,14 @@ from ..support.openrlhf_env import require_openrlhf
 from ..support.tolerances import assert_three_way, grad_scale
 
 gk_openrlhf = require_openrlhf()
-from ..support.openrlhf_actors import CALLS, build_actor, float64_truth, make_batch, run_call  # noqa: E402
+from ..support.openrlhf_actors import (CALLS, build_actor, float64_truth, make_batch, patched_forward,  # noqa: E402
+                                       run_call)
 
-
-def patched(actor, *args, **kwargs):
-    return actor(*args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tmp_path_factory.mktemp("openrlhf-models")
-
-
-@pytest.fixture(autouse=True)
-def openrlhf_patched():
-    gk_openrlhf.patch()
-    yield
-    gk_openrlhf.patch()  # a test that unpatched leaves the module patched, as importing it did
+pytestmark = pytest.mark.usefixtures("openrlhf_patched")  # tests/openrlhf/conftest.py
 
 
 def check(actor, batch, call):
-    ours = run_call(actor, patched, batch, call)
+    ours = run_call(actor, patched_forward, batch, call)
     stock = run_call(actor, gk_openrlhf.stock_forward, batch, call)
     torch.testing.assert_close(ours.hidden, stock.hidden, rtol=0, atol=0)  # the same backbone call: equal inputs
     truth = float64_truth(actor, batch, call, ours)
@@ -89,7 +76,7 @@ def test_temperature(folder, temperature):
     actor = build_actor(folder, temperature=temperature)
     batch = make_batch(seed=3)
     call = CALLS["policy"]
-    ours = run_call(actor, patched, batch, call)
+    ours = run_call(actor, patched_forward, batch, call)
     stock = run_call(actor, gk_openrlhf.stock_forward, batch, call)
     truth = float64_truth(actor, batch, call, ours, temperature=temperature)
     assert_three_way(ours.logp, stock.logp, truth[0], torch.float32, "logp")
@@ -102,7 +89,7 @@ def test_gradient_reaches_every_parameter(folder):
     actor = build_actor(folder)
     batch = make_batch(seed=5)
     grads = []
-    for forward in (patched, gk_openrlhf.stock_forward):
+    for forward in (patched_forward, gk_openrlhf.stock_forward):
         actor.zero_grad(set_to_none=True)
         logp, output = forward(actor, batch.sequences, batch.action_mask, attention_mask=batch.attention_mask,
                                return_output=True, return_entropy=True)

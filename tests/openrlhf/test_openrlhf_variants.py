@@ -18,27 +18,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 from grpo_kernels.integrations import openrlhf as integration  # noqa: E402
 
-from ..support.openrlhf_actors import CALLS, build_actor, float64_truth, make_batch, run_call  # noqa: E402
+from ..support.openrlhf_actors import (CALLS, build_actor, float64_truth, make_batch, patched_forward,  # noqa: E402
+                                       run_call)
 
-
-def patched(actor, *args, **kwargs):
-    return actor(*args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tmp_path_factory.mktemp("openrlhf-models")
-
-
-@pytest.fixture(autouse=True)
-def openrlhf_patched(monkeypatch):
-    monkeypatch.delenv(integration.ROUND_LOGITS_ENV, raising=False)
-    monkeypatch.delenv(integration.BATCH_INVARIANT_ENV, raising=False)
-    gk_openrlhf.patch()
-    yield
-    monkeypatch.undo()
-    gk_openrlhf.unpatch()
-    gk_openrlhf.patch()  # as importing the module left it
+pytestmark = pytest.mark.usefixtures("openrlhf_patched")  # tests/openrlhf/conftest.py
 
 
 def test_bf16_default_rounds_logits_as_openrlhf(folder):
@@ -49,14 +32,14 @@ def test_bf16_default_rounds_logits_as_openrlhf(folder):
     actor = build_actor(folder, dtype=torch.bfloat16)
     batch = make_batch(batch=4, seed=11)
     call = CALLS["policy"]
-    ours = run_call(actor, patched, batch, call)
+    ours = run_call(actor, patched_forward, batch, call)
     stock = run_call(actor, gk_openrlhf.stock_forward, batch, call)
     truth = float64_truth(actor, batch, call, ours, rounding="bf16")
     assert_three_way(ours.logp, stock.logp, truth[0], torch.bfloat16, "logp")
     assert_three_way(ours.entropy, stock.entropy, truth[1], torch.bfloat16, "entropy")
     assert_three_way(ours.d_hidden, stock.d_hidden, truth[2], torch.bfloat16, "d hidden", scale=grad_scale(truth[2]))
     gk_openrlhf.patch(round_logits=None)
-    unrounded = run_call(actor, patched, batch, call)
+    unrounded = run_call(actor, patched_forward, batch, call)
     read = batch.action_mask
     rounded_gap = (ours.logp - stock.logp)[read].abs().median().item()
     unrounded_gap = (unrounded.logp - stock.logp)[read].abs().median().item()
@@ -74,7 +57,7 @@ def test_moe_aux_loss(folder, name):
     actor = build_actor(folder, kind="mixtral")
     assert actor.model.config.output_router_logits
     batch, call = make_batch(seed=2), CALLS[name]
-    ours = run_call(actor, patched, batch, call)
+    ours = run_call(actor, patched_forward, batch, call)
     stock = run_call(actor, gk_openrlhf.stock_forward, batch, call)
     assert "aux_loss" in ours.output and torch.equal(ours.output.aux_loss.detach(), stock.output.aux_loss.detach())
     assert type(ours.output) is type(stock.output)
@@ -93,7 +76,7 @@ def test_lora_actor(folder, packing):
     batch, call = make_batch(seed=4), CALLS["policy"]
     for p in actor.parameters():
         p.grad = None
-    ours = run_call(actor, patched, batch, call)
+    ours = run_call(actor, patched_forward, batch, call)
     lora_grads = {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
     stock = run_call(actor, gk_openrlhf.stock_forward, batch, call)
     truth = float64_truth(actor, batch, call, ours)
@@ -283,7 +266,7 @@ def test_model_inside_an_engine_wrapper(folder):
     wrapped.packing_samples = False
     assert integration._unwrap(wrapped.model) is actor.model
     batch, call = make_batch(seed=8), CALLS["policy"]
-    ours = run_call(wrapped, patched, batch, call)
+    ours = run_call(wrapped, patched_forward, batch, call)
     stock = run_call(wrapped, gk_openrlhf.stock_forward, batch, call)
     assert ours.output.logits is None  # served, not handed to OpenRLHF's forward
     truth = float64_truth(wrapped, batch, call, ours)

@@ -25,6 +25,10 @@ exit 0
 FAST_SUITE = '-m pytest tests -q -m not slow'
 BENCHMARKS = "-m pytest benchmarks/ --benchmark-only"
 SLOW_SUITE = "-m pytest tests -q -m slow"
+OPENRLHF_TESTS = ".venv-openrlhf/bin/python -m pytest tests/openrlhf"
+TRL_SERIES = [f"trl_version.sh {s} -m pytest tests/trl_versions" for s in ("1.12", "1.13", "1.14", "1.15")]
+TRL_115_HF = "tests/trl_versions tests/hf/test_hf_trl.py tests/hf/test_trl_outputs.py -q -m not slow"
+NUMERICS = "tests/api/test_loss_numerics.py"
 
 
 def _stub(path: pathlib.Path) -> None:
@@ -37,9 +41,10 @@ def _run_ci(tmp_path, fail: str):
     repo = tmp_path / "repo"
     (repo / ".ci").mkdir(parents=True)
     shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
-    for script in ("setup.sh", "setup_aot36.sh", "setup_verl.sh", "setup_trl_versions.sh"):
+    for script in ("setup.sh", "setup_aot36.sh", "setup_verl.sh", "setup_openrlhf.sh", "setup_trl_versions.sh",
+                   "trl_version.sh"):
         _stub(repo / "scripts" / script)
-    for venv in (".venv", ".venv-triton36", ".venv-verl", *(f".venv-trl11{n}" for n in (2, 3, 4, 5))):
+    for venv in (".venv", ".venv-triton36", ".venv-verl", ".venv-openrlhf"):
         _stub(repo / venv / "bin" / "python")
     calls = tmp_path / "calls.log"
     calls.touch()
@@ -53,9 +58,13 @@ def test_every_step_runs_when_all_pass(tmp_path):
     proc, calls = _run_ci(tmp_path, fail="")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     joined = "\n".join(calls)
-    for step in ("setup.sh", FAST_SUITE, BENCHMARKS, SLOW_SUITE, "setup_aot36.sh", "tests/kernels/test_aot.py",
-                 "setup_verl.sh", ".venv-verl/bin/python -m pytest tests/verl"):
-        assert step in joined, f"{step!r} never ran:\n{joined}"
+    steps = ["setup.sh", FAST_SUITE, BENCHMARKS, SLOW_SUITE, "setup_aot36.sh", "tests/kernels/test_aot.py",
+             "setup_verl.sh", ".venv-verl/bin/python -m pytest tests/verl", "setup_openrlhf.sh", OPENRLHF_TESTS,
+             "setup_trl_versions.sh all", *TRL_SERIES, NUMERICS]
+    at = [next((i for i, c in enumerate(calls) if step in c), None) for step in steps]
+    assert None not in at, f"{steps[at.index(None)]!r} never ran:\n{joined}"
+    assert at == sorted(at), f"the steps ran out of order:\n{joined}"  # each setup before its tests
+    assert TRL_115_HF in joined, joined  # 1.15 also runs 1.16's TRL trainer tests, the fast ones
 
 
 @pytest.mark.parametrize("failing, not_reached", [
@@ -64,7 +73,14 @@ def test_every_step_runs_when_all_pass(tmp_path):
     (BENCHMARKS, SLOW_SUITE),                    # README's benchmark suite
     (SLOW_SUITE, "setup_aot36.sh"),              # the second step's first command
     ("setup_verl.sh", "tests/verl"),             # a command followed by another on the second step
-    ("tests/verl", "tests/api/test_loss_numerics.py"),  # the one-thread numerics pass comes after
+    ("tests/verl", "setup_openrlhf.sh"),
+    ("setup_openrlhf.sh", OPENRLHF_TESTS),
+    (OPENRLHF_TESTS, "setup_trl_versions.sh"),
+    ("setup_trl_versions.sh", TRL_SERIES[0]),
+    (TRL_SERIES[0], TRL_SERIES[1]),
+    (TRL_SERIES[1], TRL_SERIES[2]),
+    (TRL_SERIES[2], TRL_SERIES[3]),
+    (TRL_SERIES[3], NUMERICS),                   # the one-thread numerics pass comes after
 ])
 def test_a_failing_step_fails_the_run(tmp_path, failing, not_reached):
     proc, calls = _run_ci(tmp_path, fail=failing)

@@ -112,6 +112,11 @@ def _weights(shape, seed):
     return torch.randn(shape, generator=g), 0.3 * torch.randn(shape, generator=g)
 
 
+def patched_forward(actor, *args, **kwargs):
+    """The Actor's own ``forward`` (grpo_kernels.openrlhf's once patched): ``run_call``'s ``forward`` for ours."""
+    return actor(*args, **kwargs)
+
+
 def run_call(actor, forward, batch: Batch, call: Call) -> Result:
     """``forward(actor, ...)`` as the trainer calls it; the gradients of sum(a * logp + b * entropy read)."""
     from grpo_kernels.integrations.openrlhf import _unwrap

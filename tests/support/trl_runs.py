@@ -1,8 +1,10 @@
-"""What the TRL trainer tests share (tests/hf/test_hf_trl.py, tests/hf/test_softcap_trl.py): the word-level
-tokenizer of the tiny models, the rewards, the comparison of an unpatched and a patched run, and direct calls of
-TRL's fused head function (ours or TRL's ``ChunkedLogProbFunction``), a training run without warnings."""
+"""What the TRL trainer tests share (tests/hf/test_hf_trl.py, tests/hf/test_softcap_trl.py, tests/trl_versions/): the
+tiny Llama and the word-level tokenizer of the tiny models, the rewards, the comparison of an unpatched and a patched run, and direct calls of
+TRL's fused head function (ours or TRL's ``ChunkedLogProbFunction``), a training run without warnings, and the head
+calls of a run, counted."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -10,6 +12,22 @@ import torch
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(40)]
 # Logged values that measure wall time, not maths.
 TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def save_tiny_lm(path, tied: bool = False, layers: int = 2):
+    """The TRL trainer tests' tiny Llama + the word tokenizer, saved (TRL builds the reference model from the path).
+    A large init makes the sampling distributions peaked enough that rewards vary inside a group."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+                         tie_word_embeddings=tied)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
 
 
 def word_tokenizer():
@@ -119,3 +137,27 @@ def train_quietly(trainer):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
+
+
+@contextlib.contextmanager
+def head_calls(patched: bool):
+    """While entered: TRL patched (when ``patched``) and every call of ``grpo_kernels.linear_token_logprobs`` recorded
+    (its keyword arguments, appended to the list this yields); on exit the function restored and TRL unpatched."""
+    import grpo_kernels
+    from grpo_kernels.integrations.trl import patch_trl, unpatch_trl
+
+    calls = []
+    original = grpo_kernels.linear_token_logprobs
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    grpo_kernels.linear_token_logprobs = spy
+    try:
+        if patched:
+            patch_trl()
+        yield calls
+    finally:
+        grpo_kernels.linear_token_logprobs = original
+        unpatch_trl()

@@ -1,5 +1,6 @@
-"""The older TRL series' environments and trainer runs (tests/trl_versions/): TRL 1.12, 1.13, 1.14 and 1.15 each live in
-a cached venv of their own (``.venv-trl112`` ... ``.venv-trl115``, scripts/setup_trl_versions.sh), since one
+"""The older TRL series' environments and trainer runs (tests/trl_versions/): TRL 1.12, 1.13, 1.14 and 1.15 each run
+over the main .venv with their release first on PYTHONPATH (an overlay folder, ``.trl-versions/SERIES``, made by
+scripts/setup_trl_versions.sh; ``bash scripts/trl_version.sh SERIES -m pytest ...`` runs a command so), since one
 environment holds one TRL; elsewhere (the main .venv has TRL 1.16) the tests skip, naming the command that runs them.
 
 ``train`` is tests/hf/test_hf_trl.py's run for any of these series and for RLOO too: a tiny local Llama with the word
@@ -9,6 +10,7 @@ and the number of calls that went to TRL's logits path (``LogitsPathCounter``).
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import pytest
@@ -23,45 +25,39 @@ LIGER_LAYERS_OFF = {name: False for name in ("rope", "rms_norm", "swiglu", "cros
 LOGITS_FUNCTIONS = ("selective_log_softmax", "selective_log_softmax_and_entropy", "entropy_from_logits")
 
 
-def venv_of(series: str) -> str:
-    return ".venv-trl" + series.replace(".", "")
+OVERLAYS = ".trl-versions"  # scripts/setup_trl_versions.sh's folders: one per series, and "common"
+# Set by scripts/trl_version.sh to the series it runs: a module for that series then fails instead of skipping when
+# another TRL is imported (a layout Python does not see would otherwise skip every test, silently green).
+SERIES_ASKED = "GRPO_KERNELS_TEST_TRL_SERIES"
+
+
+def overlay_of(series: str) -> str:
+    return f"{OVERLAYS}/{series}"
 
 
 def run_command(series: str) -> str:
-    python = f"{venv_of(series)}/bin/python"
-    return f"bash scripts/setup_trl_versions.sh {series} && {python} -m pytest tests/trl_versions -q"
+    """The one command that runs tests/trl_versions/ under ``series`` (it makes the overlay first if missing)."""
+    return f"bash scripts/trl_version.sh {series} -m pytest tests/trl_versions -q"
 
 
 def require_series(*series: str) -> str:
     """The installed TRL's series when it is one of ``series``, else skip the calling module, naming the command that
-    runs it in its environment."""
+    runs it; fail it instead where scripts/trl_version.sh asked for one of ``series`` and another TRL is imported."""
     try:
         import trl
     except ImportError:
         trl = None
     found = ".".join(str(getattr(trl, "__version__", "none")).split(".")[:2])
+    asked = os.environ.get(SERIES_ASKED)
+    if asked in series and found != asked:
+        pytest.fail(f"scripts/trl_version.sh {asked} ran this, but the TRL imported is {found} "
+                    f"({getattr(trl, '__file__', None)}): {overlay_of(asked)} is not what Python finds first",
+                    pytrace=False)
     if found not in series:
         commands = "; ".join(run_command(s) for s in series)
-        pytest.skip(f"needs TRL {' or '.join(series)} (found {found}), each in its own environment: {commands} "
+        pytest.skip(f"needs TRL {' or '.join(series)} (found {found}), each with its release over .venv: {commands} "
                     "(CI's slow step runs them)", allow_module_level=True)
     return found
-
-
-def save_tiny_lm(path, tied: bool = False, layers: int = 2):
-    """tests/hf/test_hf_trl.py's tiny Llama + word tokenizer, saved (TRL builds the reference model from the path)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .trl_runs import WORDS, word_tokenizer
-
-    tokenizer = word_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-                         tie_word_embeddings=tied)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path), tokenizer
 
 
 class LogitsPathCounter:
@@ -100,13 +96,10 @@ class LogitsPathCounter:
 def train(model_path, tokenizer, tmp_path, patched: bool, trainer: str = "grpo", dtype=torch.float32, **overrides):
     """A few steps of TRL's GRPOTrainer (or RLOOTrainer) with the model in ``dtype``: (log_history, parameters, number
     of grpo_kernels head calls, LogitsPathCounter)."""
-    import grpo_kernels
     import trl
     from datasets import Dataset
 
-    from grpo_kernels.integrations.trl import patch_trl, unpatch_trl
-
-    from .trl_runs import even_words, short
+    from .trl_runs import even_words, head_calls, short
 
     dataset = Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9", "w10", "w11 w12", "w13"] * 4})
     run = f"{trainer}-{'patched' if patched else 'trl'}-{str(dtype)[6:]}"
@@ -117,17 +110,8 @@ def train(model_path, tokenizer, tmp_path, patched: bool, trainer: str = "grpo",
     options.update(overrides)
     config_class, trainer_class = ((trl.GRPOConfig, trl.GRPOTrainer) if trainer == "grpo"
                                    else (trl.RLOOConfig, trl.RLOOTrainer))
-    calls, counter = [], LogitsPathCounter()
-    original = grpo_kernels.linear_token_logprobs
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    grpo_kernels.linear_token_logprobs = spy
-    try:
-        if patched:
-            patch_trl()
+    counter = LogitsPathCounter()
+    with head_calls(patched) as calls:
         built = trainer_class(model=model_path, reward_funcs=[even_words, short], args=config_class(**options),
                               train_dataset=dataset, processing_class=tokenizer)
         for model in (built.model, getattr(built, "ref_model", None)):
@@ -136,8 +120,5 @@ def train(model_path, tokenizer, tmp_path, patched: bool, trainer: str = "grpo",
         with warnings.catch_warnings(), counter.counting():
             warnings.simplefilter("ignore")
             built.train()
-    finally:
-        grpo_kernels.linear_token_logprobs = original
-        unpatch_trl()
     params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
     return built.state.log_history, params, len(calls), counter

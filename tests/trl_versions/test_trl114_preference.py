@@ -1,21 +1,21 @@
-"""patch_trl on TRL 1.14's DPO and KTO trainers (its own environment): under ``use_liger_kernel=True`` they compute
-their policy and reference log-probs with ``_ChunkedLogProbFunction``, imported by name into their modules, which
-patch_trl swaps. Stock (TRL's chunked function) against patched, the float64 truth being TRL's own full-logits run
-(``use_liger_kernel=False``: TRL's chunked function keeps its logits tiles in fp32)."""
+"""patch_trl on TRL 1.14's DPO and KTO trainers (run with scripts/trl_version.sh 1.14): under
+``use_liger_kernel=True`` they compute their policy and reference log-probs with ``_ChunkedLogProbFunction``,
+imported by name into their modules, which patch_trl swaps. Stock (TRL's chunked function) against patched, the
+float64 truth being TRL's own full-logits run (``use_liger_kernel=False``: TRL's chunked function keeps its logits
+tiles in fp32)."""
 import warnings
 
 import pytest
 import torch
 
-from ..support.trl_versions_env import LIGER_LAYERS_OFF, require_series, save_tiny_lm
+from ..support.trl_runs import save_tiny_lm
+from ..support.trl_versions_env import LIGER_LAYERS_OFF, require_series
 
 require_series("1.14")
 
-import grpo_kernels  # noqa: E402
 import trl.trainer.dpo_trainer as trl_dpo  # noqa: E402
-from grpo_kernels.integrations.trl import patch_trl, unpatch_trl  # noqa: E402
 
-from ..support.trl_runs import assert_informative, assert_same_run  # noqa: E402
+from ..support.trl_runs import assert_informative, assert_same_run, head_calls  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
 PROMPTS = ["w1 w2", "w3", "w4 w5 w6", "w7", "w8 w9", "w10 w11 w12", "w13", "w14 w15"]
@@ -47,19 +47,12 @@ def _train(kind, tiny_lm, tmp_path, patched, dtype=torch.float32, liger=True):
                    seed=0, save_strategy="no", disable_tqdm=True, model_init_kwargs={"dtype": dtype}, max_length=16,
                    use_liger_kernel=liger, liger_kernel_config=LIGER_LAYERS_OFF if liger else None)
     trainer_cls, config_cls = {"dpo": (DPOTrainer, DPOConfig), "kto": (KTOTrainer, KTOConfig)}[kind]
-    calls, real = [], grpo_kernels.linear_token_logprobs
-    grpo_kernels.linear_token_logprobs = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-    try:
-        if patched:
-            patch_trl()
+    with head_calls(patched) as calls:
         trainer = trainer_cls(model=path, args=config_cls(**options), train_dataset=_dataset(kind),
                               processing_class=tokenizer)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
-    finally:
-        grpo_kernels.linear_token_logprobs = real
-        unpatch_trl()
     return trainer.state.log_history, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, len(calls)
 
 

@@ -1,7 +1,7 @@
-"""patch_trl on TRL 1.15 (its own environment): 1.16's seam, whose TRL kernel is Triton only.
+"""patch_trl on TRL 1.15 (run with scripts/trl_version.sh 1.15): 1.16's seam, whose TRL kernel is Triton only.
 
 TRL 1.16's own tests run here unchanged for the seam itself (CI runs tests/hf/test_hf_trl.py and
-tests/hf/test_trl_outputs.py in this environment: GRPO, SFT, DPO and KTO stock against patched, TRL's Triton kernel
+tests/hf/test_trl_outputs.py under 1.15 too: GRPO, SFT, DPO and KTO stock against patched, TRL's Triton kernel
 under the interpreter being the stock run). This file covers what 1.15 adds: on a CPU without Triton's interpreter
 TRL's kernel cannot run at all (no Triton: ``trl.trainer.utils._ChunkedLogProbFunction`` is None; Triton without a
 GPU: no driver at the first launch), so stock TRL 1.15 fails to train where patched TRL 1.15 trains, and the calls
@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from ..support.trl_versions_env import require_series, save_tiny_lm
+from ..support.trl_runs import save_tiny_lm
+from ..support.trl_versions_env import require_series
 
 require_series("1.15")
 

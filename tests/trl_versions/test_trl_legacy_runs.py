@@ -1,5 +1,6 @@
-"""patch_trl on TRL 1.12, 1.13 and 1.14 (each in its own environment, tests/support/trl_versions_env.py): TRL's own
-GRPOTrainer and RLOOTrainer give the same numbers stock and patched, and patched nothing goes to TRL's logits path.
+"""patch_trl on TRL 1.12, 1.13 and 1.14 (each run with scripts/trl_version.sh, tests/support/trl_versions_env.py):
+TRL's own GRPOTrainer and RLOOTrainer give the same numbers stock and patched, and patched nothing goes to TRL's
+logits path.
 
 Each case trains a tiny local Llama three times from one seed: stock TRL in fp32, patched in fp32, and stock TRL in
 float64 (the truth of the three-way rule, TRL's own maths and so independent of ours; tests/support/trl_runs.py
@@ -10,7 +11,8 @@ call neither, and call ``grpo_kernels.linear_token_logprobs`` instead.
 import pytest
 import torch
 
-from ..support.trl_versions_env import LIGER_LAYERS_OFF, require_series, run_command, save_tiny_lm, train
+from ..support.trl_runs import save_tiny_lm
+from ..support.trl_versions_env import LIGER_LAYERS_OFF, require_series, run_command, train
 
 SERIES = require_series("1.12", "1.13", "1.14")
 
@@ -62,7 +64,7 @@ def test_rloo_beta_iterations(tiny_lm, tmp_path):
 
 
 @pytest.mark.skipif(SERIES != "1.14", reason="TRL 1.14's chunked path (use_liger_kernel=True; before 1.14 that "
-                    f"flag runs Liger's loss): runs in TRL 1.14's environment, {run_command('1.14')}")
+                    f"flag runs Liger's loss): runs under TRL 1.14: {run_command('1.14')}")
 def test_grpo_use_liger_kernel_chunked_path(tiny_lm, tmp_path):
     """TRL 1.14 under use_liger_kernel=True: stock runs TRL's chunked function (no logits either), patched ours.
     Liger's own layer kernels stay off (``LIGER_LAYERS_OFF``)."""

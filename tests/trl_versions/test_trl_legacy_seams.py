@@ -1,6 +1,6 @@
-"""patch_trl's seams on TRL 1.12, 1.13 and 1.14, call by call (each series in its own environment): what it swaps and
-restores, the report, TRL's method against ours on one batch (padding, chunks of rows, entropy and its gradient, the
-float64 truth), TRL's chunked function against ours, and the calls handed back to TRL's own method."""
+"""patch_trl's seams on TRL 1.12, 1.13 and 1.14, call by call (each series run with scripts/trl_version.sh): what it
+swaps and restores, the report, TRL's method against ours on one batch (padding, chunks of rows, entropy and its
+gradient, the float64 truth), TRL's chunked function against ours, and the calls handed back to TRL's own method."""
 import functools
 import inspect
 import warnings
@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from ..support.trl_versions_env import require_series, save_tiny_lm
+from ..support.trl_runs import save_tiny_lm
+from ..support.trl_versions_env import require_series
 
 SERIES = require_series("1.12", "1.13", "1.14")
 
