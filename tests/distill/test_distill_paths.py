@@ -22,6 +22,8 @@ from ..support.distill_cases import (ALL_OPTIONS, CASE_IDS, CASES, assert_loss_t
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 F32, F64 = torch.float32, torch.float64
 HEAVY = "jsd-0.7-all"  # every transform and both biases: the Triton paths' fast-set case
+# The PyTorch path in the fast set, the Triton one (the interpreter, seconds a call) in the slow set
+IMPLS = ["torch", pytest.param("triton", marks=[pytest.mark.interpreter, pytest.mark.slow])]
 
 
 def _cases(fast_ids=(HEAVY,)):
@@ -107,7 +109,7 @@ def test_no_grad_path_equals_the_light_forward(plans):
     assert torch.equal(div0, div) and torch.equal(ent0, ent)
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_inputs(impl, knobs):
     """bf16 heads: the loss (fast path on Triton, d logits rounded to bf16 in place) and the per-token function
     against float64, the middle term plain PyTorch in bf16."""
@@ -121,7 +123,7 @@ def test_bf16_inputs(impl, knobs):
     assert_token_three_way(token, truth_token(heads, cfg, bf16), truth_token(heads, cfg), bf16, f"{impl} token")
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_one_token_and_every_token_masked(impl, knobs):
     """N = 1 (a (1, 1) grid); every token masked: loss 0 with zero gradients, num_tokens 0 (TRL's clamp)."""
     knobs(fast_path_min_rows=1)
@@ -136,7 +138,7 @@ def test_one_token_and_every_token_masked(impl, knobs):
     assert metrics["num_tokens"].item() == 0 and metrics["entropy"].item() == 0.0
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_packed_rows_equal_padded_rows(impl, knobs):
     """Three sequences packed with cu_seqlens (their valid tokens only) give the loss, metrics and gradients of the
     padded (3, 5) call: the same per-token maths, summed in another order (within two floors of each other)."""
@@ -161,7 +163,7 @@ def test_packed_rows_equal_padded_rows(impl, knobs):
     assert_same_maths(packed[1][1], padded[1][1], F32, "d weight", scale=grad_scale(padded[1][1]))
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_batch_invariance(impl, knobs):
     """batch_invariant=True: a sequence's per-token divergence, entropy and d hidden are bitwise the same alone and
     inside a larger batch at another position (fixed row blocks of 4 rows, the last one padded), and the loss of a
