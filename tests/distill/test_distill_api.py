@@ -146,3 +146,16 @@ def test_explain_prints_the_plans():
         assert "path distill.no_grad" in gk.explain("linear_token_divergence", *args)
     with pytest.raises(ValueError, match="memory_budget=1024 bytes is below"):
         gk.explain(gk.fused_linear_distill_loss, *args, memory_budget=1024)
+
+
+def test_api_md_shows_explains_own_output():
+    """docs/api.md's two distillation plans are explain's output at their shape, verbatim (the machine-dependent
+    fp32-output GEMM line left out): the documentation cannot drift from the planner."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    args = _meta_heads(Hs=1536, Ht=3584)
+    for kw in ({}, {"memory_budget": 512 << 20}):
+        plan = gk.explain("fused_linear_distill_loss", *args, beta=0.5, **kw)
+        shown = "\n".join(line for line in plan.splitlines() if not line.startswith("  fp32-output GEMM"))
+        assert shown in text, f"docs/api.md does not show this plan:\n{shown}"

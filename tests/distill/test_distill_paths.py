@@ -124,6 +124,17 @@ def test_bf16_inputs(impl, knobs):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_round_logits(impl, knobs):
+    """round_logits="bf16": both heads' raw logits rounded before the scale (the loss and its straight-through
+    gradients against the float64 reference, which rounds the same float64 logits)."""
+    knobs(fast_path_min_rows=1)
+    cfg = DistillLossConfig(beta=0.6, round_logits="bf16", **ALL_OPTIONS)
+    heads = make_heads(bias=True, seed=13)
+    assert_loss_three_way(ours_loss(heads, cfg, impl=impl), truth_loss(heads, cfg, F32), truth_loss(heads, cfg), F32,
+                          "round_logits")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_one_token_and_every_token_masked(impl, knobs):
     """N = 1 (a (1, 1) grid); every token masked: loss 0 with zero gradients, num_tokens 0 (TRL's clamp)."""
     knobs(fast_path_min_rows=1)
