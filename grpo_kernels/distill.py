@@ -9,7 +9,6 @@ reduction is ``distill_reference``'s (one definition), applied by the gradient-i
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from .distill_inputs import DistillInputs
 from .distill_reference import distill_weights, loss_from_divergence
 from .distributed import sharded_head
 from .head.distill import DistillOptions, loss_in_forward_call, token_divergence_call
-from .inputs import ValidRows
+from .inputs import ValidRows, check_num_items
 from .paths import DISTILL_FAST, DISTILL_TORCH_FAST
 from .sequences import Sequences
 
@@ -28,17 +27,12 @@ TOKEN_OP, LOSS_OP = "linear_token_divergence", "fused_linear_distill_loss"
 
 
 def _num_items(n) -> None:
-    """num_items_in_batch: None, a number > 0 or a one-element tensor (its value checked on the device)."""
-    if n is None:
-        return
+    """num_items_in_batch: None, a number > 0 or a one-element tensor (``inputs.check_num_items``), a tensor's value
+    checked on the device."""
+    check_num_items(n)
     if isinstance(n, torch.Tensor):
-        if n.numel() != 1:
-            raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(n.shape)}")
         _checks.holds((n > 0).all(), "num_items_in_batch must be > 0 (the token count that normalizes the loss)",
                       lambda: f", got {float(n)!r}")
-    elif isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
-        raise ValueError(f"num_items_in_batch must be a number > 0 (the token count that normalizes the loss) or a "
-                         f"scalar tensor, got {n!r}")
 
 
 def _sequences(inputs: DistillInputs, cu_seqlens, invariant: bool) -> Sequences:

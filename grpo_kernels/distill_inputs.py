@@ -2,9 +2,10 @@
 argument checked once, into ``DistillInputs``; everything below trusts it.
 
 Each model is a ``ModelHead``: hidden (N, H_model), its lm_head weight (V, H_model) and bias, in the dtype the head
-runs in (autocast decides it, as for ``F.linear``, once here). Only V must match between the models; the teacher's
-tensors are detached (it gets no gradient, whatever they require: TRL's ``ChunkedDivergenceFunction`` returns None
-for them). Each error is a ValueError naming the argument.
+runs in (autocast decides it, as for ``F.linear``, once here). Only V must match between the models; the teacher gets
+no gradient, whatever its tensors require (TRL's ``ChunkedDivergenceFunction`` returns None for them): its hidden
+states are detached here, its weight and bias get None from every path's backward. Each error is a ValueError
+naming the argument.
 """
 from __future__ import annotations
 
@@ -94,9 +95,12 @@ class DistillInputs:
         heads = []
         for hidden, weight, bias, dtype, name in ((student_hidden, student_weight, student_bias, s_dtype, "student"),
                                                   (teacher_hidden, teacher_weight, teacher_bias, t_dtype, "teacher")):
-            if name == "teacher":  # the teacher gets no gradient (TRL's), whatever its tensors require
-                hidden, weight = hidden.detach(), weight.detach()
-                bias = None if bias is None else bias.detach()
+            if name == "teacher":
+                # The teacher gets no gradient (TRL's), whatever its tensors require: its hidden states are detached
+                # here, its weight and bias get None from the paths' backward. Why not detach those too: a ZeRO-3
+                # partition must be the parameter itself, gathered again in a recompute backward (a detached alias
+                # would keep the gathered head alive from the forward to the backward).
+                hidden = hidden.detach()
             hidden = hidden.reshape(-1, hidden.shape[-1])
             if impl == "triton":
                 _checks.kernel_dtype(f"{name}_hidden", dtype)
