@@ -10,9 +10,9 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.distill_config import DistillLossConfig
 
-from ..support.distill_cases import ALL_OPTIONS, make_heads, ours_loss
+from ..support.distill_cases import ALL_OPTIONS, INTERPRETER_NAN_WARNING, make_heads, ours_loss
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(INTERPRETER_NAN_WARNING)
 
 
 def _args(heads):
@@ -159,3 +159,21 @@ def test_api_md_shows_explains_own_output():
         plan = gk.explain("fused_linear_distill_loss", *args, beta=0.5, **kw)
         shown = "\n".join(line for line in plan.splitlines() if not line.startswith("  fp32-output GEMM"))
         assert shown in text, f"docs/api.md does not show this plan:\n{shown}"
+
+
+def test_autocast_runs_the_heads_in_the_autocast_dtype():
+    """Under autocast each head runs in the autocast dtype, like nn.Linear: the loss is the one of the bf16-cast
+    inputs (the same operations: bitwise), and fp32 master weights get the fp32 accumulators as their gradients (the
+    bf16 call's gradients are those rounded once)."""
+    cfg = DistillLossConfig(beta=0.5, **ALL_OPTIONS)
+    heads = make_heads(bias=True, seed=6)
+    sh, sw = heads["sh"].clone().requires_grad_(True), heads["sw"].clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = gk.fused_linear_distill_loss(sh, sw, heads["th"], heads["tw"], heads["mask"], config=cfg,
+                                               student_bias=heads["sb"], teacher_bias=heads["tb"], impl="torch")
+    loss.backward()
+    bf16 = {k: None if v is None or not v.is_floating_point() else v.to(torch.bfloat16) for k, v in heads.items()}
+    bf16["mask"], bf16["weights"] = heads["mask"], heads["weights"]
+    want, grads, _ = ours_loss(bf16, cfg, impl="torch")
+    assert sh.grad.dtype == sw.grad.dtype == torch.float32
+    assert torch.equal(loss, want) and torch.equal(sw.grad.to(torch.bfloat16), grads[1])

@@ -19,7 +19,9 @@ import torch
 
 import grpo_kernels as gk
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+from ..support.distill_cases import INTERPRETER_NAN_WARNING
+
+pytestmark = pytest.mark.filterwarnings(INTERPRETER_NAN_WARNING)
 
 
 class Partitioned:
