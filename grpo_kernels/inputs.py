@@ -492,3 +492,8 @@ def _flat_index(keep: torch.Tensor, count: int) -> torch.Tensor:
         return torch.nonzero_static(keep, size=count).squeeze(1)
     except (AttributeError, NotImplementedError):  # a torch without nonzero_static for this device
         return torch.argsort((~keep).to(torch.uint8), stable=True)[:count]
+
+
+# The check of num_items_in_batch's type and shape under a public name, for the distillation loss
+# (grpo_kernels/distill.py), which takes the same argument
+check_num_items = _num_items
