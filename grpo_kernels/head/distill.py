@@ -201,7 +201,7 @@ class _DistillLossInForward(torch.autograd.Function):
 @custom_op("grpo_kernels::distill_divergence", mutates_args=())
 def _distill_divergence(sh: torch.Tensor, sw: torch.Tensor, sb: Optional[torch.Tensor], th: torch.Tensor,
                         tw: torch.Tensor, tb: Optional[torch.Tensor], row_mask: Optional[torch.Tensor],
-                        floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                        floats: torch.Tensor, ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                        torch.Tensor, torch.Tensor]:
     """(divergence, entropy, lse_s, lse_t, aux) (N,) of ``divergence_forward`` on the rows ``row_mask`` keeps (0
     elsewhere); floats, ints: ``ops.encode(DistillOptions)``."""
@@ -214,7 +214,7 @@ def _distill_divergence(sh: torch.Tensor, sw: torch.Tensor, sb: Optional[torch.T
 
 @_distill_divergence.register_fake
 def _(sh, sw, sb, th, tw, tb, row_mask, floats, ints):
-    o = ops.decode(DistillOptions, floats, ints)
+    o = ops.decode_for_fake(DistillOptions, ints)
     dtype = ops.acc_dtype(sh) if o.path in (DISTILL_TORCH, DISTILL_TORCH_FAST) else torch.float32
     return tuple(sh.new_empty((sh.shape[0],), dtype=dtype) for _ in range(5))
 
@@ -223,7 +223,7 @@ def _(sh, sw, sb, th, tw, tb, row_mask, floats, ints):
 def _distill_divergence_backward(sh: torch.Tensor, sw: torch.Tensor, sb: Optional[torch.Tensor], th: torch.Tensor,
                                  tw: torch.Tensor, tb: Optional[torch.Tensor], row_mask: Optional[torch.Tensor],
                                  stats: list[torch.Tensor], grad: torch.Tensor, needs: list[bool],
-                                 floats: list[float], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                 floats: torch.Tensor, ints: list[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
     """(d hidden, d weight, d bias) of ``divergence_backward``; an empty (0,) tensor stands for one not wanted."""
     N = sh.shape[0]
@@ -262,7 +262,7 @@ _distill_divergence.register_autograd(_divergence_backward_formula, setup_contex
 @custom_op("grpo_kernels::distill_loss_fast", mutates_args=())
 def _distill_loss_fast(sh: torch.Tensor, sw: torch.Tensor, sb: Optional[torch.Tensor], th: torch.Tensor,
                        tw: torch.Tensor, tb: Optional[torch.Tensor], row_mask: Optional[torch.Tensor],
-                       w: torch.Tensor, cu_seqlens: Optional[torch.Tensor], needs: list[bool], floats: list[float],
+                       w: torch.Tensor, cu_seqlens: Optional[torch.Tensor], needs: list[bool], floats: torch.Tensor,
                        ints: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                  torch.Tensor]:
     """(loss, sums, d hidden, d weight, d bias) of ``fast_loss`` on the rows ``row_mask`` keeps; w on all rows."""
@@ -276,7 +276,7 @@ def _distill_loss_fast(sh: torch.Tensor, sw: torch.Tensor, sb: Optional[torch.Te
 
 @_distill_loss_fast.register_fake
 def _(sh, sw, sb, th, tw, tb, row_mask, w, cu_seqlens, needs, floats, ints):
-    o = ops.decode(DistillOptions, floats, ints)
+    o = ops.decode_for_fake(DistillOptions, ints)
     acc = ops.acc_dtype(sh) if o.path == DISTILL_TORCH_FAST else torch.float32
     empty = sh.new_empty((0,))
     return (sh.new_empty((), dtype=torch.float64 if acc == torch.float64 else torch.float32),
@@ -288,7 +288,7 @@ def _(sh, sw, sb, th, tw, tb, row_mask, w, cu_seqlens, needs, floats, ints):
 def _loss_setup(ctx, inputs, output):
     ctx.n_inputs = len(inputs)
     ctx.dtypes = _dtypes(*inputs[:3])
-    ctx.path = ops.decode(DistillOptions, inputs[-2], inputs[-1]).path
+    ctx.path = ops.decode_for_fake(DistillOptions, inputs[-1]).path
     ctx.save_for_backward(*output[2:])
     ctx.mark_non_differentiable(*output[1:])
 
