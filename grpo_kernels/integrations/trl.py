@@ -87,7 +87,7 @@ import torch
 from .. import _checks
 from ..config import EXTRA_OUTPUTS
 from .report import Route, backend, route_table
-from . import trl_versions
+from . import trl_distill, trl_versions
 from .transformers import zero3_enabled, cast_to, fold_logit_scale, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction",
@@ -234,6 +234,19 @@ def _zero3_gather(weight, bias):
     return lambda: trl_utils.maybe_gather_lm_head_ctx(weight, bias)
 
 
+def _distill_options(device_type: str, trl_rounds_logits: bool) -> dict:
+    """The ``DistillLossConfig`` options patch_trl sets for a distillation call on ``device_type``: batch_invariant,
+    and round_logits, its "autocast" resolved as TRL's own distillation head rounds (1.12-1.14's PyTorch chunks round
+    their logits to the autocast dtype, 1.15 / 1.16's ChunkedDivergenceFunction keeps fp32 logits tiles)."""
+    option = _STATE["round_logits"]
+    rounding = None if option == "autocast" and not trl_rounds_logits else rounding_for(device_type, option)
+    return {"batch_invariant": _STATE["batch_invariant"], "round_logits": rounding}
+
+
+# What the distillation replacements borrow from this module (trl_distill.py).
+_DISTILL_SEAM = trl_distill.DistillSeam(fallback=_fallback, options=_distill_options, gather=_zero3_gather)
+
+
 def _checked_add_fused_lm_head(trainer_module: str):
     """TRL's ``add_fused_lm_head`` as ``trainer_module`` imported it, preceded by a setup-time check of what the
     fused path cannot serve (a logit scale or soft cap that is not a finite number > 0; a valid soft cap runs on
@@ -280,7 +293,8 @@ def _targets():
 
     series = trl_versions.series_of(_trl_version())
     if series in trl_versions.LEGACY_SERIES:
-        return trl_versions.legacy_targets(series, trl_versions.Seam(TRLLogProbFunction.apply, _fallback))
+        return trl_versions.legacy_targets(series, trl_versions.Seam(TRLLogProbFunction.apply, _fallback)) + \
+            trl_distill.targets(series, _DISTILL_SEAM)
 
     utils = importlib.import_module("trl.trainer.utils")
     trainers = [importlib.import_module(name) for name in _TRAINER_MODULES]
@@ -293,7 +307,7 @@ def _targets():
     async_grpo = _async_grpo_module()
     if async_grpo is not None and hasattr(async_grpo, "add_fused_lm_head"):
         targets.append((async_grpo, "add_fused_lm_head", _checked_add_fused_lm_head(async_grpo.__name__)))
-    return targets
+    return targets + trl_distill.targets(series, _DISTILL_SEAM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,9 +355,10 @@ class TRLPatchReport:
 
 def _routes(strict: bool) -> tuple[Route, ...]:
     series = trl_versions.series_of(_trl_version())
+    distill = trl_distill.routes(series, strict, Route)
     if series != "1.16":
-        return trl_versions.routes_for(series, strict, backend(), _routes_116(strict), Route)
-    return _routes_116(strict)
+        return trl_versions.routes_for(series, strict, backend(), _routes_116(strict), Route) + distill
+    return _routes_116(strict) + distill
 
 
 def _routes_116(strict: bool) -> tuple[Route, ...]:
