@@ -248,24 +248,17 @@ def routes(series: str, strict: bool, route: Callable) -> tuple:
     if not trainer_series(series):
         return ()
     refused = "strict: ValueError at the call" if strict else "warned once"
-    function = {"1.16": "ChunkedDivergenceFunction swapped too (its trainer-module global)",
-                "1.15": "ChunkedDivergenceFunction swapped too where it imports (it needs Triton)"}
-    rows = [(f"DistillationTrainer loss (TRL {series}: _chunked_divergence_loss)", "grpo_kernels",
-             "fused_linear_distill_loss: the gradient made in the forward (8 N H V)"),
-            ("  student/teacher of different widths, biases, scale, soft cap, T", "grpo_kernels",
-             "each model's head its own; only V must match"),
-            ("  ZeRO-3 / FSDP2 sharded heads", "grpo_kernels",
-             "TRL's ZeRO-3 gather per head; DTensor heads gathered by grpo_kernels")]
-    if series in function:
-        rows.append(("  direct ChunkedDivergenceFunction.apply calls", "grpo_kernels",
-                     f"linear_token_divergence (12 N H V); {function[series]}"))
-    rows += [("  beta / T / scale / soft cap DistillLossConfig refuses", "TRL",
-              f"e.g. a soft cap <= 0 (TRL reads 0 as 1); {refused}"),
-             ("  float64 on a GPU", "TRL", "the Triton kernels take fp32/bf16/fp16; silent"),
-             ("AsyncDistillation (experimental)", "TRL",
-              "student head vs a server's top-k teacher log-probs (sparse support): no second head"),
-             ("ServerDistillation (experimental)", "TRL", "the student's full logits vs a server's top-k log-probs")]
+    rows = [("DistillationTrainer (TRL 1.12-1.16): _chunked_divergence_loss", "grpo_kernels",
+             "fused_linear_distill_loss, gradient in the forward (8 N H V); any widths, biases, scales, soft caps, "
+             "ZeRO-3 / FSDP2 heads")]
+    if series in ("1.15", "1.16"):
+        where = "its trainer-module global" if series == "1.16" else "its module, where it imports (needs Triton)"
+        rows.append(("ChunkedDivergenceFunction.apply (other callers)", "grpo_kernels",
+                     f"linear_token_divergence (12 N H V), swapped in {where}"))
+    rows += [("  distillation options DistillLossConfig refuses", "TRL",
+              f"beta outside [0, 1], T <= 0, scale not finite, cap not finite > 0: {refused}; fp64 on a GPU: silent"),
+             ("AsyncDistillation / ServerDistillation (experimental)", "TRL",
+              "the teacher is a server's top-k log-probs: no second head to fuse")]
     if series == "1.12":  # the only series whose DistillationTrainer has a Liger path
-        rows.append(("  use_liger_kernel=True (Liger's fused JSD loss)", "TRL",
-                     "Liger's LigerFusedLinearJSDLoss, not _chunked_divergence_loss"))
+        rows.append(("DistillationTrainer use_liger_kernel=True", "TRL", "Liger's LigerFusedLinearJSDLoss"))
     return tuple(route(*row) for row in rows)
