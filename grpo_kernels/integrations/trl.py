@@ -426,7 +426,7 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
                             patched=tuple(f"{trl_versions.dotted_name(module)}.{name}" for module, name, _ in targets),
                             routes=_routes(strict), newly_patched=newly, batch_invariant=batch_invariant,
                             round_logits=round_logits, invariant_block_rows=invariant_block_rows)
-    fallbacks = "; ".join(r.calls for r in report.fallbacks)
+    fallbacks = "; ".join(r.calls.strip() for r in report.fallbacks)
     on_ours = "; ".join(r.calls.strip() for r in report.kernel_calls)
     logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s, batch_invariant=%s): on grpo_kernels: %s [%s]; "
                 "TRL's own for: %s", version, "patched" if newly else "already patched", strict, batch_invariant,
