@@ -70,6 +70,11 @@ LOSS, FUNCTION = "_chunked_divergence_loss", "ChunkedDivergenceFunction"
 # Series whose _chunked_divergence_loss runs TRL's PyTorch ``_chunk`` (takes chunk_size; rounds each logits chunk to
 # the autocast dtype) rather than ChunkedDivergenceFunction.
 CHUNK_SERIES = ("1.12", "1.13", "1.14")
+# The report's rows (routes).
+LOSS_ROW = "DistillationTrainer loss (TRL 1.12-1.16)"
+FUNCTION_ROW = "ChunkedDivergenceFunction (other callers)"
+REFUSED_ROW = "  distillation options DistillLossConfig refuses"
+SERVER_ROW = "AsyncDistillation / ServerDistillation"
 # TRL's argument names -> DistillLossConfig's, in ChunkedDivergenceFunction's order after the six tensors.
 _OPTIONS = (("beta", "beta"), ("temperature", "temperature"), ("student_logit_scale", "student_logit_scale"),
             ("student_final_logit_softcapping", "student_softcap"), ("teacher_logit_scale", "teacher_logit_scale"),
@@ -248,17 +253,14 @@ def routes(series: str, strict: bool, route: Callable) -> tuple:
     if not trainer_series(series):
         return ()
     refused = "strict: ValueError at the call" if strict else "warned once"
-    rows = [("DistillationTrainer (TRL 1.12-1.16): _chunked_divergence_loss", "grpo_kernels",
-             "fused_linear_distill_loss, gradient in the forward (8 N H V); any widths, biases, scales, soft caps, "
-             "ZeRO-3 / FSDP2 heads")]
+    rows = [(LOSS_ROW, "grpo_kernels",
+             "fused_linear_distill_loss: gradient in the forward, 8 N H V; H_t != H_s, biases, scales, caps, sharded")]
     if series in ("1.15", "1.16"):
-        where = "its trainer-module global" if series == "1.16" else "its module, where it imports (needs Triton)"
-        rows.append(("ChunkedDivergenceFunction.apply (other callers)", "grpo_kernels",
-                     f"linear_token_divergence (12 N H V), swapped in {where}"))
-    rows += [("  distillation options DistillLossConfig refuses", "TRL",
-              f"beta outside [0, 1], T <= 0, scale not finite, cap not finite > 0: {refused}; fp64 on a GPU: silent"),
-             ("AsyncDistillation / ServerDistillation (experimental)", "TRL",
-              "the teacher is a server's top-k log-probs: no second head to fuse")]
+        where = "the trainer module's global" if series == "1.16" else "its module, where it imports: Triton"
+        rows.append((FUNCTION_ROW, "grpo_kernels", f"linear_token_divergence, 12 N H V ({series}: {where})"))
+    rows += [(REFUSED_ROW, "TRL",
+              f"beta outside [0, 1], T <= 0, a scale not finite, a cap not > 0: {refused}; fp64 on a GPU: silent"),
+             (SERVER_ROW, "TRL", "the teacher is a server's top-k log-probs: no second head")]
     if series == "1.12":  # the only series whose DistillationTrainer has a Liger path
         rows.append(("DistillationTrainer use_liger_kernel=True", "TRL", "Liger's LigerFusedLinearJSDLoss"))
     return tuple(route(*row) for row in rows)

@@ -25,7 +25,7 @@ from grpo_kernels.distill_reference import reference_distill_loss  # noqa: E402
 from grpo_kernels.integrations.trl import patch_trl, unpatch_trl  # noqa: E402
 from grpo_kernels.integrations.trl_distill import TRLDistillLoss, TRLDivergenceFunction  # noqa: E402
 
-from ..support.tolerances import assert_same_maths, assert_three_way, grad_scale  # noqa: E402
+from ..support.tolerances import ATOL, assert_same_maths, assert_three_way, grad_scale, max_err  # noqa: E402
 from ..support.trl_distill_runs import (  # noqa: E402
     assert_function_three_way, compare_runs, function_truth, head_inputs, run_function,
 )
@@ -91,6 +91,30 @@ def test_function_float64_is_served_in_float64():
     assert_same_maths(ent, t_ent, torch.float64, "entropy")
     for name, o, t in zip(("d hidden", "d weight", "d bias"), grads, t_grads):
         assert_same_maths(o, t, torch.float64, name, scale=grad_scale(t))
+
+
+def test_function_under_bf16_autocast():
+    """Under bf16 autocast both run each head on bf16 operands with fp32 logits (TRL 1.16's ``_project``): values and
+    gradients by the fp32 rule against the float64 truth of the bf16-rounded operands, the plain fp32 reference on
+    those operands the middle term; the values' middle term TRL's too, and ours at least as accurate as TRL, whose
+    backward meets the bf16 head with d logits rounded to bf16 (ours 3e-7 there, TRL 1e-3). No bias: TRL adds it
+    to the fp32 tile unrounded, grpo_kernels in the compute dtype (docs/api.md, "DistillationTrainer")."""
+    fn = _swapped_function()
+    options = OPTIONS["jsd-caps-T"]
+    inputs = head_inputs(bias=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        values, grads = run_function(fn, inputs, options)
+        n_values, n_grads = run_function(ChunkedDivergenceFunction, inputs, options)
+    rounded = [None if x is None else x.detach().bfloat16().float().requires_grad_() for x in inputs]
+    t_values, t_grads = function_truth(rounded, options)
+    p_values, p_grads = function_truth(rounded, options, dtype=torch.float32)
+    assert values[0].dtype == torch.float32
+    for name, o, n, p, t in zip(("divergence", "entropy"), values, n_values, p_values, t_values):
+        assert_three_way(o, n, t, torch.float32, f"{name} (TRL)")
+        assert_three_way(o, p, t, torch.float32, f"{name} (fp32)")
+    for name, o, n, p, t in zip(("d hidden", "d weight"), grads, n_grads, p_grads, t_grads):
+        assert_three_way(o, p, t, torch.float32, name, scale=grad_scale(t))
+        assert max_err(o, t) <= max_err(n, t) + ATOL[torch.float32] * grad_scale(t), name
 
 
 def _loss_call(fn, inputs, mask, num_items, options):
@@ -226,11 +250,11 @@ def test_patch_swaps_where_trl_looks_and_unpatch_restores():
 def test_report_lists_the_distillation_rows():
     report = patch_trl()
     rows = {r.calls.strip(): r for r in report.routes}
-    assert rows["DistillationTrainer (TRL 1.12-1.16): _chunked_divergence_loss"].runs_on == "grpo_kernels"
-    assert rows["ChunkedDivergenceFunction.apply (other callers)"].runs_on == "grpo_kernels"
+    assert rows["DistillationTrainer loss (TRL 1.12-1.16)"].runs_on == "grpo_kernels"
+    assert rows["ChunkedDivergenceFunction (other callers)"].runs_on == "grpo_kernels"
     assert rows["distillation options DistillLossConfig refuses"].runs_on == "TRL"
     assert "warned once" in rows["distillation options DistillLossConfig refuses"].why
-    assert rows["AsyncDistillation / ServerDistillation (experimental)"].runs_on == "TRL"
+    assert rows["AsyncDistillation / ServerDistillation"].runs_on == "TRL"
     assert "strict: ValueError at the call" in str(patch_trl(strict=True))
 
 

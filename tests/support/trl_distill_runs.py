@@ -204,18 +204,19 @@ def run_function(fn, tensors: tuple, options: tuple):
     return (div.detach(), ent.detach()), [x.grad.clone() for x in tensors[:3] if x is not None]
 
 
-def function_truth(tensors: tuple, options: tuple):
-    """What ``run_function`` computes, by the reference on full logits in float64."""
+def function_truth(tensors: tuple, options: tuple, dtype=torch.float64):
+    """What ``run_function`` computes, by the reference on full logits in ``dtype`` (float64: the truth; fp32: the
+    plain computation of the three-way rule's middle term)."""
     from grpo_kernels.distill_config import DistillLossConfig
     from grpo_kernels.distill_reference import reference_token_divergence
 
     beta, temperature, s_scale, s_cap, t_scale, t_cap = options
     cfg = DistillLossConfig(beta=beta, temperature=temperature, student_logit_scale=s_scale, student_softcap=s_cap,
                             teacher_logit_scale=t_scale, teacher_softcap=t_cap)
-    leaves = [None if x is None else x.detach().double().requires_grad_(i < 3) for i, x in enumerate(tensors)]
+    leaves = [None if x is None else x.detach().to(dtype).requires_grad_(i < 3) for i, x in enumerate(tensors)]
     sh, sw, sb, th, tw, tb = leaves
     div, ent = reference_token_divergence(sh, sw, th, tw, sb, tb, config=cfg)
-    grads = torch.autograd.grad((upstream(div.shape[0]) * div).sum(), [x for x in leaves[:3] if x is not None])
+    grads = torch.autograd.grad((upstream(div.shape[0]).to(dtype) * div).sum(), [x for x in leaves[:3] if x is not None])
     return (div.detach(), ent.detach()), list(grads)
 
 

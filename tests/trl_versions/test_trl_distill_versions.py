@@ -46,7 +46,7 @@ def test_patch_swaps_the_loss_and_unpatch_restores():
     else:
         assert distill == [LOSS_NAME]  # no ChunkedDivergenceFunction before 1.15
     rows = {r.calls.strip(): r.runs_on for r in report.routes}
-    assert rows["DistillationTrainer (TRL 1.12-1.16): _chunked_divergence_loss"] == "grpo_kernels"
+    assert rows["DistillationTrainer loss (TRL 1.12-1.16)"] == "grpo_kernels"
     assert (rows.get("DistillationTrainer use_liger_kernel=True") == "TRL") == (SERIES == "1.12")
     unpatch_trl()
     assert trl_distill_trainer._chunked_divergence_loss is TRL_LOSS
