@@ -13,6 +13,10 @@ before the ``with``). ``patch_trl(strict=True)`` raises where the default warns 
 Versions: TRL 1.16, described here; TRL 1.15 has the same seam, and 1.12-1.14 have older ones
 (``trl_versions.py``, which the version dispatch of ``_targets`` / ``_routes`` hands those series to).
 
+Distillation: TRL's ``DistillationTrainer`` (1.12-1.16) runs on the two-head divergence through its own seam,
+``_chunked_divergence_loss`` (and ``ChunkedDivergenceFunction`` where TRL looks it up): ``trl_distill.py``, whose
+targets and report rows ``_targets`` / ``_routes`` add on every series.
+
 The hook. TRL 1.16's trainers call ``model(..., labels=labels, fused_lm_head=True)`` after
 ``trl.trainer.utils.add_fused_lm_head``; that forward runs the backbone, selects the positions to score, handles
 FSDP2 DTensors, ZeRO-3 gathering, ``cast_lm_head_to_fp32``, MoE aux losses and device maps, and then makes a single
@@ -379,23 +383,26 @@ def _routes_116(strict: bool) -> tuple[Route, ...]:
 
 def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits: str | None = None,
               invariant_block_rows: int | None = None) -> TRLPatchReport:
-    """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``.
+    """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``, and its
+    DistillationTrainer's loss through ``grpo_kernels.fused_linear_distill_loss`` (``trl_distill.py``).
 
     Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
     do not). Idempotent; ``unpatch_trl()`` restores TRL exactly, as does leaving ``with patch_trl():``.
     strict: raise a ValueError naming the option (a logit scale or a ``final_logit_softcapping`` that is not a
-        finite number > 0) instead of warning and running TRL's own kernel for those calls.
+        finite number > 0) instead of warning and running TRL's own kernel for those calls (for the distillation
+        calls: an option ``DistillLossConfig`` refuses, raised at the call).
     batch_invariant: every call TRL makes through the seam is batch-invariant (``linear_token_logprobs(...,
         batch_invariant=True)``: a sequence's log-probs, entropies, extra outputs and d hidden are bitwise the same in
-        any batch, docs/numerics.md "Batch invariance").
+        any batch, docs/numerics.md "Batch invariance"; the distillation calls' ``DistillLossConfig`` too).
     round_logits: None (default: fp32 logits), "bf16" / "fp16" (every call rounds the raw logits to that dtype
         before the soft cap / temperature, ``linear_token_logprobs(..., round_logits=)``), or "autocast": round to
         the autocast dtype when torch autocast is enabled at call time (a trainer with ``bf16=True``), else not, so
         the log-probs are those of TRL's own head, which computes its logits in the autocast dtype (docs/numerics.md
-        "Rounding the logits").
-    invariant_block_rows: None (the device's block) or the rows per block of ``batch_invariant=True`` on every call
-        (``GRPOLossConfig.invariant_block_rows``: another block is another bit pattern); refused without
-        batch_invariant.
+        "Rounding the logits"). The distillation calls take it too (both models' logits), "autocast" rounding where
+        TRL's own distillation head does (1.12-1.14; 1.15 / 1.16 keep fp32 logits tiles).
+    invariant_block_rows: None (the device's block) or the rows per block of ``batch_invariant=True`` on every
+        log-prob call (``GRPOLossConfig.invariant_block_rows``: another block is another bit pattern; the
+        distillation calls keep their own block); refused without batch_invariant.
     Returns a ``TRLPatchReport`` (printable table of what was patched and what runs where) and logs one INFO line
     on the ``grpo_kernels`` logger.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.

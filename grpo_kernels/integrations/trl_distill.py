@@ -31,7 +31,7 @@ Everything around the call stays TRL's: generation, the teacher's forward, ``num
 tokens over the processes), ``tool_mask``, the logit-scale lookup, metrics and their all-reduce.
 
 Sharded heads. FSDP2: TRL 1.16 turns a DTensor head into a plain tensor (``full_tensor()``) inside the function we
-replace; ``fused_linear_distill_loss`` gathers a DTensor head itself, the student's gradient reduce-scattered back
+replace; ``fused_linear_distill_loss`` gathers a DTensor head itself, the student's gradient averaged over the mesh
 (TRL's ``full_tensor()`` keeps this rank's own: docs/distributed.md); when ``lm_head`` is in the root group (the usual
 layout) both see a plain, unsharded tensor during the forward. DeepSpeed ZeRO-3: TRL gathers each head with
 ``maybe_gather_lm_head_ctx`` around its GEMMs (and again in the backward's recompute); ours passes the same context
