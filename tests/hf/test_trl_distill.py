@@ -117,6 +117,21 @@ def test_function_under_bf16_autocast():
         assert max_err(o, t) <= max_err(n, t) + ATOL[torch.float32] * grad_scale(t), name
 
 
+@pytest.mark.interpreter
+def test_triton_paths_through_the_seam(monkeypatch, plans):
+    """The Triton paths (the CUDA default; Triton's interpreter on CPU tensors here) behind both swapped seams: the
+    function (recompute backward) and the loss (gradient in the forward), against TRL's own and the float64 truth."""
+    monkeypatch.setenv("GRPO_KERNELS_IMPL", "triton")
+    fn = _swapped_function()
+    options = OPTIONS["jsd-caps-T"]
+    inputs = head_inputs()
+    assert_function_three_way(run_function(fn, inputs, options), run_function(ChunkedDivergenceFunction, inputs, options),
+                              function_truth(inputs, options), "triton")
+    unpatch_trl()
+    _assert_loss_matches(7.5, options)
+    assert [p.path for p in plans] == ["distill.light", "distill.fast"]
+
+
 def _loss_call(fn, inputs, mask, num_items, options):
     """TRL's ``_chunked_divergence_loss`` call convention (the trainer's keywords), then the backward of the loss:
     ((loss, entropy_sum, n_valid), [d student hidden, d weight, d bias])."""
@@ -137,16 +152,19 @@ def _loss_call(fn, inputs, mask, num_items, options):
 def test_loss_matches_trl_and_float64(num_items):
     """The trainer's call: (B, K, H) hiddens, a loss mask with a fully masked row, num_items_in_batch (None: the
     mean over valid tokens; a number; a tensor); the loss, entropy sum and gradients three-way, n_valid exactly."""
-    patch_trl()
-    ours_fn = trl_distill_trainer._chunked_divergence_loss
-    assert isinstance(ours_fn, TRLDistillLoss) and ours_fn.original is TRL_LOSS
-    num_items = torch.tensor(9.0) if num_items == "tensor" else num_items
-    options = OPTIONS["jsd-caps-T"]
+    _assert_loss_matches(torch.tensor(9.0) if num_items == "tensor" else num_items, OPTIONS["jsd-caps-T"])
+
+
+def _assert_loss_matches(num_items, options):
+    """Ours against TRL's own loss (called unpatched: patched, TRL's loss would call our function) and float64."""
     inputs = [x.reshape(3, 5, -1).detach().requires_grad_() if i in (0, 3) else x  # the hiddens (B, K, H)
               for i, x in enumerate(head_inputs(n=15))]
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 1]])
-    ours = _loss_call(ours_fn, inputs, mask, num_items, options)
     theirs = _loss_call(TRL_LOSS, inputs, mask, num_items, options)
+    patch_trl()
+    ours_fn = trl_distill_trainer._chunked_divergence_loss
+    assert isinstance(ours_fn, TRLDistillLoss) and ours_fn.original is TRL_LOSS
+    ours = _loss_call(ours_fn, inputs, mask, num_items, options)
     leaves = [x.detach().double().requires_grad_(i < 3) for i, x in enumerate(inputs)]
     beta, temperature, s_scale, s_cap, t_scale, t_cap = options
     cfg = DistillLossConfig(beta=beta, temperature=temperature, student_logit_scale=s_scale, student_softcap=s_cap,

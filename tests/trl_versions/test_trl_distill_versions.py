@@ -79,11 +79,11 @@ def _loss_grads(fn, inputs, args, kwargs):
 def test_loss_matches_trl_and_float64():
     """Ours against TRL's own loss on one call (chunk_size ignored on 1.12-1.14) and the float64 reference; the
     valid-token count exactly."""
-    patch_trl()
-    chunked = SERIES != "1.15"
-    inputs, args, kwargs = _loss_args(chunked)
-    (loss, ent, n), grads = _loss_grads(trl_distill_trainer._chunked_divergence_loss, inputs, args, kwargs)
+    inputs, args, kwargs = _loss_args(SERIES != "1.15")
+    # TRL's own first: patched, 1.15's loss would import our function
     (t_loss, t_ent, t_n), t_grads = _loss_grads(TRL_LOSS, inputs, args, kwargs)
+    patch_trl()
+    (loss, ent, n), grads = _loss_grads(trl_distill_trainer._chunked_divergence_loss, inputs, args, kwargs)
     leaves = [x.detach().double().requires_grad_(i < 3) for i, x in enumerate(inputs)]
     args64 = (leaves[0], leaves[3], leaves[1], leaves[4], *args[4:])
     loss64, ent64, n64 = reference_loss(*args64, **{**kwargs, "student_lm_head_bias": leaves[2],
