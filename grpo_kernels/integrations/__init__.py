@@ -2,7 +2,8 @@
 
 - ``patch_trl()`` / ``unpatch_trl()`` (``.trl``): TRL's GRPOTrainer, RLOOTrainer, SFTTrainer, DPOTrainer and
   KTOTrainer (and the packed rows of the padding-free AsyncGRPOTrainer) compute their per-token log-probs, entropies
-  and the SFT / DPO / KTO metrics' outputs with ``grpo_kernels.linear_token_logprobs``;
+  and the SFT / DPO / KTO metrics' outputs with ``grpo_kernels.linear_token_logprobs``, and the DistillationTrainer
+  its loss with ``grpo_kernels.fused_linear_distill_loss`` (``.trl_distill``);
   supported TRL series in ``SUPPORTED_TRL_VERSIONS``. ``patch_trl`` returns a ``TRLPatchReport`` (print it;
   ``with patch_trl():`` unpatches on exit).
 - ``patch_verl()`` / ``unpatch_verl()`` (``.verl``): verl 0.9's fused-kernel path (``linear_cross_entropy``) on

@@ -13,6 +13,10 @@ before the ``with``). ``patch_trl(strict=True)`` raises where the default warns 
 Versions: TRL 1.16, described here; TRL 1.15 has the same seam, and 1.12-1.14 have older ones
 (``trl_versions.py``, which the version dispatch of ``_targets`` / ``_routes`` hands those series to).
 
+Distillation: TRL's ``DistillationTrainer`` (1.12-1.16) runs on the two-head divergence through its own seam,
+``_chunked_divergence_loss`` (and ``ChunkedDivergenceFunction`` where TRL looks it up): ``trl_distill.py``, whose
+targets and report rows ``_targets`` / ``_routes`` add on every series.
+
 The hook. TRL 1.16's trainers call ``model(..., labels=labels, fused_lm_head=True)`` after
 ``trl.trainer.utils.add_fused_lm_head``; that forward runs the backbone, selects the positions to score, handles
 FSDP2 DTensors, ZeRO-3 gathering, ``cast_lm_head_to_fp32``, MoE aux losses and device maps, and then makes a single
@@ -87,7 +91,7 @@ import torch
 from .. import _checks
 from ..config import EXTRA_OUTPUTS
 from .report import Route, backend, route_table
-from . import trl_versions
+from . import trl_distill, trl_versions
 from .transformers import zero3_enabled, cast_to, fold_logit_scale, fused_head_blocker, logit_scale_of
 
 __all__ = ["SUPPORTED_TRL_VERSIONS", "patch_trl", "unpatch_trl", "is_trl_patched", "TRLLogProbFunction",
@@ -234,6 +238,19 @@ def _zero3_gather(weight, bias):
     return lambda: trl_utils.maybe_gather_lm_head_ctx(weight, bias)
 
 
+def _distill_options(device_type: str, trl_rounds_logits: bool) -> dict:
+    """The ``DistillLossConfig`` options patch_trl sets for a distillation call on ``device_type``: batch_invariant,
+    and round_logits, its "autocast" resolved as TRL's own distillation head rounds (1.12-1.14's PyTorch chunks round
+    their logits to the autocast dtype, 1.15 / 1.16's ChunkedDivergenceFunction keeps fp32 logits tiles)."""
+    option = _STATE["round_logits"]
+    rounding = None if option == "autocast" and not trl_rounds_logits else rounding_for(device_type, option)
+    return {"batch_invariant": _STATE["batch_invariant"], "round_logits": rounding}
+
+
+# What the distillation replacements borrow from this module (trl_distill.py).
+_DISTILL_SEAM = trl_distill.DistillSeam(fallback=_fallback, options=_distill_options, gather=_zero3_gather)
+
+
 def _checked_add_fused_lm_head(trainer_module: str):
     """TRL's ``add_fused_lm_head`` as ``trainer_module`` imported it, preceded by a setup-time check of what the
     fused path cannot serve (a logit scale or soft cap that is not a finite number > 0; a valid soft cap runs on
@@ -280,7 +297,8 @@ def _targets():
 
     series = trl_versions.series_of(_trl_version())
     if series in trl_versions.LEGACY_SERIES:
-        return trl_versions.legacy_targets(series, trl_versions.Seam(TRLLogProbFunction.apply, _fallback))
+        return trl_versions.legacy_targets(series, trl_versions.Seam(TRLLogProbFunction.apply, _fallback)) + \
+            trl_distill.targets(series, _DISTILL_SEAM)
 
     utils = importlib.import_module("trl.trainer.utils")
     trainers = [importlib.import_module(name) for name in _TRAINER_MODULES]
@@ -293,7 +311,7 @@ def _targets():
     async_grpo = _async_grpo_module()
     if async_grpo is not None and hasattr(async_grpo, "add_fused_lm_head"):
         targets.append((async_grpo, "add_fused_lm_head", _checked_add_fused_lm_head(async_grpo.__name__)))
-    return targets
+    return targets + trl_distill.targets(series, _DISTILL_SEAM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,9 +359,10 @@ class TRLPatchReport:
 
 def _routes(strict: bool) -> tuple[Route, ...]:
     series = trl_versions.series_of(_trl_version())
+    distill = trl_distill.routes(series, strict, Route)
     if series != "1.16":
-        return trl_versions.routes_for(series, strict, backend(), _routes_116(strict), Route)
-    return _routes_116(strict)
+        return trl_versions.routes_for(series, strict, backend(), _routes_116(strict), Route) + distill
+    return _routes_116(strict) + distill
 
 
 def _routes_116(strict: bool) -> tuple[Route, ...]:
@@ -364,23 +383,26 @@ def _routes_116(strict: bool) -> tuple[Route, ...]:
 
 def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits: str | None = None,
               invariant_block_rows: int | None = None) -> TRLPatchReport:
-    """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``.
+    """Route TRL's fused-LM-head log-probs and entropies through ``grpo_kernels.linear_token_logprobs``, and its
+    DistillationTrainer's loss through ``grpo_kernels.fused_linear_distill_loss`` (``trl_distill.py``).
 
     Call it before building the trainer (the kernel swap also reaches trainers built earlier, the setup-time checks
     do not). Idempotent; ``unpatch_trl()`` restores TRL exactly, as does leaving ``with patch_trl():``.
     strict: raise a ValueError naming the option (a logit scale or a ``final_logit_softcapping`` that is not a
-        finite number > 0) instead of warning and running TRL's own kernel for those calls.
+        finite number > 0) instead of warning and running TRL's own kernel for those calls (for the distillation
+        calls: an option ``DistillLossConfig`` refuses, raised at the call).
     batch_invariant: every call TRL makes through the seam is batch-invariant (``linear_token_logprobs(...,
         batch_invariant=True)``: a sequence's log-probs, entropies, extra outputs and d hidden are bitwise the same in
-        any batch, docs/numerics.md "Batch invariance").
+        any batch, docs/numerics.md "Batch invariance"; the distillation calls' ``DistillLossConfig`` too).
     round_logits: None (default: fp32 logits), "bf16" / "fp16" (every call rounds the raw logits to that dtype
         before the soft cap / temperature, ``linear_token_logprobs(..., round_logits=)``), or "autocast": round to
         the autocast dtype when torch autocast is enabled at call time (a trainer with ``bf16=True``), else not, so
         the log-probs are those of TRL's own head, which computes its logits in the autocast dtype (docs/numerics.md
-        "Rounding the logits").
-    invariant_block_rows: None (the device's block) or the rows per block of ``batch_invariant=True`` on every call
-        (``GRPOLossConfig.invariant_block_rows``: another block is another bit pattern); refused without
-        batch_invariant.
+        "Rounding the logits"). The distillation calls take it too (both models' logits), "autocast" rounding where
+        TRL's own distillation head does (1.12-1.14; 1.15 / 1.16 keep fp32 logits tiles).
+    invariant_block_rows: None (the device's block) or the rows per block of ``batch_invariant=True`` on every
+        log-prob call (``GRPOLossConfig.invariant_block_rows``: another block is another bit pattern; the
+        distillation calls keep their own block); refused without batch_invariant.
     Returns a ``TRLPatchReport`` (printable table of what was patched and what runs where) and logs one INFO line
     on the ``grpo_kernels`` logger.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.
@@ -411,7 +433,7 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
                             patched=tuple(f"{trl_versions.dotted_name(module)}.{name}" for module, name, _ in targets),
                             routes=_routes(strict), newly_patched=newly, batch_invariant=batch_invariant,
                             round_logits=round_logits, invariant_block_rows=invariant_block_rows)
-    fallbacks = "; ".join(r.calls for r in report.fallbacks)
+    fallbacks = "; ".join(r.calls.strip() for r in report.fallbacks)
     on_ours = "; ".join(r.calls.strip() for r in report.kernel_calls)
     logger.info("grpo_kernels.patch_trl: TRL %s %s (strict=%s, batch_invariant=%s): on grpo_kernels: %s [%s]; "
                 "TRL's own for: %s", version, "patched" if newly else "already patched", strict, batch_invariant,

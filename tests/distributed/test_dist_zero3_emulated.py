@@ -214,3 +214,77 @@ def test_zero3_gather_head_refuses_a_head_in_flight():
     weight.ds_id, weight.ds_status = 3, partition_parameters.ZeroParamStatus.INFLIGHT
     with pytest.raises(RuntimeError, match="zero3_gather_head: 1 head parameter.*INFLIGHT"):
         zero3_gather_head(weight, None)()
+
+
+# ------------------------------------------------------------------ through TRL's DistillationTrainer seam
+
+def _trl_distill_grads(seam: str, patched: bool, partitioned: bool, monkeypatch):
+    """(divergence or loss, d student hidden, d student weight, d student bias) of TRL's distillation seam ("loss":
+    ``_chunked_divergence_loss`` as the trainer calls it; "function": ``ChunkedDivergenceFunction.apply``) in
+    float64, both models' heads (V 37; H_s 12, H_t 20) ZeRO-3 partitions when ``partitioned``; and the gathers that
+    gathered."""
+    import transformers.integrations.deepspeed as hf_ds
+    import trl.kernels.chunked_divergence as trl_kernel
+    import trl.trainer.distillation_trainer as trl_distill
+    import trl.trainer.utils as trl_utils
+
+    from grpo_kernels.integrations.trl import patch_trl, unpatch_trl
+
+    g = torch.Generator().manual_seed(2)
+    sh = torch.randn(2, 6, 12, generator=g, dtype=torch.float64).requires_grad_()
+    th = torch.randn(2, 6, 20, generator=g, dtype=torch.float64)
+    sw, tw = (torch.nn.Parameter(torch.randn(37, h, generator=g, dtype=torch.float64) * 0.5) for h in (12, 20))
+    sb, tb = (torch.nn.Parameter(torch.randn(37, generator=g, dtype=torch.float64)) for _ in range(2))
+    tw.requires_grad_(False)
+    tb.requires_grad_(False)
+    mask = torch.rand(2, 6, generator=g) > 0.3
+    zero3 = FakeZero3(sw, sb, tw, tb) if partitioned else None
+    if partitioned:
+        monkeypatch.setattr(hf_ds, "is_deepspeed_zero3_enabled", lambda: True)
+        monkeypatch.setattr(trl_utils, "maybe_gather_lm_head_ctx", zero3.gather)
+        monkeypatch.setattr(trl_kernel, "maybe_gather_lm_head_ctx", zero3.gather)  # TRL's function imported it
+    if patched:
+        patch_trl(strict=True)
+    try:
+        if seam == "loss":
+            value = trl_distill._chunked_divergence_loss(sh, th, sw, tw, mask, 0.4, student_lm_head_bias=sb,
+                                                         teacher_lm_head_bias=tb, student_final_logit_softcapping=5.0,
+                                                         teacher_logit_scale=1.3, temperature=0.8)[0]
+        else:
+            div, _ = trl_distill.ChunkedDivergenceFunction.apply(sh.reshape(12, 12), sw, sb, th.reshape(12, 20), tw,
+                                                                 tb, 0.4, 0.8, 1.0, 5.0, 1.3, None)
+            value = (div * torch.linspace(0.5, 1.5, 12, dtype=div.dtype)).sum()
+        grads = torch.autograd.grad(value, [sh, sw, sb])
+    finally:
+        unpatch_trl()
+        monkeypatch.undo()
+    if partitioned:
+        assert sw.numel() == tw.numel() == 0  # partitioned again after the call
+    return (value.detach(), *grads), (zero3.entries if partitioned else 0)
+
+
+@pytest.mark.parametrize("seam", ["loss", "function"])
+def test_trl_distillation_zero3_heads(seam, monkeypatch):
+    """patch_trl(strict=True) serves partitioned student and teacher heads: each gathered by TRL's own context (the
+    loss: once each, its gradient made in the forward; the function: again in its recompute backward), the same bits
+    as unsharded, and TRL's own unsharded call (which accumulates in fp32) to fp32 precision. (TRL 1.16's own
+    function on these partitions fails here: it gathers inside its forward, so autograd records the emptied
+    parameter's shape and refuses its full-size gradient.)"""
+    import grpo_kernels
+
+    name = "fused_linear_distill_loss" if seam == "loss" else "linear_token_divergence"
+    calls = []
+    original = getattr(grpo_kernels, name)
+    monkeypatch.setattr(grpo_kernels, name, lambda *a, **k: calls.append(k) or original(*a, **k))
+    ours, entries = _trl_distill_grads(seam, True, True, monkeypatch)
+    assert len(calls) == 1 and callable(calls[0]["gather_head"]) and callable(calls[0]["teacher_gather_head"])
+    assert entries == (2 if seam == "loss" else 4)
+    unsharded, _ = _trl_distill_grads(seam, True, False, monkeypatch)
+    trl_own, _ = _trl_distill_grads(seam, False, False, monkeypatch)
+    # TRL's own rounds to fp32: each value comes from at most N (V + H) + V = 12 (37 + 20) + 37 < 1024 rounded
+    # operations on values no larger than the tensor's largest, so within gamma_1024 of the float64 result relative to
+    # it (Higham). The partitioned and the unsharded patched calls run the same code on the same values.
+    for a, b, c in zip(ours, trl_own, unsharded):
+        bound = gamma(1024)
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=bound, atol=bound * a.abs().max().item())
+        assert torch.equal(a, c)

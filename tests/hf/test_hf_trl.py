@@ -241,15 +241,19 @@ def test_patch_returns_a_report_and_logs_one_line(caplog):
     assert report.trl_version == trl.__version__
     trainers = [f"trl.trainer.{t}_trainer.add_fused_lm_head" for t in ("grpo", "rloo", "sft", "dpo", "kto")]
     assert report.patched[:6] == ("trl.trainer.utils._ChunkedLogProbFunction", *trainers)
-    assert report.patched[6:] == ("trl.experimental.async_grpo.async_grpo_trainer.add_fused_lm_head",)  # padding-free
-    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 6
+    assert report.patched[6:8] == ("trl.experimental.async_grpo.async_grpo_trainer.add_fused_lm_head",  # padding-free
+                                   # DistillationTrainer (tests/hf/test_trl_distill.py)
+                                   "trl.trainer.distillation_trainer._chunked_divergence_loss")
+    # where TRL looks ChunkedDivergenceFunction up: 1.16's trainer-module global, 1.15's kernel module
+    assert len(report.patched) == 9 and report.patched[8].endswith(".ChunkedDivergenceFunction")
+    assert [r.runs_on for r in report.kernel_calls] == ["grpo_kernels"] * 8
     assert any(r.calls.startswith("SFT/DPO/KTO") for r in report.kernel_calls)
     assert any("final_logit_softcapping" in r.calls for r in report.kernel_calls)
     assert any("soft cap not finite > 0" in r.calls and "warned once" in r.why for r in report.fallbacks)
     text = str(report).splitlines()
     assert text[0] == (f"grpo_kernels.patch_trl: TRL {trl.__version__} patched (strict=False); swapped: "
                        + ", ".join(report.patched))
-    assert len(text) == 3 + len(report.routes) <= 12
+    assert len(text) == 3 + len(report.routes) <= 16
     assert text[3].split()[:2] == ["GRPO/RLOO", "policy"] and "grpo_kernels" in text[3]
     records = [r for r in caplog.records if r.name == "grpo_kernels"]
     assert len(records) == 1 and records[0].levelname == "INFO" and "\n" not in records[0].getMessage()

@@ -45,7 +45,9 @@ def test_patch_swaps_and_unpatch_restores_exactly():
     assert set(report.patched) == {"trl.trainer.utils._ChunkedLogProbFunction",
                                    *(f"{m}._ChunkedLogProbFunction" for m in NAMED),
                                    f"trl.trainer.grpo_trainer.GRPOTrainer.{METHOD}",
-                                   f"trl.trainer.rloo_trainer.RLOOTrainer.{METHOD}"}
+                                   f"trl.trainer.rloo_trainer.RLOOTrainer.{METHOD}",
+                                   # DistillationTrainer (tests/trl_versions/test_trl_distill_versions.py)
+                                   "trl.trainer.distillation_trainer._chunked_divergence_loss"}
     unpatch_trl()
     assert all(a is b for a, b in zip(_swapped(), before)) and not is_trl_patched()
 
