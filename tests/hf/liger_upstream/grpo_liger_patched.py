@@ -16,6 +16,9 @@ The one adaptation of the device: none is needed. Liger's tests run on ``infer_d
 machine without CUDA; Triton's interpreter (``TRITON_INTERPRET=1``, set here before Liger's kernels exist, as
 tests/conftest.py does) runs the Triton kernel of Liger's own ``LigerFusedLinearJSDFunction`` on CPU tensors.
 The summary line at the end counts the calls that reached grpo_kernels, so that a run cannot pass on Liger's code.
+
+``GRPO_LIGER_UPSTREAM_FLIP_BETA=1`` (the check that Liger's tests can fail on ours, tests/hf/test_liger_jsd.py) makes
+ours use ``1 - beta``: the other side of the generalized JSD, TRL's convention read backwards.
 """
 from __future__ import annotations
 
@@ -37,6 +40,12 @@ import liger_kernel.transformers.functional  # noqa: E402
 import liger_kernel.transformers.fused_linear_jsd  # noqa: E402
 
 from grpo_kernels import liger as ours  # noqa: E402
+from grpo_kernels import liger_jsd  # noqa: E402
+
+FLIP_BETA = os.environ.get("GRPO_LIGER_UPSTREAM_FLIP_BETA") == "1"
+if FLIP_BETA:
+    _beta = liger_jsd._beta
+    liger_jsd._beta = lambda name, value: 1.0 - _beta(name, value)
 
 CALLS: collections.Counter = collections.Counter()
 
@@ -76,4 +85,5 @@ for (module, name), value in BINDINGS.items():
 def pytest_terminal_summary(terminalreporter):
     bound = ", ".join(f"{m.__name__}.{n}" for m, n in BINDINGS)
     calls = ", ".join(f"{name} {CALLS[name]}" for name in sorted(CALLS)) or "none"
-    terminalreporter.write_line(f"grpo_kernels.liger: bound {bound}; calls: {calls}")
+    flipped = " (beta flipped)" if FLIP_BETA else ""
+    terminalreporter.write_line(f"grpo_kernels.liger: bound {bound}; calls: {calls}{flipped}")
