@@ -144,7 +144,9 @@ def _torch(call: DistillCall, fixed: tuple, grad: bool) -> Plan:
             accum.append(("d student bias accumulator", acc * V))
     half = [h for h in (s, t) if h.weight.dtype != acc_dtype]
     weight_tile = max([acc * min(V, TORCH_WEIGHT_TILE) * h.weight.shape[1] for h in half] or [0])
-    per_row = int((2 + TORCH_DISTILL_TEMPS) * acc * V) + acc * (s.hidden.shape[1] + t.hidden.shape[1])
+    temps = TORCH_DISTILL_TEMPS[inputs.cfg.mode]
+    rows_acc = acc * (s.hidden.shape[1] + t.hidden.shape[1]) if s.hidden.dtype != acc_dtype else 0
+    per_row = int((2 + temps) * acc * V) + rows_acc
     small = acc * 6 * N
     need = _sum(fixed) + _sum(accum) + small + weight_tile + per_row
     if budget < need:
@@ -154,11 +156,12 @@ def _torch(call: DistillCall, fixed: tuple, grad: bool) -> Plan:
         rows = _fixed_rows(call)
         if budget < need + (rows - 1) * per_row:
             raise call.budget.error(call.op, DISTILL_TORCH + " (batch_invariant)", need + (rows - 1) * per_row)
-    items = accum + [("weight tile in the accumulation dtype", weight_tile),
-                     ("both heads' logits chunks and their temporaries",
-                      int(rows * (2 + TORCH_DISTILL_TEMPS) * acc * V)),
-                     ("hidden rows in the accumulation dtype", rows * acc * (s.hidden.shape[1] + t.hidden.shape[1])),
-                     ("per-token values", small)]
+    n = min(rows, max(N, 1))
+    # Why the larger of two phases: the weight tile lives while the GEMMs run, the temporaries after them.
+    maths = [("both heads' logits chunks and their temporaries", int(n * (2 + temps) * acc * V))]
+    gemms = [("both heads' logits chunks", 2 * n * acc * V), ("weight tile in the accumulation dtype", weight_tile)]
+    items = accum + (maths if _sum(maths) >= _sum(gemms) else gemms) + \
+        [("hidden rows in the accumulation dtype", n * rows_acc), ("per-token values", small)]
     fast = grad and call.loss and inputs.cfg.grad_in_forward
     g = _grad_flops(call)
     if fast:
