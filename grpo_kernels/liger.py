@@ -1,8 +1,12 @@
-"""Liger-Kernel 0.8.5's GRPO entry points, running on grpo_kernels: change the import, keep the code.
+"""Liger-Kernel 0.8.5's GRPO and JSD-distillation entry points, running on grpo_kernels: change the import, keep
+the code.
 
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss            # before
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss          # before
     from grpo_kernels.liger import LigerFusedLinearGRPOLoss, triton_grpo_loss # after
+
+The JSD ones (``LigerFusedLinearJSD``, ``liger_fused_linear_jsd``, ``LigerFusedLinearJSDLoss`` and the chunked loss's
+functional form ``chunked_liger_fused_linear_jsd``) live in ``liger_jsd.py``, on ``fused_linear_distill_loss``.
 
 Each keeps Liger's signature (every argument, default and position) and return values (Liger's loss and its
 sequence of metrics, not grpo_kernels' dict), and runs on the public functions (``fused_linear_grpo_loss``,
@@ -17,6 +21,8 @@ from torch import nn
 from .config import GRPOLossConfig
 from .logprobs import token_logprobs
 from .inputs import LossArguments
+from .liger_jsd import (LigerFusedLinearJSD, LigerFusedLinearJSDLoss,  # noqa: F401  (re-exported)
+                        chunked_liger_fused_linear_jsd, liger_fused_linear_jsd)
 from .loss import FusedLinearGRPOLoss, grpo_loss, validate_logits_loss
 from .loss_types import LOSS_TABLE
 from .reference import per_token_loss
@@ -207,3 +213,4 @@ def fused_selective_log_softmax(logits, input_ids, temperature=0.9, mask=None, *
     ids = input_ids[:, input_ids.shape[1] - L:]
     logp = token_logprobs(logits[:, :-1], ids, temperature, batch_invariant=batch_invariant)
     return logp if mask is None else torch.where(mask[:, mask.shape[1] - L:] != 0, logp, 0.0)
+

@@ -22,8 +22,10 @@ def _params(fn: ast.FunctionDef) -> int:
     return n - (1 if names and names[0] in ("self", "cls", "ctx") else 0)
 
 
-# grpo_kernels/liger.py reproduces Liger-Kernel's signatures argument for argument: they are not ours to shrink
-PEER_SIGNATURES = {"liger.py": ("__init__", "forward", "triton_grpo_loss")}
+# grpo_kernels/liger.py and liger_jsd.py reproduce Liger-Kernel's signatures argument for argument: they are not ours
+# to shrink
+PEER_SIGNATURES = {"liger.py": ("__init__", "forward", "triton_grpo_loss"),
+                   "liger_jsd.py": ("__init__", "forward", "liger_fused_linear_jsd", "chunked_liger_fused_linear_jsd")}
 
 
 def _exempt(fn: ast.FunctionDef, path: Path | None = None) -> bool:
