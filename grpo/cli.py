@@ -195,7 +195,8 @@ def _add_distillation_arguments(dist) -> None:
     _add(dist, "distill_coef", "weight of the distillation loss (a token mean over the step) added to the GRPO "
          "loss (> 0)", type=float)
     _add(dist, "distill_only", "train on the distillation loss alone: no GRPO term, no reference model (the "
-         "default --beta is turned off; rewards are still computed for the log and the evaluation)",
+         "default --beta is turned off, another --beta refused; rewards are still computed for the log and the "
+         "evaluation)",
          action="store_true")
 
 
