@@ -10,7 +10,8 @@ Runs, one after another, each ``python -m grpo.train`` in a process of its own (
 - ``grpo``: the student (``--hidden-size``, default 32: half the teacher's width, 4 heads of 8) with plain GRPO;
 - ``grpo+distill``: the same student with ``--teacher DIR/teacher/checkpoint-<steps>``: the distillation loss
   (reverse KL, coefficient 1) added to the GRPO loss;
-- ``distill-only``: the same with ``--distill-only`` (no GRPO term, no reference model).
+- ``distill-only``: the same with ``--distill-only`` (no GRPO term, no reference model);
+- ``distill-only-beta0``: the same with ``--distill-beta 0``: the forward KL(teacher || student) instead.
 
 The students start from the same weights (the built-in model is initialized from ``--seed`` before the teacher is
 loaded) and see the same prompts; their samples differ once their weights do. The table is each run's held-out
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import time
 
-RUNS = ("teacher", "grpo", "grpo+distill", "distill-only")
+RUNS = ("teacher", "grpo", "grpo+distill", "distill-only", "distill-only-beta0")
 EVERY = 100
 
 
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
         seconds["teacher"] = run_train("teacher", os.path.join(a.out, "teacher"), common)
         teacher = os.path.join(a.out, "teacher", f"checkpoint-{a.steps}")
     plan = {"grpo": student, "grpo+distill": student + ["--teacher", teacher],
-            "distill-only": student + ["--teacher", teacher, "--distill-only"]}
+            "distill-only": student + ["--teacher", teacher, "--distill-only"],
+            "distill-only-beta0": student + ["--teacher", teacher, "--distill-only", "--distill-beta", "0"]}
     for name, args in plan.items():
         seconds[name] = run_train(name, os.path.join(a.out, name), args)
     dirs = {n: os.path.join(a.out, n) for n in plan}

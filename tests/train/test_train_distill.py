@@ -66,16 +66,22 @@ def teachers(tmp_path_factory):
 def test_a_tiny_run_distills_from_a_checkpoint_teacher(tmp_path, capsys):
     """The teacher is a grpo.train checkpoint-N folder (its model/ is loaded), the student narrower (width 8 against
     16): every step logs the divergence to the teacher, the loss adds the GRPO term (which --distill-only drops,
-    with its reference model)."""
+    with its reference model); so do runs with two iterations over shuffled mini-batches and with --single-pass."""
     assert train_tiny(tmp_path / "teacher", 1) == 0
     ckpt = tmp_path / "teacher" / "checkpoint-1"
     assert train_tiny(tmp_path / "added", 2, "--teacher", str(ckpt), "--hidden-size", "8") == 0
     assert train_tiny(tmp_path / "alone", 2, "--teacher", str(ckpt), "--hidden-size", "8", "--distill-only",
                       "--distill-beta", "0.5", "--distill-temperature", "0.8") == 0
+    # shuffled mini-batches over two iterations (one teacher pass per rollout), and --single-pass's padded rows
+    assert train_tiny(tmp_path / "iterations", 2, "--teacher", str(ckpt), "--hidden-size", "8", "--num-iterations",
+                      "2", "--mini-batch-size", "2") == 0
+    assert train_tiny(tmp_path / "single-pass", 1, "--teacher", str(ckpt), "--hidden-size", "8", "--single-pass") == 0
     out = capsys.readouterr().out
     assert "div=" in out  # the progress line
     added, alone = read_metrics(tmp_path / "added"), read_metrics(tmp_path / "alone")
-    for r in added + alone:
+    others = read_metrics(tmp_path / "iterations") + read_metrics(tmp_path / "single-pass")
+    assert [r["rollout"] for r in read_metrics(tmp_path / "iterations")] == [0, 0]
+    for r in added + alone + others:
         assert math.isfinite(r["distill/divergence"]) and r["distill/divergence"] > 0, r
         # the student's entropy over what the sampler can draw (the task's letters and EOS): at most log(9)
         assert 0 < r["distill/entropy"] <= math.log(len(TASK_COMPLETION_CHARS["copy"]) + 1), r
