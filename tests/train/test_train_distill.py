@@ -349,7 +349,7 @@ def test_the_distillation_loss_is_the_token_mean_of_full_logits_in_float64(teach
 
 
 # ------------------------------------------------------------------------------------------------- torchrun
-@pytest.mark.slow  # two torchrun jobs of two processes (~30-60 s on a busy 2-core machine)
+@pytest.mark.slow  # torchrun jobs of two processes (~10 s each on the 2-core machine), as the other torchrun tests
 @pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
 def test_torchrun_ranks_stay_in_sync_with_a_teacher(sharding, teachers, tmp_path):
     """torchrun + gloo, 2 ranks, each with its own full copy of the teacher: DDP replicas (FSDP2 shards: the full
