@@ -113,8 +113,9 @@ def fast_loss(tensors: tuple, w, needs: tuple, o: DistillOptions, positions=None
         sums = token_sums(per_token, grid, cu_seqlens, True)
     else:
         sums = per_token.double().sum(0)
-    loss = sums[0].to(torch.float64 if div.dtype == torch.float64 else torch.float32)
-    return loss, sums[1:], None if dh is None else dh.to(tensors[0].dtype), dw, db
+    # Why copies: an op's outputs may not be views of one another
+    loss = sums[0].to(torch.float64 if div.dtype == torch.float64 else torch.float32, copy=True)
+    return loss, sums[1:].clone(), None if dh is None else dh.to(tensors[0].dtype), dw, db
 
 
 def _needs(ctx, bias) -> tuple:

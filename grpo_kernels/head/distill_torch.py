@@ -17,13 +17,14 @@ import math
 
 import torch
 
-from ..distill_config import FORWARD_KL, REVERSE_KL, DistillLossConfig, ModelTransform
+from ..distill_config import FORWARD_KL, JSD, REVERSE_KL, DistillLossConfig, ModelTransform
 from ..invariance import padded
 from ..torch_chunks import round_, soft_cap_
 
-# Chunk-sized temporaries alive at once beside the two logits buffers (the plan's figure: ``planner.distill``),
-# counted from the code below: the JSD's p, log m, q and one difference (boolean masks add a quarter each).
-TORCH_DISTILL_TEMPS = 4.5
+# Chunk-sized temporaries alive at once beside the two logits buffers, by divergence mode (the plan's figure:
+# ``planner.distill``), counted from the code below and traced: the KLs' p, one difference and a boolean mask (a
+# quarter of an fp32 chunk); the JSD's p, log m (its two operands while it is formed) and q.
+TORCH_DISTILL_TEMPS = {FORWARD_KL: 2.25, REVERSE_KL: 2.25, JSD: 4.0}
 # Rows of a half-precision weight cast to the accumulation dtype at a time.
 TORCH_WEIGHT_TILE = 4096
 

@@ -41,8 +41,9 @@ def load_pair(s_row, t_row, bs_ptr, bt_ptr, cols, s_scale, s_cap, t_scale, t_cap
 @triton.jit
 def load_pair_tail(s_row, t_row, bs_ptr, bt_ptr, cols, Vc, s_scale, s_cap, t_scale, t_cap, HAS_SB: tl.constexpr,
                     HAS_TB: tl.constexpr, S_CAP: tl.constexpr, T_CAP: tl.constexpr):
-    """(y_student, y_teacher, ok) at the tail's columns: -inf (weight 0) past Vc. Why the select after the
-    transform: the cap maps a masked -inf to -cap, a finite logit that would count."""
+    """(y_student, y_teacher, ok) at the tail's columns; past Vc the (finite) logits of a raw 0, which the callers
+    give weight 0 (the fold: -inf there, ``tail_weights``), drop from their sums or do not store. Why finite values
+    there: -inf - -inf would make NaN in the gap and JSD terms (harmless once dropped, but not computed at all)."""
     ok = cols < Vc
     xs = tl.load(s_row + cols, mask=ok, other=0.0)
     if HAS_SB:
@@ -50,18 +51,24 @@ def load_pair_tail(s_row, t_row, bs_ptr, bt_ptr, cols, Vc, s_scale, s_cap, t_sca
     xt = tl.load(t_row + cols, mask=ok, other=0.0)
     if HAS_TB:
         xt += tl.load(bt_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    ys = tl.where(ok, model_logit(xs, s_scale, s_cap, S_CAP), float("-inf"))
-    yt = tl.where(ok, model_logit(xt, t_scale, t_cap, T_CAP), float("-inf"))
-    return ys, yt, ok
+    return model_logit(xs, s_scale, s_cap, S_CAP), model_logit(xt, t_scale, t_cap, T_CAP), ok
 
 
 @triton.jit
-def fold_block(ys, yt, m_s, s_s, a_s, m_t, s_t, gap, c, MODE: tl.constexpr):
+def tail_weights(y, ok):
+    """The tail's logits for the online sums: -inf (weight 0) past Vc. Why after the transform: the cap maps a
+    masked -inf to -cap, a finite logit that would count."""
+    return tl.where(ok, y, float("-inf"))
+
+
+@triton.jit
+def fold_block(ys, yt, ds, dt, m_s, s_s, a_s, m_t, s_t, gap, c, MODE: tl.constexpr):
     """Fold a (lanes, k) block of both models' logits into the lanes' online statistics: the student's
-    (``common.lane_fold``: max, sum, entropy sum), the teacher's max and sum, and for the KLs the gap sum in base-2
-    units, sum 2^u_t (u_t - u_s) relative to the teacher's max (forward) or sum 2^u_s (u_s - u_t) relative to the
-    student's (reverse), u = y c. Why the select on the weight: a term of weight 0 (a -inf logit, the tail) adds 0,
-    not 0 * inf = NaN; a NaN logit still reaches the sums through the weights themselves."""
+    (``common.lane_fold``: max, sum, entropy sum of ys), the teacher's max and sum of yt, and for the KLs the gap sum
+    in base-2 units, sum 2^u_t (dt - ds) c relative to the teacher's max (forward) or sum 2^u_s (ds - dt) c
+    relative to the student's (reverse), u = y c. ds, dt: the logits the differences are taken of (ys, yt in full
+    blocks; finite stand-ins past the tail's end, where the weights are 0). Why the select on the weight: a term of
+    weight 0 (a -inf logit) adds 0, not 0 * inf = NaN; a NaN logit still reaches the sums through the weights."""
     m_s, s_s, a_s, alpha_s, e_s = lane_fold_terms(ys, m_s, s_s, a_s, c)
     m_new = tl.maximum(m_t, tl.max(yt, axis=1))
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -69,9 +76,9 @@ def fold_block(ys, yt, m_s, s_s, a_s, m_t, s_t, gap, c, MODE: tl.constexpr):
     e_t = exp2((yt - ref[:, None]) * c)
     s_t = alpha_t * s_t + tl.sum(e_t, axis=1)
     if MODE == 0:
-        gap = alpha_t * gap + tl.sum(tl.where(e_t > 0.0, e_t * ((yt - ys) * c), 0.0), axis=1)
+        gap = alpha_t * gap + tl.sum(tl.where(e_t > 0.0, e_t * ((dt - ds) * c), 0.0), axis=1)
     elif MODE == 1:
-        gap = alpha_s * gap + tl.sum(tl.where(e_s > 0.0, e_s * ((ys - yt) * c), 0.0), axis=1)
+        gap = alpha_s * gap + tl.sum(tl.where(e_s > 0.0, e_s * ((ds - dt) * c), 0.0), axis=1)
     return m_s, s_s, a_s, m_new, s_t, gap
 
 
@@ -103,10 +110,11 @@ def fold_row(s_row, t_row, bs_ptr, bt_ptr, Vc, c, s_scale, s_cap, t_scale, t_cap
     for v0 in range(0, v_main, BLOCK):
         ys, yt = load_pair(s_row, t_row, bs_ptr, bt_ptr, v0 + offs, s_scale, s_cap, t_scale, t_cap, HAS_SB,
                             HAS_TB, S_CAP, T_CAP)
-        m_s, s_s, a_s, m_t, s_t, gap = fold_block(ys, yt, m_s, s_s, a_s, m_t, s_t, gap, c, MODE)
-    ys, yt, _ok = load_pair_tail(s_row, t_row, bs_ptr, bt_ptr, v_main + offs, Vc, s_scale, s_cap, t_scale, t_cap,
-                                  HAS_SB, HAS_TB, S_CAP, T_CAP)
-    m_s, s_s, a_s, m_t, s_t, gap = fold_block(ys, yt, m_s, s_s, a_s, m_t, s_t, gap, c, MODE)
+        m_s, s_s, a_s, m_t, s_t, gap = fold_block(ys, yt, ys, yt, m_s, s_s, a_s, m_t, s_t, gap, c, MODE)
+    ys, yt, ok = load_pair_tail(s_row, t_row, bs_ptr, bt_ptr, v_main + offs, Vc, s_scale, s_cap, t_scale, t_cap,
+                                HAS_SB, HAS_TB, S_CAP, T_CAP)
+    m_s, s_s, a_s, m_t, s_t, gap = fold_block(tail_weights(ys, ok), tail_weights(yt, ok), ys, yt, m_s, s_s, a_s,
+                                              m_t, s_t, gap, c, MODE)
     # Why the gap's lane weights are its model's: it is summed relative to that model's running max.
     if MODE == 0:
         _m, w_gap = lanes_weights(m_t, c)
@@ -175,10 +183,12 @@ def jsd_row(s_row, t_row, bs_ptr, bt_ptr, Vc, lse_s, lse_t, inv_temperature, log
         tp, tq = jsd_terms(ys, yt, lse_s, lse_t, inv_temperature, log2_1mb, log2_b)
         kl_p += tp
         kl_q += tq
-    ys, yt, _ok = load_pair_tail(s_row, t_row, bs_ptr, bt_ptr, v_main + offs, Vc, s_scale, s_cap, t_scale, t_cap,
-                                  HAS_SB, HAS_TB, S_CAP, T_CAP)
+    ys, yt, ok = load_pair_tail(s_row, t_row, bs_ptr, bt_ptr, v_main + offs, Vc, s_scale, s_cap, t_scale, t_cap,
+                                HAS_SB, HAS_TB, S_CAP, T_CAP)
     tp, tq = jsd_terms(ys, yt, lse_s, lse_t, inv_temperature, log2_1mb, log2_b)
-    return LN2 * tl.sum(kl_p + tp, axis=0), LN2 * tl.sum(kl_q + tq, axis=0)
+    kl_p += tl.where(ok, tp, 0.0)
+    kl_q += tl.where(ok, tq, 0.0)
+    return LN2 * tl.sum(kl_p, axis=0), LN2 * tl.sum(kl_q, axis=0)
 
 
 @triton.jit
@@ -247,5 +257,6 @@ def merge(M, S, A, m, s, a, c):
     sb = (m - ref) * c
     wa = exp2(sa)
     wb = exp2(sb)
-    A = wa * (A + tl.where(S > 0.0, sa * S, 0.0)) + wb * (a + tl.where(s > 0.0, sb * s, 0.0))
+    # Why the selects before the products: an empty statistic has max -inf and sum 0, and -inf * 0 is NaN
+    A = wa * (A + tl.where(S > 0.0, sa, 0.0) * S) + wb * (a + tl.where(s > 0.0, sb, 0.0) * s)
     return new, wa * S + wb * s, A, wa, wb

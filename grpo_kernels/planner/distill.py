@@ -144,7 +144,9 @@ def _torch(call: DistillCall, fixed: tuple, grad: bool) -> Plan:
             accum.append(("d student bias accumulator", acc * V))
     half = [h for h in (s, t) if h.weight.dtype != acc_dtype]
     weight_tile = max([acc * min(V, TORCH_WEIGHT_TILE) * h.weight.shape[1] for h in half] or [0])
-    per_row = int((2 + TORCH_DISTILL_TEMPS) * acc * V) + acc * (s.hidden.shape[1] + t.hidden.shape[1])
+    temps = TORCH_DISTILL_TEMPS[inputs.cfg.mode]
+    rows_acc = acc * (s.hidden.shape[1] + t.hidden.shape[1]) if s.hidden.dtype != acc_dtype else 0
+    per_row = int((2 + temps) * acc * V) + rows_acc
     small = acc * 6 * N
     need = _sum(fixed) + _sum(accum) + small + weight_tile + per_row
     if budget < need:
@@ -154,11 +156,12 @@ def _torch(call: DistillCall, fixed: tuple, grad: bool) -> Plan:
         rows = _fixed_rows(call)
         if budget < need + (rows - 1) * per_row:
             raise call.budget.error(call.op, DISTILL_TORCH + " (batch_invariant)", need + (rows - 1) * per_row)
-    items = accum + [("weight tile in the accumulation dtype", weight_tile),
-                     ("both heads' logits chunks and their temporaries",
-                      int(rows * (2 + TORCH_DISTILL_TEMPS) * acc * V)),
-                     ("hidden rows in the accumulation dtype", rows * acc * (s.hidden.shape[1] + t.hidden.shape[1])),
-                     ("per-token values", small)]
+    n = min(rows, max(N, 1))
+    # Why the larger of two phases: the weight tile lives while the GEMMs run, the temporaries after them.
+    maths = [("both heads' logits chunks and their temporaries", int(n * (2 + temps) * acc * V))]
+    gemms = [("both heads' logits chunks", 2 * n * acc * V), ("weight tile in the accumulation dtype", weight_tile)]
+    items = accum + (maths if _sum(maths) >= _sum(gemms) else gemms) + \
+        [("hidden rows in the accumulation dtype", n * rows_acc), ("per-token values", small)]
     fast = grad and call.loss and inputs.cfg.grad_in_forward
     g = _grad_flops(call)
     if fast:
@@ -247,7 +250,6 @@ def _light(call: DistillCall, fixed: tuple, why: str) -> Plan:
     d weight in an fp32 (tile, H_s) one per tile (when the weight is not fp32), d bias in fp32."""
     inputs, N, V = call.inputs, call.n_valid, call.inputs.vocab
     s = inputs.student
-    budget = call.budget.working()
     accum = []
     if call.needs[0] and s.dtype != torch.float32:
         accum.append(("fp32 d student hidden accumulator", 4 * N * s.hidden.shape[1]))
@@ -255,13 +257,17 @@ def _light(call: DistillCall, fixed: tuple, why: str) -> Plan:
         accum.append(("fp32 d student bias accumulator", 4 * V))
     col_extra = 4 * s.weight.shape[1] if call.needs[1] and s.dtype != torch.float32 else 0
     small = per_token_bytes(N, TRITON_TOKEN_VALUES)
+    # Why the default budget adds the accumulators of a whole-vocabulary layout (as distill.fast's does): with
+    # them the JSD needs no second forward pass over vocabulary tiles (12NHV instead of 16NHV)
+    budget = call.budget.working(_sum(fixed) + _sum(accum) + small + col_extra * V)
     room = budget - _sum(fixed) - _sum(accum) - small
     layout = (_fixed_rows(call), V) if inputs.cfg.batch_invariant else _tiles(N, V, room, TILE_ROWS, col_extra)
     if layout is None or layout[1] * (8 * layout[0] + col_extra) > room:
         raise call.budget.error(call.op, DISTILL_LIGHT, _sum(fixed) + _sum(accum) + small
                                 + MIN_VOCAB_TILE * (8 + col_extra))
     rows, tile = layout
-    items = accum + [("fp32 d student weight accumulator of a vocabulary tile", col_extra * tile),
+    items = accum + [("fp32 d student weight accumulator" + (" of a vocabulary tile" if tile < V else ""),
+                      col_extra * tile),
                      ("both heads' fp32 logits tiles (d student logits written in place)",
                       8 * min(rows, max(N, 1)) * tile), ("per-token values", small)]
     fwd = _forward_flops(call, tile)
