@@ -4,8 +4,9 @@
 Modules: config (TrainConfig), cli (flags -> TrainConfig), modeling (tiny model, tokenizer, checkpoint loading),
 data (tasks, JSONL, held-out split, sampler), rewards (rule-based and custom rewards), rollout (sampling +
 scoring), policy (the DDP-wrapped loss module), update (one optimizer step), evaluation (greedy held-out accuracy),
-trainer (the loop), checkpoint (and run folders), run_folder (lock, atomic writes), run_settings (what a resume must
-match), metrics (jsonl, plot, progress), distributed.
+trainer (the loop), distillation (``--teacher``: the frozen teacher and the distillation term), checkpoint (and run
+folders), run_folder (lock, atomic writes), run_settings (what a resume must match), metrics (jsonl, plot,
+progress), distributed.
 
 Public helpers for offline experiments (also with TRL): ``char_tokenizer`` (a character-level Hugging Face tokenizer
 built locally, nothing downloaded) and ``build_tiny_model`` (a random-init Llama for it).

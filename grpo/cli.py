@@ -182,6 +182,24 @@ def _add_optimization_arguments(opt) -> None:
          type=int)
 
 
+def _add_distillation_arguments(dist) -> None:
+    _add(dist, "teacher", "on-policy distillation: score every sampled completion token against this frozen "
+         "teacher with the fused two-head divergence: a model folder (save_pretrained, e.g. a checkpoint's model/) or "
+         "a grpo.train checkpoint-N folder; its vocabulary must be the student's, its width may differ "
+         "(docs/training.md, 'Distillation')", metavar="PATH")
+    _add(dist, "distill_beta", "which divergence to the teacher, per token (in [0, 1]): 0 the forward KL(teacher || "
+         "student), 1 the reverse KL(student || teacher), in between the generalized JSD with mixture "
+         "(1 - X) p_student + X p_teacher", type=float)
+    _add(dist, "distill_temperature", "both models' logits are divided by it in the divergence (> 0; sampling "
+         "keeps --temperature)", type=float)
+    _add(dist, "distill_coef", "weight of the distillation loss (a token mean over the step) added to the GRPO "
+         "loss (> 0)", type=float)
+    _add(dist, "distill_only", "train on the distillation loss alone: no GRPO term, no reference model (the "
+         "default --beta is turned off, another --beta refused; rewards are still computed for the log and the "
+         "evaluation)",
+         action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m grpo.train",
@@ -258,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimization_arguments(p.add_argument_group("optimization"))
     loss = p.add_argument_group("loss (grpo_kernels.GRPOLossConfig)")
     _add_loss_arguments(loss)
+    _add_distillation_arguments(p.add_argument_group("distillation (--teacher)"))
     return p
 
 

@@ -110,6 +110,12 @@ class TrainConfig:
     single_pass: bool = False          # the loss backpropagates through the sampling forward (padded rows)
     max_tokens_per_micro_batch: int | None = None  # packed micro-batches: token budget (None: no budget)
     loss: GRPOLossConfig = DEFAULT_LOSS
+    # on-policy distillation (grpo/distillation.py): every completion token scored against a frozen teacher
+    teacher: str | None = None         # a model folder (save_pretrained) or a grpo.train checkpoint-N folder
+    distill_beta: float = 1.0          # 0: KL(teacher || student), 1: KL(student || teacher), else the JSD
+    distill_temperature: float = 1.0   # both models' logits divided by it in the divergence
+    distill_coef: float = 1.0          # weight of the distillation loss added to the GRPO loss
+    distill_only: bool = False         # the distillation loss alone: no GRPO term, no reference model
     reward_specs: tuple[RewardSpec, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -158,6 +164,7 @@ class TrainConfig:
                "--fsdp-grad-sync; DDP reduces gradients once per optimizer step)")
         self._check_attention()
         self._check_single_pass(rollout)
+        self._check_distillation()
         _check(self.completion_chars is None or len(self.completion_chars) > 0,
                "--completion-chars must name at least one character")
         if self.completion_chars is None and self.dataset is None:
@@ -220,6 +227,35 @@ class TrainConfig:
         for ok, what in needs:
             _check(ok, f"--single-pass backpropagates through the sampling forward of one on-policy step: it needs "
                        f"{what}")
+
+    def _check_distillation(self) -> None:
+        """--teacher and the --distill-* options: ranges, and no distillation option without a teacher. With
+        --distill-only the GRPO loss is not computed, so its KL penalty (the default --beta 0.02) is turned off and
+        another --beta refused."""
+        _check(self.teacher is None or os.path.isdir(self.teacher),
+               f"--teacher {self.teacher!r}: not a directory (give a model folder saved with save_pretrained, or a "
+               "grpo.train checkpoint-N folder)")
+        for name, ok, allowed in (("distill_beta", lambda v: 0 <= v <= 1, "in [0, 1] (0: forward KL(teacher || "
+                                   "student), 1: reverse KL(student || teacher), between: the generalized JSD)"),
+                                  ("distill_temperature", lambda v: v > 0, "> 0"),
+                                  ("distill_coef", lambda v: v > 0, "> 0 (the weight of the distillation loss)")):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+                   f"--{_flag(name)} must be a number, got {value!r}")
+            _check(math.isfinite(value) and ok(value), f"--{_flag(name)} must be {allowed}, got {value}")
+        _check(isinstance(self.distill_only, bool),
+               f"--distill-only is a switch (True / False), got {self.distill_only!r}")
+        if self.teacher is None:
+            given = [f"--{_flag(f.name)}" for f in dataclasses.fields(self)
+                     if f.name.startswith("distill_") and getattr(self, f.name) != f.default]
+            _check(not given, f"{', '.join(given)} only apply to distillation: add --teacher PATH (or drop them)")
+            return
+        if self.distill_only and isinstance(self.loss, GRPOLossConfig):
+            beta = self.loss.beta
+            _check(beta in (0.0, DEFAULT_LOSS.beta),
+                   f"--distill-only trains on the distillation loss alone, without the GRPO loss and its KL penalty: "
+                   f"drop --beta {beta} (or drop --distill-only)")
+            self._set(loss=dataclasses.replace(self.loss, beta=0.0))
 
     def _check_attention(self) -> None:
         """A flash-attn implementation named for a run whose forwards are float32 (flash-attn has no float32

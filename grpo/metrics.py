@@ -9,7 +9,8 @@ import sys
 from .errors import OutputError
 from .run_folder import describe_os_error, warn, write_atomic
 
-PROGRESS_KEYS = (("reward", "reward_mean", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("clip", "clip_ratio", "{:.3f}"),
+PROGRESS_KEYS = (("reward", "reward_mean", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("div", "distill/divergence", "{:.4f}"),
+                 ("clip", "clip_ratio", "{:.3f}"),
                  ("tok/s", "tokens_per_s", "{:.0f}"), ("tok/step", "tokens_per_step", "{:.0f}"),
                  ("pad-saved", "padding_saved", "{:.0%}"))
 
@@ -119,8 +120,13 @@ def plot_curves(metrics_path: str, png_path: str, window: int = 10, eval_label: 
     axes[0].plot(steps, moving_average(reward, window), color="tab:blue", label=f"moving average ({window})")
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")
-    axes[1].plot(steps, [r.get("kl") for r in train], color="tab:red")
+    axes[1].plot(steps, [r.get("kl") for r in train], color="tab:red", label="KL to reference")
     axes[1].set_ylabel("KL to reference")
+    if any("distill/divergence" in r for r in train):  # --teacher runs: the divergence to the teacher too
+        axes[1].plot(steps, [r.get("distill/divergence") for r in train], color="tab:purple",
+                     label="divergence to teacher")
+        axes[1].set_ylabel("KL / divergence")
+        axes[1].legend(loc="upper right")
     if evals:
         eval_steps = [r["step"] for r in evals]
         label = eval_label or "held-out"

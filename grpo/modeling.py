@@ -78,28 +78,30 @@ def choose_attn_implementation(requested: str, device: torch.device, compute_dty
     return None
 
 
-def load_pretrained(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False):
-    """(model, tokenizer) from a local checkpoint directory; UsageError when it is not one."""
+def load_pretrained(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False,
+                    flag: str = "--model"):
+    """(model, tokenizer) from a local checkpoint directory; UsageError when it is not one (naming ``flag``, the
+    option that gave the path)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isdir(path):
-        raise UsageError(f"--model {path!r}: not a directory (give a local checkpoint saved with save_pretrained)")
+        raise UsageError(f"{flag} {path!r}: not a directory (give a local checkpoint saved with save_pretrained)")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"--model {path!r}: no config.json in that directory")
+        raise UsageError(f"{flag} {path!r}: no config.json in that directory")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001
-        raise UsageError(f"--model {path!r}: cannot load the tokenizer ({type(exc).__name__}: {exc})")
+        raise UsageError(f"{flag} {path!r}: cannot load the tokenizer ({type(exc).__name__}: {exc})")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                      attn_implementation=attn_implementation,
                                                      trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001
-        raise UsageError(f"--model {path!r}: cannot load the model ({type(exc).__name__}: {exc})")
+        raise UsageError(f"{flag} {path!r}: cannot load the model ({type(exc).__name__}: {exc})")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise UsageError(f"--model {path!r}: the tokenizer has neither a pad nor an eos token")
+            raise UsageError(f"{flag} {path!r}: the tokenizer has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 

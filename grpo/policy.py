@@ -30,6 +30,7 @@ position t predicts token t + 1, so completion token j is predicted by ``hidden[
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -49,6 +50,15 @@ def checked_lm_head(lm: nn.Module):
         raise UsageError(f"this model cannot use the fused GRPO loss: {exc}")
 
 
+class LossTerms(NamedTuple):
+    """A distillation run's loss of one micro-batch, in two terms that are weighted apart (grpo/update.py): the GRPO
+    loss (None with ``--distill-only``), weighted like any GRPO loss, and the distillation loss (already times its
+    coefficient), normalized by the optimizer step's token count."""
+
+    grpo: torch.Tensor | None
+    distill: torch.Tensor
+
+
 class GRPOPolicy(nn.Module):
     """Wraps a ``*ForCausalLM``. ``forward(batch) -> (loss, metrics)``; ``token_logprobs(batch)`` under no_grad.
 
@@ -57,6 +67,9 @@ class GRPOPolicy(nn.Module):
     ``compute_dtype`` (e.g. bfloat16 under autocast) is the dtype the fused head runs in; the fp32 master
     weights receive the gradient through the cast. ``banned_ids``: ids the sampler never draws. ``loss_config``'s
     ``softcap`` must be None or the model's own ``final_logit_softcapping`` (it is read from the model).
+    ``distill``: None, or the distillation term of a ``--teacher`` run (``grpo.distillation.DistillTerm``, set by
+    the trainer): a plain attribute, so the teacher it holds is no part of this module (not in its parameters, its
+    state dict, the optimizer, DDP's buckets or FSDP's shards).
     """
 
     def __init__(self, lm: nn.Module, loss_config: gk.GRPOLossConfig, impl: str = "auto",
@@ -79,6 +92,7 @@ class GRPOPolicy(nn.Module):
             bias = torch.zeros(head.weight.shape[0], dtype=torch.float32, device=head.weight.device)
             bias[torch.tensor(banned_ids, dtype=torch.long)] = SUPPRESSED_LOGIT
         self.register_buffer("suppress_bias", bias, persistent=False)
+        self.distill = None
 
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:
@@ -108,17 +122,35 @@ class GRPOPolicy(nn.Module):
                 hidden = self.packed_hidden(batch["packed"])
             else:
                 hidden = self.completion_hidden(batch["input_ids"], batch["attention_mask"], batch["prompt_length"])
+        weight, bias = self.head()
+        return cast_to(self.compute_dtype or weight.dtype, hidden, weight, bias)
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of the LM head as the loss scores it: the model's bias plus ``SUPPRESSED_LOGIT`` on the
+        ids the sampler never draws (not cast)."""
         head = get_lm_head(self.lm)
         bias = head.bias
         if self.suppress_bias is not None:
             bias = self.suppress_bias if bias is None else bias + self.suppress_bias
-        return cast_to(self.compute_dtype or head.weight.dtype, hidden, head.weight, bias)
+        return head.weight, bias
 
-    def forward(self, batch: dict, num_items_in_batch=None, hidden: torch.Tensor | None = None):
+    def forward(self, batch: dict, num_items_in_batch=None, hidden: torch.Tensor | None = None,
+                distill_num_items=None):
         """(loss, metrics). ``hidden``: the completion hidden states when the caller already has them (the
         sampling forward kept with its graph: no second forward of the backbone). A packed batch
-        (``{"packed": PackedBatch, "advantages": (S,), "old_logps" / "ref_logps": (N,)}``) takes the packed loss."""
+        (``{"packed": PackedBatch, "advantages": (S,), "old_logps" / "ref_logps": (N,)}``) takes the packed loss.
+        With ``distill`` set (and the batch's ``teacher_hidden``), ``loss`` is ``LossTerms`` (the distillation loss
+        divided by ``distill_num_items``, the step's token count) and the metrics add ``distill/divergence`` and
+        ``distill/entropy``."""
         hidden, weight, bias = self._hidden_and_head(batch, hidden)
+        if self.distill is None:
+            return self._grpo_loss(batch, hidden, weight, bias, num_items_in_batch)
+        loss, metrics = (None, {}) if self.distill.only else \
+            self._grpo_loss(batch, hidden, weight, bias, num_items_in_batch)
+        distill, distill_metrics = self.distill.loss(batch, hidden, weight, bias, distill_num_items, self.impl)
+        return LossTerms(loss, distill), {**metrics, **distill_metrics}
+
+    def _grpo_loss(self, batch: dict, hidden, weight, bias, num_items_in_batch):
         if "packed" in batch:
             packed = batch["packed"]
             return packed_loss(hidden, weight, packed.completion_ids, batch["advantages"], packed.cu_seqlens,

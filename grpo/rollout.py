@@ -53,6 +53,7 @@ class Rollout:
     prompts: list
     completions: list
     hidden: torch.Tensor | None = None  # (B, T, H) with its autograd graph, when sampled with keep_graph
+    teacher_hidden: torch.Tensor | None = None  # (B, T, H_teacher), no graph: the teacher's pass (--teacher)
 
     @property
     def batch_size(self) -> int:

@@ -5,13 +5,16 @@ Recorded (``run_settings.json`` in each checkpoint):
 - ``config``: every TrainConfig value (the loss options flattened, as in args.json);
 - ``identity``: content fingerprints of what the options point at: the initial model weights (a strided sample of
   every tensor, so a moved folder is the same model and another fine-tune is not), the tokenizer (vocabulary,
-  special tokens, chat template), the training rows and the held-out rows (after the split);
+  special tokens, chat template), the training rows and the held-out rows (after the split), and the ``--teacher``'s
+  weights (None without one);
 - ``world_size``.
 
 On resume every config value and every fingerprint must match, except the settings that are safe to change
 (``SAFE_TO_CHANGE``: how long to train, how often to log, evaluate and save, where the files are, and how the same
 computation is executed). Unknown keys count as run-defining. The initial weights matter even though the
 checkpoint's weights replace them: with ``beta != 0`` they are the frozen KL reference, rebuilt at every start.
+A fingerprint the checkpoint did not record (an older version's) is not compared, except a teacher's: a run saved
+without a teacher does not resume with one.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ SAFE_TO_CHANGE = frozenset({
     # length of the run and of its learning-rate schedule, cadence of logging / evaluation / saving
     "max_steps", "save_steps", "save_total_limit", "eval_every", "progress",
     # where the files are (their content is fingerprinted in ``identity``), how to start
-    "output_dir", "resume", "overwrite", "model", "dataset", "eval_dataset", "trust_remote_code",
+    "output_dir", "resume", "overwrite", "model", "dataset", "eval_dataset", "teacher", "trust_remote_code",
     # execution of the same computation (the checkpoint's own checks refuse an --fsdp mismatch)
     "device", "impl", "attn_implementation", "liger_layers", "gradient_checkpointing", "micro_batch_size", "fsdp",
     "fsdp_grad_sync", "packing", "max_tokens_per_micro_batch", "single_pass",
@@ -65,17 +68,22 @@ def _sha256_json(value) -> str:
 
 
 def describe(config: dict, *, weights: str, tokenizer, train_rows: list[dict], eval_rows: list[dict],
-             world_size: int) -> dict:
+             world_size: int, teacher: str | None = None) -> dict:
     """The record of this run; ``weights``: the ``weights_fingerprint`` of the model as built (before a
-    checkpoint's weights are loaded into it)."""
+    checkpoint's weights are loaded into it); ``teacher``: the teacher's, as loaded (None: no teacher)."""
     return {"config": _plain(config), "world_size": world_size,
             "identity": {"model_weights": weights, "tokenizer": tokenizer_fingerprint(tokenizer),
-                         "train_rows": rows_fingerprint(train_rows), "eval_rows": rows_fingerprint(eval_rows)}}
+                         "train_rows": rows_fingerprint(train_rows), "eval_rows": rows_fingerprint(eval_rows),
+                         "teacher_weights": teacher}}
 
 
 def _plain(config: dict) -> dict:
     """JSON round-trip, so that values compare alike whether they come from a file or from TrainConfig."""
     return json.loads(json.dumps(config, default=str))
+
+
+def _short(fingerprint: str | None) -> str:
+    return "none" if fingerprint is None else fingerprint[:12]
 
 
 def compare(saved: dict | None, current: dict, checkpoint: str) -> dict[str, tuple]:
@@ -95,9 +103,11 @@ def compare(saved: dict | None, current: dict, checkpoint: str) -> dict[str, tup
         else:
             refused.append(f"{key} {old!r} -> {new!r}")
     old_ids, new_ids = saved.get("identity") or {}, current["identity"]
+    if "teacher_weights" not in old_ids:  # saved before --teacher existed: a run without a teacher
+        old_ids = {**old_ids, "teacher_weights": None}
     for key in sorted(set(old_ids) & set(new_ids)):
         if old_ids[key] != new_ids[key]:
-            refused.append(f"{key} sha256 {old_ids[key][:12]} -> {new_ids[key][:12]}")
+            refused.append(f"{key} sha256 {_short(old_ids[key])} -> {_short(new_ids[key])}")
     if saved.get("world_size") not in (None, current["world_size"]):
         allowed["world_size"] = (saved["world_size"], current["world_size"])
     if refused:

@@ -22,6 +22,7 @@ from . import run_settings, sharding
 from .config import TrainConfig
 from .data import (BUILTIN_TASKS, PRINTABLE_ASCII, TRAIN_ROW_WEIGHTING, PromptSampler, check_completion_chars,
                    fit_to_context, format_prompt, load_jsonl, split_eval, training_overlap)
+from .distillation import DistillTerm, distill_config, load_teacher, teacher_hidden_states
 from .distributed import DistEnv, barrier, read_scalars
 from .errors import UsageError
 from .evaluation import Evaluator, describe_evals, step_span, summary_fields
@@ -55,12 +56,16 @@ class Trainer:
         train_rows, eval_rows = self._load_rows()
         set_seed(cfg.seed)  # identical initial weights on every rank
         self.lm, self.tokenizer = self._build_model(train_rows + eval_rows)
-        self.run_settings = run_settings.describe(cfg.to_dict(), weights=self._initial_weights,
-                                                  tokenizer=self.tokenizer, train_rows=train_rows,
-                                                  eval_rows=eval_rows, world_size=env.world_size)
         self.eos_ids = eos_token_ids(self.lm, self.tokenizer)
         banned = suppressed_token_ids(self.tokenizer, self.lm.get_output_embeddings().weight.shape[0], self.eos_ids,
                                       cfg.completion_chars)
+        # --teacher: loaded, checked and frozen before anything trains (grpo/distillation.py)
+        self.teacher = None if cfg.teacher is None else load_teacher(cfg, self.lm, self.tokenizer, self.device,
+                                                                     banned)
+        self.run_settings = run_settings.describe(cfg.to_dict(), weights=self._initial_weights,
+                                                  tokenizer=self.tokenizer, train_rows=train_rows,
+                                                  eval_rows=eval_rows, world_size=env.world_size,
+                                                  teacher=self.teacher and self.teacher.fingerprint)
         check_completion_chars(cfg.completion_chars, self.tokenizer, self.lm.get_output_embeddings().weight.shape[0],
                                banned, builtin=cfg.model is None)
         use_chat = self._use_chat_template()
@@ -68,6 +73,9 @@ class Trainer:
         param_dtype, autocast = run_dtypes(cfg.dtype, cfg.autocast, self.device.type)
         compute_dtype = autocast or param_dtype
         self.policy = GRPOPolicy(self.lm, cfg.loss, cfg.impl, compute_dtype, autocast, banned)
+        if self.teacher is not None:  # a plain attribute: the teacher is no part of the policy module
+            self.policy.distill = DistillTerm(self.teacher, distill_config(cfg, self.lm, self.teacher.lm),
+                                              cfg.distill_coef, cfg.distill_only)
         self.ref = None
         if cfg.loss.beta != 0.0:  # frozen copy of the *initial* policy (before any resume)
             ref_lm = copy.deepcopy(self.lm).requires_grad_(False).eval()
@@ -263,7 +271,9 @@ class Trainer:
             t0 = time.time()
             rollout, advantages = self.make_rollout()
             old_logps = ref_logps = None
-            if off_policy:
+            if self.teacher is not None:  # once per rollout, as the reference pass
+                rollout.teacher_hidden = teacher_hidden_states(self.teacher, rollout, cfg.micro_batch_size)
+            if off_policy and not cfg.distill_only:  # --distill-only: no GRPO ratio to take
                 with sharding.gathered(self.policy):
                     old_logps = rollout_logprobs(self.policy, rollout, cfg.micro_batch_size, self.packing)
             if self.ref is not None:

@@ -14,7 +14,7 @@ from grpo_kernels.loss_types import LOSS_TABLE
 
 from .distributed import DistEnv, all_reduce_sum, read_scalars
 from .packing import Packing, micro_batch_share, packed_micro_batches, padded_positions
-from .policy import GRPOPolicy
+from .policy import GRPOPolicy, LossTerms
 from .rollout import Rollout
 from .sharding import clip_grad_norm, gradient_sync, is_fsdp
 
@@ -45,7 +45,7 @@ def trim(batch: dict) -> dict:
     out["input_ids"] = batch["input_ids"][:, lead:P + T]
     out["attention_mask"] = batch["attention_mask"][:, lead:P + T]
     out["prompt_length"] = P - lead
-    for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps"):
+    for key in ("completion_ids", "completion_mask", "old_logps", "ref_logps", "teacher_hidden"):
         if key in batch:
             out[key] = batch[key][:, :T]
     return out
@@ -81,7 +81,11 @@ class MicroBatch:
     hidden: torch.Tensor | None = None
     divisor: int = 1
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+    def scale(self, loss: torch.Tensor | LossTerms) -> torch.Tensor:
+        """The micro-batch's part of the step's loss. A distillation run's ``LossTerms``: the GRPO term weighted as
+        above, plus the distillation term as it is (it was divided by the step's token count already)."""
+        if isinstance(loss, LossTerms):
+            return loss.distill if loss.grpo is None else self.scale(loss.grpo) + loss.distill
         if self.divisor != 1:
             loss = loss / self.divisor
         if isinstance(self.share, torch.Tensor):
@@ -114,13 +118,22 @@ def _packed_micro_batches(rollout: Rollout, rows: torch.Tensor, order: list[int]
     out = []
     for packed in packed_micro_batches(rollout, order, options.packing, options.micro_batch_size):
         batch = {"packed": packed, "advantages": extra["advantages"][packed.rows]}
-        for key in ("old_logps", "ref_logps"):
+        for key in ("old_logps", "ref_logps", "teacher_hidden"):
             if extra.get(key) is not None:
                 batch[key] = packed.gather(extra[key])
         share = micro_batch_share(reduction, packed.num_sequences, len(order), packed.completion_mask.sum(),
                                   total_scored)
         out.append(MicroBatch(batch, share, packed.positions))
     return out
+
+
+def step_token_count(rollout: Rollout, rows: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """The completion tokens of the optimizer step's ``rows``, averaged over the ranks (so that DDP's gradient
+    average makes the step's loss the token mean over all ranks' tokens), at least 1 (the library refuses a count of
+    0; the loss divides by max(num_items_in_batch, 1)): a 0-dim fp32 device tensor, not read."""
+    n_tokens = rollout.completion_mask[rows].sum().to(torch.float64)
+    all_reduce_sum(n_tokens, env)
+    return (n_tokens / env.world_size).clamp(min=1).to(torch.float32)
 
 
 def optimizer_step(model, policy: GRPOPolicy, optimizer, scheduler, rollout: Rollout, rows: torch.Tensor,
@@ -154,13 +167,11 @@ def optimizer_step_unread(model, policy: GRPOPolicy, optimizer, scheduler, rollo
     # Loss types normalized by num_items_in_batch divide by the token count of the whole optimizer step (all
     # ranks); the others normalize inside each micro-batch, and the micro-batch losses are weighted.
     global_norm = reduction == "num_items"
-    num_items = None
-    if global_norm:
-        n_tokens = rollout.completion_mask[rows].sum().to(torch.float64)
-        all_reduce_sum(n_tokens, env)
-        # at least 1 (the loss divides by max(num_items_in_batch, 1); the library refuses a count of 0)
-        num_items = (n_tokens / env.world_size).clamp(min=1).to(torch.float32)
-    extra = dict(advantages=advantages, old_logps=old_logps, ref_logps=ref_logps)
+    # The distillation loss (--teacher) is a token mean over the step too: each micro-batch's sum divided by it.
+    distilling = policy.distill is not None
+    num_items = step_token_count(rollout, rows, env) if global_norm or distilling else None
+    extra = dict(advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
+                 teacher_hidden=rollout.teacher_hidden if distilling else None)
     if options.packing is None:
         micro = _padded_micro_batches(rollout, rows, extra, options.micro_batch_size, global_norm)
         padded = sum(mb.positions for mb in micro)
@@ -175,7 +186,8 @@ def optimizer_step_unread(model, policy: GRPOPolicy, optimizer, scheduler, rollo
         last = i == len(micro) - 1
         sync = gradient_sync(model, last or (sharded and options.fsdp_grad_sync == "micro_batch"), env)
         with sync:
-            loss, metrics = model(mb.batch, num_items_in_batch=num_items, hidden=mb.hidden)
+            loss, metrics = model(mb.batch, num_items_in_batch=num_items if global_norm else None, hidden=mb.hidden,
+                                  **({"distill_num_items": num_items} if distilling else {}))
             scaled = mb.scale(loss)
             scaled.backward()
         mask = mb.batch["packed"].completion_mask if "packed" in mb.batch else mb.batch["completion_mask"]
