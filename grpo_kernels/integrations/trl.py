@@ -163,6 +163,13 @@ def _fallback(option: str, reason: str, using: str = "TRL's own ChunkedLogProbFu
                       UserWarning, stacklevel=3)
 
 
+def _trl_kernel(hidden):
+    """TRL's kernel for a call handed back (also when unpatched while a model still holds a reference: behave exactly
+    like TRL), in TRL 1.16's call convention whatever the version; a stand-in where TRL 1.15 has none that runs here.
+    Looked up only when a call is handed back: a served call, compiled too, imports nothing."""
+    return trl_versions.trl_kernel(_ORIGINALS.get(("trl.trainer.utils", "_ChunkedLogProbFunction")), hidden)
+
+
 class TRLLogProbFunction:
     """Drop-in for TRL 1.16's ``ChunkedLogProbFunction`` (only ``apply`` is used by TRL), backed by
     ``grpo_kernels.linear_token_logprobs``.
@@ -179,20 +186,17 @@ class TRLLogProbFunction:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
-        # TRL's kernel (also when unpatched while a model still holds a reference: behave exactly like TRL), in
-        # TRL 1.16's call convention whatever the version; a stand-in where TRL 1.15 has none that runs here
-        original = trl_versions.trl_kernel(_ORIGINALS.get(("trl.trainer.utils", "_ChunkedLogProbFunction")), hidden)
         args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
                 outputs)
         # Silent fallbacks first: an output of TRL's that grpo_kernels does not compute (none in TRL 1.16), TRL's
         # empty compact batch, and fp64 on a GPU (the Triton kernels take fp32/bf16/fp16; TRL's tiles take fp64).
         if not set(outputs) & _trl_outputs() <= _ROUTED_OUTPUTS or hidden.shape[0] == 0 or \
                 (hidden.dtype == torch.float64 and hidden.device.type != "cpu"):
-            return original.apply(*args)
+            return _trl_kernel(hidden).apply(*args)
         blocker = fused_head_blocker(final_logit_softcapping, logit_scale)
         if blocker is not None:
             _fallback(*blocker)
-            return original.apply(*args)
+            return _trl_kernel(hidden).apply(*args)
 
         import grpo_kernels as gk  # at call time: grpo_kernels/__init__.py may import this package
 
