@@ -120,13 +120,8 @@ def unmarked(source: str, name: str = "<snippet>") -> list[str]:
     return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1])))
 
 
-# Other projects' tests, vendored unmodified (their assertions are theirs): tests/hf/liger_upstream (its SOURCE.md)
-VENDORED = ("liger_upstream",)
-
-
 def test_files() -> list[Path]:
-    return sorted(p for p in TESTS.rglob("*.py")
-                  if not {"support", *VENDORED} & set(p.relative_to(TESTS).parts))
+    return sorted(p for p in TESTS.rglob("*.py") if "support" not in p.relative_to(TESTS).parts)
 
 
 test_files.__test__ = False  # a helper, not a test

@@ -1,23 +1,44 @@
-"""Liger-Kernel 0.8.5's own JSD tests, vendored unmodified under tests/hf/liger_upstream (SOURCE.md there), run in a
-subprocess with Liger's JSD names bound to grpo_kernels.liger's (the plugin tests/hf/liger_upstream/grpo_liger_patched.py)
-by tests/hf/test_liger_jsd.py: what to run, what may fail and why, and how a run's outcomes are read."""
+"""Liger-Kernel 0.8.5's own JSD tests, fetched (not kept in this repository) from its source archive on PyPI into
+``.liger-upstream/0.8.5`` by scripts/setup_liger_tests.sh, and run in a subprocess with Liger's JSD names bound to
+grpo_kernels.liger's (the plugin tests/support/liger_upstream_plugin.py) by tests/hf/test_liger_jsd.py: which files and
+their digests, what to run, what may fail and why, and how a run's outcomes are read. Also the script's helper:
+``python -m tests.support.liger_upstream check-folder FOLDER | check-archive ARCHIVE | extract ARCHIVE FOLDER``
+(standard library only)."""
 from __future__ import annotations
 
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM = ROOT / "tests" / "hf" / "liger_upstream"
+LIGER_VERSION = "0.8.5"
+CACHE = ROOT / ".liger-upstream"  # git-ignored
+UPSTREAM = CACHE / LIGER_VERSION  # the extracted files: the root of Liger's test run
+ARCHIVE_TOP = f"liger_kernel-{LIGER_VERSION}"  # the archive's one top folder
+ARCHIVE_NAME = f"{ARCHIVE_TOP}.tar.gz"  # kept in CACHE: a damaged folder is re-extracted offline
+ARCHIVE_SHA256 = "4e8f8f611a8ad735c37c989410d09820bb08881f131851a3967c34baa7889d66"  # PyPI's sdist
+SETUP_COMMAND = "bash scripts/setup_liger_tests.sh"
+SKIP_REASON = (f"needs Liger-Kernel {LIGER_VERSION}'s own JSD tests, fetched from its source archive on PyPI into "
+               f".liger-upstream/{LIGER_VERSION} by {SETUP_COMMAND} (scripts/setup.sh runs it; missing where PyPI "
+               "could not be reached then): run it, then these run")
+PLUGIN = "tests.support.liger_upstream_plugin"
+# Ours, written into UPSTREAM with Liger's files and again before each run: it makes that folder the run's rootdir
+# (Liger's node ids, Liger's conftest.py alone, no search up into this repository's pytest.ini), with Liger's
+# python_files (its pyproject.toml).
+PYTEST_INI = ("[pytest]\n# grpo-kernels' settings for Liger-Kernel's tests (tests/support/liger_upstream.py)\n"
+              "python_files = test_*.py\n")
 FUSED = "test/transformers/test_fused_linear_jsd.py"
 CHUNKED = "test/chunked_loss/test_jsd_loss.py"
 
-# sha256 of each vendored file, as in liger_kernel-0.8.5.tar.gz (PyPI's sdist, sha256 4e8f8f61...9d66): a changed copy
-# is no longer Liger's test.
+# The files the run needs (and Liger's license and notice, which go with the copy), relative to the archive's top
+# folder (ARCHIVE_TOP), with their sha256: a changed copy is no longer Liger's test. test_jsd.py holds the JSD
+# torch reference the fused tests import (its own tests are not run); the rest are Liger's test helpers and fixtures.
 SHA256 = {
     "test/__init__.py": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
     "test/conftest.py": "3f39ff918d1d31798bc727fd8949fd0589481707ced67614286b7d0d578de480",
@@ -64,19 +85,31 @@ FLIP_ENV = "GRPO_LIGER_UPSTREAM_FLIP_BETA"
 SUMMARY = re.compile(r"grpo_kernels\.liger: bound (.*); calls: (.*)")
 
 
-def file_digests() -> dict:
-    return {name: hashlib.sha256((UPSTREAM / name).read_bytes()).hexdigest() for name in SHA256}
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def file_digests(folder: Path = UPSTREAM) -> dict:
+    return {name: sha256(folder / name) for name in SHA256}
+
+
+def fetched(folder: Path = UPSTREAM) -> bool:
+    """Every file of ``SHA256`` is in ``folder`` (whether each is Liger's: test_fetched_tests_are_liger_085)."""
+    return all((folder / name).is_file() for name in SHA256)
 
 
 def run_upstream(selection: list[str], junit: Path, timeout: int = 900, flip_beta: bool = False):
-    """Liger's tests ``selection`` (node ids or files, relative to the vendored root) in a subprocess from that
-    root, with the plugin (``flip_beta``: ours with 1 - beta); its outcomes in ``junit`` (JUnit XML). Returns the
+    """Liger's tests ``selection`` (node ids or files, relative to UPSTREAM) in a subprocess from that folder, with
+    the plugin (``flip_beta``: ours with 1 - beta); its outcomes in ``junit`` (JUnit XML). Returns the
     CompletedProcess."""
+    ini = UPSTREAM / "pytest.ini"
+    if not ini.is_file() or ini.read_text() != PYTEST_INI:
+        ini.write_text(PYTEST_INI)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != FLIP_ENV}
     if flip_beta:
         env[FLIP_ENV] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(UPSTREAM)])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "grpo_liger_patched",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN,
            "-W", "ignore::RuntimeWarning", f"--junitxml={junit}", *selection]
     return subprocess.run(cmd, cwd=UPSTREAM, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -95,3 +128,75 @@ def outcomes(junit: Path) -> dict:
         found[node] = (kind, message)
     return found
 
+
+
+# ------------------------------------------------------------------- the fetch (scripts/setup_liger_tests.sh)
+
+class FetchError(Exception):
+    """What went wrong, in one line (the script prints it)."""
+
+
+def check_archive(archive: Path, want: str = ARCHIVE_SHA256) -> None:
+    """FetchError unless ``archive`` exists with the sha256 ``want``."""
+    if not Path(archive).is_file():
+        raise FetchError(f"{archive}: no such file")
+    got = sha256(archive)
+    if got != want:
+        raise FetchError(f"{archive}: sha256 {got}, not Liger-Kernel {LIGER_VERSION}'s source archive ({want})")
+
+
+def extract(archive: Path, folder: Path, want: str = ARCHIVE_SHA256, files: dict | None = None) -> None:
+    """The members ``files`` (name -> sha256; default ``SHA256``) of the archive's top folder, alone, into
+    ``folder``, each checked, with ``PYTEST_INI``: built in ``folder``.partial and moved into place, so that a failed
+    run leaves no half-filled folder and a rerun replaces a damaged one whole. FetchError on a bad archive or file."""
+    files = SHA256 if files is None else files
+    check_archive(archive, want)
+    folder = Path(folder)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = {m.name: m for m in tar.getmembers()}
+            for name in files:
+                member = members.get(f"{ARCHIVE_TOP}/{name}")
+                if member is None or not member.isfile():
+                    raise FetchError(f"{archive}: no plain file {ARCHIVE_TOP}/{name}")
+                (partial / name).parent.mkdir(parents=True, exist_ok=True)
+                (partial / name).write_bytes(tar.extractfile(member).read())
+        wrong = [n for n, want_n in files.items() if sha256(partial / n) != want_n]
+        if wrong:
+            raise FetchError(f"{archive}: {', '.join(wrong)} not as recorded in tests/support/liger_upstream.py")
+        (partial / "pytest.ini").write_text(PYTEST_INI)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+
+
+def main(argv: list[str]) -> int:
+    """check-folder FOLDER (0: every file there and Liger's; 1 otherwise, silently), check-archive ARCHIVE,
+    extract ARCHIVE FOLDER (0, or 1 with one line on stderr)."""
+    usage = "usage: python -m tests.support.liger_upstream check-folder FOLDER | check-archive ARCHIVE | " \
+            "extract ARCHIVE FOLDER"
+    commands = {"check-folder": 1, "check-archive": 1, "extract": 2}
+    if not argv or commands.get(argv[0]) != len(argv) - 1:
+        print(usage, file=sys.stderr)
+        return 2
+    command, *paths = argv
+    if command == "check-folder":
+        folder = Path(paths[0])
+        return 0 if fetched(folder) and file_digests(folder) == SHA256 else 1
+    try:
+        if command == "check-archive":
+            check_archive(Path(paths[0]))
+        else:
+            extract(Path(paths[0]), Path(paths[1]))
+    except FetchError as error:
+        print(f"liger tests: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

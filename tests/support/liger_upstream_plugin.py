@@ -1,6 +1,7 @@
-"""pytest plugin (``-p grpo_liger_patched``) that runs Liger-Kernel 0.8.5's own JSD tests (vendored beside it,
-unmodified: SOURCE.md) with Liger's JSD names bound to grpo_kernels.liger's. Not a test module of this repository:
-tests/hf/test_liger_jsd.py runs Liger's tests in a subprocess with this plugin (tests/support/liger_upstream.py).
+"""pytest plugin (``-p tests.support.liger_upstream_plugin``) that runs Liger-Kernel 0.8.5's own JSD tests (fetched
+unmodified into .liger-upstream/0.8.5 by scripts/setup_liger_tests.sh) with Liger's JSD names bound to
+grpo_kernels.liger's. Not a test module: tests/hf/test_liger_jsd.py runs Liger's tests in a subprocess from that folder
+with this plugin (tests/support/liger_upstream.py).
 
 Bound before Liger's test modules import them (they bind the names at import), every place a test or Liger's own
 package reaches them:
@@ -41,8 +42,9 @@ import liger_kernel.transformers.fused_linear_jsd  # noqa: E402
 
 from grpo_kernels import liger as ours  # noqa: E402
 from grpo_kernels import liger_jsd  # noqa: E402
+from tests.support.liger_upstream import FLIP_ENV  # noqa: E402
 
-FLIP_BETA = os.environ.get("GRPO_LIGER_UPSTREAM_FLIP_BETA") == "1"
+FLIP_BETA = os.environ.get(FLIP_ENV) == "1"
 if FLIP_BETA:
     _beta = liger_jsd._beta
     liger_jsd._beta = lambda name, value: 1.0 - _beta(name, value)
