@@ -3,9 +3,12 @@
 Public API: ``GRPOLossConfig``, ``group_advantages``, ``token_logprobs``, ``grpo_loss``, ``GRPOLoss``,
 ``linear_token_logprobs`` (``TokenOutputs`` with ``extra_outputs=``), ``fused_linear_grpo_loss``, ``FusedLinearGRPOLoss``,
 ``zero3_gather_head``, ``explain``
-(which path a call takes, why, and its transient memory). Triton is imported lazily, on the first kernel launch.
+(which path a call takes, why, and its transient memory); distillation: ``DistillLossConfig``,
+``linear_token_divergence``, ``fused_linear_distill_loss``, ``FusedLinearDistillLoss``. Triton is imported lazily, on the first kernel launch.
 """
 from .config import GRPOLossConfig
+from .distill import FusedLinearDistillLoss, fused_linear_distill_loss, linear_token_divergence
+from .distill_config import DistillLossConfig
 from .distributed.sharded_head import zero3_gather_head
 from .explain import explain
 from .logprobs import TokenOutputs, linear_token_logprobs, token_logprobs
@@ -37,6 +40,10 @@ __all__ = [
     "FusedLinearGRPOLoss",
     "zero3_gather_head",
     "explain",
+    "DistillLossConfig",
+    "linear_token_divergence",
+    "fused_linear_distill_loss",
+    "FusedLinearDistillLoss",
     "patch_trl",
     "unpatch_trl",
 ]

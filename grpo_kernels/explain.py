@@ -17,9 +17,13 @@ from .paths import HEAD_GEMM_PATHS
 from .logprobs import HeadCallArgs, validate_head_logprobs, linear_token_logprobs, plan_linear_token_logprobs, plan_token_logprobs, \
     token_logprobs
 from .loss import validate_head_loss, validate_logits_loss, fused_linear_grpo_loss, grpo_loss, plan_head_loss
+# The two-head distillation functions (grpo_kernels/distill.py plans them: distill.plan_of)
+from .distill import DISTILL_FUNCTIONS, plan_of as plan_distill_of
+from .paths import DISTILL_GEMM_PATHS
 
 _OPS = {"grpo_loss": grpo_loss, "fused_linear_grpo_loss": fused_linear_grpo_loss,
-        "token_logprobs": token_logprobs, "linear_token_logprobs": linear_token_logprobs}
+        "token_logprobs": token_logprobs, "linear_token_logprobs": linear_token_logprobs,
+        **DISTILL_FUNCTIONS}
 
 
 def _bind(fn, args, kwargs) -> dict:
@@ -48,6 +52,8 @@ def plan_call(*args, **kwargs):
             raise ValueError(f"explain: the first argument must be one of {sorted(_OPS)}, got {fn!r}")
     else:
         fn = _infer(args, kwargs)
+    if fn in DISTILL_FUNCTIONS.values():
+        return plan_distill_of(fn, args, kwargs)
     a = _bind(fn, args, kwargs)
     if fn in (grpo_loss, fused_linear_grpo_loss):
         cfg = _config(a)
@@ -88,7 +94,7 @@ def explain(*args, **kwargs) -> str:
     """
     plan = plan_call(*args, **kwargs)
     text = str(plan)
-    if plan.path in HEAD_GEMM_PATHS:
+    if plan.path in HEAD_GEMM_PATHS + DISTILL_GEMM_PATHS:
         text += "\n" + _gemm_note()
     return text
 

@@ -37,3 +37,30 @@ PATHS = {
                               "an all-gather of 3 numbers per row and rank for the global logsumexp, then the "
                               "epilogue and local dW: 6NHV / TP per rank",
 }
+
+# ---------------------------------------------------------------------------------------------- distillation
+# The two-head divergence (``linear_token_divergence``, ``fused_linear_distill_loss``; docs/DESIGN.md,
+# "Distillation"), planned by ``planner.plan_distill``.
+DISTILL_FAST = "distill.fast"
+DISTILL_LIGHT = "distill.light"
+DISTILL_NO_GRAD = "distill.no_grad"
+DISTILL_TORCH = "distill.torch"
+DISTILL_TORCH_FAST = "distill.torch_fast"
+# In the options' order (``head/distill.py``'s registered ops take the path as its index).
+DISTILL_PATHS = (DISTILL_FAST, DISTILL_LIGHT, DISTILL_NO_GRAD, DISTILL_TORCH, DISTILL_TORCH_FAST)
+# The distillation paths that run cuBLAS GEMMs (``explain`` adds the fp32-output GEMM status).
+DISTILL_GEMM_PATHS = (DISTILL_FAST, DISTILL_LIGHT, DISTILL_NO_GRAD)
+
+PATHS.update({
+    DISTILL_FAST: "per row chunk: cuBLAS fp32 logits of both heads, one Triton epilogue per row (both logsumexps, "
+                  "the divergence, the student's entropy, d student logits in place), cuBLAS dH / dW: gradients made "
+                  "in the forward, 8NHV (6NHV frozen student head)",
+    DISTILL_LIGHT: "memory-light: per tile of rows x vocabulary both heads' cuBLAS fp32 logits folded by Triton "
+                   "(online logsumexps; the JSD a second pass when the tile is narrower than V), recomputed in the "
+                   "backward: 12NHV (16NHV for the JSD over vocabulary tiles)",
+    DISTILL_NO_GRAD: "no gradient wanted: per tile, cuBLAS fp32 logits of both heads and the Triton fold, 4NHV",
+    DISTILL_TORCH: "chunked eager PyTorch over rows of both heads' logits (whole vocabulary), recomputed in the "
+                   "backward",
+    DISTILL_TORCH_FAST: "chunked eager PyTorch over rows of both heads' logits, the student's gradients made in the "
+                        "forward",
+})

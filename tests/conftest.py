@@ -62,7 +62,7 @@ def plans(monkeypatch):
     from grpo_kernels import planner
 
     seen = []
-    for name in ("plan_head", "plan_logits"):
+    for name in ("plan_head", "plan_logits", "plan_distill"):
         real = getattr(planner, name)
         monkeypatch.setattr(planner, name, lambda *a, _real=real, **k: seen.append(_real(*a, **k)) or seen[-1])
     return seen

@@ -16,9 +16,12 @@ ValueError naming ``memory_budget`` and the bytes it would need.
 Callers look the entry points up here (``planner.plan_head(...)``), so a test that records the plans patches them
 on this package.
 """
-from .common import Budget, HeadCall, LogitsCall, Plan, with_sequences_note
-from .head import head_accumulator_bytes, plan_head, sequence_chunks
+from .common import Budget, HeadCall, LogitsCall, Plan, head_accumulator_bytes, with_sequences_note
+from .head import plan_head, sequence_chunks
 from .logits import plan_logits
 
+# The two-head distillation divergence's plans (a third family: imports only common)
+from .distill import DistillCall, plan_distill  # noqa: E402
+
 __all__ = ["Budget", "HeadCall", "LogitsCall", "Plan", "head_accumulator_bytes", "plan_head", "plan_logits",
-           "sequence_chunks", "with_sequences_note"]
+           "sequence_chunks", "with_sequences_note", "DistillCall", "plan_distill"]

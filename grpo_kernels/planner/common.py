@@ -106,6 +106,8 @@ class Plan:
     l2_bytes: int | None = None
     # batch invariance: fixed row blocks (the last one padded) and fixed vocabulary chunks (invariance.py)
     batch_invariant: bool = False
+    # the distillation paths' vocabulary tile (columns per GEMM and sweep; None: the whole vocabulary)
+    vocab_tile: int | None = None
 
     @property
     def transient_bytes(self) -> int:
@@ -117,6 +119,8 @@ class Plan:
                  f"  rows computed: {self.rows} of vocabulary {self.vocab}"]
         if self.chunk_rows:
             lines.append(f"  rows per chunk: {self.chunk_rows}")
+        if self.vocab_tile:
+            lines.append(f"  vocabulary columns per tile: {self.vocab_tile}")
         if self.row_block:
             lines.append(f"  rows per backward block: {self.row_block}")
         if self.sequence_chunks:
@@ -132,6 +136,14 @@ class Plan:
                          "one padded), vocabulary chunks fixed by V; each row's numbers are the same in any batch")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def head_accumulator_bytes(V: int, H: int, weight_dtype: torch.dtype, bias_dtype, need_weight: bool,
+                           need_bias: bool) -> int:
+    """The fp32 dW / dbias accumulators of a gradient-in-forward head path (``head.fast``, ``distill.fast``): none
+    when the gradient is itself fp32."""
+    acc = 4 * V * H if need_weight and weight_dtype != torch.float32 else 0
+    return acc + (4 * V if need_bias and bias_dtype not in (None, torch.float32) else 0)
 
 
 def size_text(n: int) -> str:

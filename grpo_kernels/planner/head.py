@@ -1,7 +1,8 @@
 """The fused head's plans: ``plan_head(HeadCall) -> Plan`` for ``fused_linear_grpo_loss`` / ``linear_token_logprobs``,
 one small function per head path (head.torch, head.no_grad, head.fast, head.fast_sequence, head.fast_vocab_parallel,
-head.light; docs/DESIGN.md, "The planner and the paths"), and the head's own sizing: its fp32 accumulators
-(``head_accumulator_bytes``), its chunks of whole sequences (``sequence_chunks``), its extra outputs' bytes."""
+head.light; docs/DESIGN.md, "The planner and the paths"), and the head's own sizing: its chunks of whole sequences
+(``sequence_chunks``), its extra outputs' bytes (the fp32 accumulators, ``head_accumulator_bytes``, are in
+``common``: the distillation plans size them too)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -13,20 +14,13 @@ from ..head.torch_tiles import TORCH_HEAD_TEMPS, TORCH_HEAD_TILE_VOCAB
 from ..invariance import INVARIANT_LIGHT_ROOM, block_rows
 from ..loss_types import per_token_gradient_known
 from ..paths import HEAD_FAST, HEAD_FAST_SEQUENCE, HEAD_FAST_VOCAB_PARALLEL, HEAD_LIGHT, HEAD_NO_GRAD, HEAD_TORCH
-from .common import HeadCall, Plan, per_token_bytes, shown, with_cap_note
+from .common import HeadCall, Plan, head_accumulator_bytes, per_token_bytes, shown, with_cap_note
 
 # Fewest rows per chunk worth the fused head's fast path: below ~256 rows the per-chunk read + write of the fp32 dW
 # accumulator (8 V H bytes) costs more than the chunk's GEMMs (6 R V H FLOPs) on an H100 / H200.
 FAST_PATH_MIN_ROWS = 256
 # The no-grad head pass gains nothing from chunks above this (the GEMM is at full speed from ~400 rows at V = 152k).
 NO_GRAD_CHUNK_CAP = 256 << 20
-
-
-def head_accumulator_bytes(V: int, H: int, weight_dtype: torch.dtype, bias_dtype, need_weight: bool,
-                           need_bias: bool) -> int:
-    """The fp32 dW / dbias accumulators of the fast head path: none when the gradient is itself fp32."""
-    acc = 4 * V * H if need_weight and weight_dtype != torch.float32 else 0
-    return acc + (4 * V if need_bias and bias_dtype not in (None, torch.float32) else 0)
 
 
 @dataclass(frozen=True)

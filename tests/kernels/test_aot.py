@@ -45,7 +45,8 @@ SWEEPS = (r"^(logits_fwd_bf16|logits_bwd_bf16_entropy|logits_loss_bf16_clipped_a
 
 MODULES = aot.kernel_modules()
 # Default subset: every config of the small kernels, and each fused-linear kernel with its heaviest flags.
-FAST = (r"^(?!linear_|head_)|^head_(fold_bias|loss_grad_bf16_clipped_all_options|dlogits_light_bf16_bias_ent)/"
+FAST = (r"^(?!linear_|head_|distill_)|^head_(fold_bias|loss_grad_bf16_clipped_all_options|dlogits_light_bf16_bias_ent)/"
+        r"|^distill_row_jsd_bf16/|^distill_tile_fwd_jsd_bf16/"
         r"|^head_fold_bias_extras/|^linear_fwd_(fp32|bf16)_bias_extras/"
         r"|^linear_fwd_(fp32|bf16)_bias/|^linear_fwd_fp32_nobias/linear_fwd_merge|^linear_fwd_fp32_bias_tf32/"
         r"|^linear_dlogits_fp32_bias_ent(_tf32)?/|^linear_bwd_atomic_(fp32|bf16)_bias_ent_(hwb|h|w)$"
@@ -107,12 +108,24 @@ def check_vector_widths(reports) -> None:
             assert r.stg128 > 0, f"no 16-byte stores: {r.line()}"
 
 
+def check_distill_vectors(reports) -> None:
+    """The two-head epilogues (``distill_kernels``) stream both rows with 16-byte loads (``LDG.E.128``) and those that
+    write the student's d logits store 16-byte vectors (``STG.E.128``); their 2-byte accesses are the masked tails'
+    (the vocabulary width is not specialized: a new V does not recompile)."""
+    for r in (r for r in reports if r.name.startswith("distill_")):
+        assert r.ldg128 > 0, f"no 16-byte loads: {r.line()}"
+        if ("_row_" in r.name and "_nograd" not in r.name) or "_tile_bwd_" in r.name:
+            assert r.stg128 > 0, f"no 16-byte stores: {r.line()}"
+
+
 def check_sweep_budget(reports) -> None:
     """Every sweep loop of the sm_90 bf16 row-sweep kernels: at most SWEEP_BUDGET SASS instructions per element
     (fails, for example, on a per-block cross-warp reduction or a per-element 64-bit id compare). Configs with the
     soft cap on (``_softcap`` in the name) are printed but not held to it: the cap costs instructions of its own."""
+    # Why not the two-head sweeps (``distill_``): each element reads two rows and the JSD's exponentials and logs
+    # (docs/kernels.md, "Distillation epilogue", their measured figures); the budget is a one-row sweep's.
     sweeps = [r for r in reports if r.arch == 90 and "bf16" in r.name and not r.name.endswith("_vodd")
-              and "_softcap" not in r.name and r.per_element]
+              and "_softcap" not in r.name and not r.name.startswith("distill_") and r.per_element]
     for r in sweeps:
         over = [x for x in r.per_element if x > SWEEP_BUDGET]
         assert not over, f"row sweep over {SWEEP_BUDGET} SASS instructions per element: {r.line()}"
@@ -191,8 +204,12 @@ def test_every_gpu_variant_is_recorded():
     of every fp32 tile kernel (forward, d-logits tiles, atomic backward), and the forward / fold with the extra
     statistics TRL's trainers ask for; as many configs as docs/kernels.md's variant list states."""
     names = {n for a, n in expected_names() if a == 90}
-    # docs/kernels.md, "The variant list": 243 configs per architecture
-    assert len(names) == len({n for a, n in expected_names() if a == 80}) == 243
+    # docs/kernels.md, "The variant list": 281 configs per architecture
+    assert len(names) == len({n for a, n in expected_names() if a == 80}) == 281
+    for must in ("distill_row_jsd_fp32/distill_row_kernel", "distill_row_revkl_bf16_nograd/distill_row_kernel",
+                 "distill_tile_fwd_jsd_bf16_softcap/distill_jsd_kernel", "distill_tile_bwd_fwdkl_fp16/distill_grad_kernel",
+                 "distill_tile_fwd_fwdkl_bf16/distill_fold_kernel"):
+        assert must in names, must
     for must in ("linear_fwd_bf16_bias_top1/linear_fwd_partial_kernel",
                  "linear_fwd_bf16_bias_mean/linear_fwd_merge_kernel",
                  "linear_fwd_bf16_bias_mean_top1/linear_fwd_partial_kernel",
@@ -239,8 +256,10 @@ def test_aot_subset():
     reports = aot.report_module(MODULES, ARCHS, only=FAST)
     assert {(r.arch, r.name) for r in reports} == expected_names(FAST)
     assert any(r.name.startswith("linear_bwd_atomic_bf16") for r in reports)
+    assert any(r.name.startswith("distill_row_jsd_bf16") for r in reports)
     check(reports)
     check_vector_widths(reports)
+    check_distill_vectors(reports)
     check_sweep_budget(reports)
 
 
@@ -249,3 +268,4 @@ def test_aot_every_config():
     reports = aot.report_module(MODULES, ARCHS)
     assert {(r.arch, r.name) for r in reports} == expected_names()
     check(reports)
+    check_distill_vectors(reports)

@@ -49,7 +49,7 @@ def test_kernels_md_states_the_declared_aot_config_counts():
 
 
 def test_the_aot_count_check_sees_a_stale_figure():
-    stale = KERNELS_MD.replace("486 for sm_90", "442 for sm_90")
+    stale = KERNELS_MD.replace("562 for sm_90", "442 for sm_90")
     assert stated_aot_counts(stale)[1] == 442 != stated_aot_counts(KERNELS_MD)[1]
 
 
