@@ -115,12 +115,20 @@ def _ours_divergence(case: Case):
 # TRL
 
 
+def _trls_own(obj):
+    """``obj`` itself, after checking it is TRL's code (not a stand-in ``grpo_kernels.patch_trl()`` left bound)."""
+    module = getattr(obj, "__module__", "") or ""
+    if not module.startswith("trl."):
+        raise RuntimeError(f"{getattr(obj, '__qualname__', obj)} comes from {module}, not TRL: unpatch_trl() first")
+    return obj
+
+
 def _trl_function():
     trl_trainer_utils(TRL.notes, "distill")  # chunked_divergence imports trl.trainer.utils at its top
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
     from trl.kernels.chunked_logprob import _use_triton
 
-    return ChunkedDivergenceFunction, _use_triton
+    return _trls_own(ChunkedDivergenceFunction), _use_triton
 
 
 def _trl_loss(case: Case):
@@ -128,6 +136,7 @@ def _trl_loss(case: Case):
     trl_trainer_utils(TRL.notes, "distill")
     from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
+    _trls_own(_chunked_divergence_loss)
     beta = DISTILL_BETA[case.variant]
     return lambda: _chunked_divergence_loss(case.hidden, case.teacher_hidden, case.weight, case.teacher_weight,
                                             case.mask, beta, temperature=1.0)[0]

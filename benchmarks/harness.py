@@ -433,7 +433,8 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
                 device=torch.cuda.get_device_name(s.device) if s.cuda else "cpu", torch=torch.__version__,
                 triton=_version("triton"), threads=None if s.cuda else torch.get_num_threads(),
                 mem_method=probes.memory_method(s.device), value=value, note=note,
-                grads_in_forward=mode != "nograd" and provider.computes_grads_in_forward(path, s), work=w.amount, work_unit=w.unit,
+                grads_in_forward=mode != "nograd" and provider.computes_grads_in_forward(path, s), work=w.amount,
+                work_unit=w.unit,
                 work_formula=w.formula, work_exact=w.exact, work_source=provider.work.source)
     info.update(peaks)
     info.update(probes.ceiling(case))

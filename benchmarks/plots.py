@@ -2,9 +2,9 @@
 
 - Bar charts, every run: one figure per path, a row per case (variant, mode) with two panels, median time and peak
   memory per provider, at the case's largest shape.
-- Line plots against N: one figure per (path, H, V; the teacher's H_t on the distill path) of the "every token valid" benchmarks that ran at two or more N
-  (the full grid); a row of two panels per mode, one line per provider. A run without such a shape (the quick grid)
-  gets a note saying so instead.
+- Line plots against N: one figure per (path, H, V; and the teacher's H_t on the distill path) of the "every token
+  valid" benchmarks that ran at two or more N (the full grid); a row of two panels per mode, one line per provider.
+  A run without such a shape (the quick grid) gets a note saying so instead.
 """
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ Every provider declares (``providers.py``, field ``work``) how it runs the lm_he
 
   | strategy | forward | backward | fwd+bwd (H_s = H_t) |
   |---|---|---|---|
-  | ``grads-in-forward`` (ours, Liger fused and chunked: both logits, then the student's dH and dW) | 6 H_s + 2 H_t | 0 | 8 |
+  | ``grads-in-forward`` (ours, Liger fused / chunked: both logits, the student's dH, dW) | 6 H_s + 2 H_t | 0 | 8 |
   | ``materialize`` (eager, torch.compile: both logits kept, autograd's dH and dW) | 2 H_s + 2 H_t | 4 H_s | 8 |
-  | ``recompute`` (TRL's ChunkedDivergenceFunction: both heads again in the backward) | 2 H_s + 2 H_t | 6 H_s + 2 H_t | 12 |
+  | ``recompute`` (TRL's ChunkedDivergenceFunction: both heads again) | 2 H_s + 2 H_t | 6 H_s + 2 H_t | 12 |
 
   plus one more pass over both heads (2 H_s + 2 H_t) per extra forward pass a provider declares for the JSD
   (``distill_jsd_passes``: TRL's forward folds the log-sum-exps, then projects again for the mixture: 16 for the
