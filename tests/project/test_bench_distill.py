@@ -5,7 +5,8 @@ report.py), on CPU.
   addmm of one call (forward, backward, both, no-grad; the JSD and the reverse KL; a teacher wider than the
   student), so a wrong declaration (TRL counted without its recompute or its JSD second pass, eager credited with a
   teacher gradient) fails here. Liger's fused JSD is a Triton kernel: counted on the Triton CPU interpreter.
-- The check before the timing: ours outside the three-way bound fails the benchmark, a peer's is noted, the right
+- Every provider computes TRL's divergence (beta 0, 0.25 and 1 against float64: the beta convention of each peer);
+  the check before the timing: ours outside the three-way bound fails the benchmark, a peer's is noted, the right
   values pass; one harness run per provider records the shape, the work and our planner's path.
 - The report renders the distill section (both widths, the formula, the no-grad check column) and says why a case
   is not in the quick grid.
@@ -111,6 +112,22 @@ def test_the_value_check_fails_ours_and_notes_a_peer():
         dp.check_value(case, dp.OURS, "fwdbwd", wrong)
     note = dp.check_value(case, dp.TRL, "nograd", wrong)
     assert note.startswith("its value is outside the three-way bound (trl-chunked's distillation divergence")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.25, 1.0])  # both KL directions and a JSD that is not symmetric
+@pytest.mark.parametrize("provider", [pytest.param(p, id=p.name, marks=[pytest.mark.interpreter]
+                                                   if p is dp.LIGER_FUSED else [])
+                                      for p in (dp.OURS, dp.EAGER, dp.TRL, dp.LIGER_CHUNKED, dp.LIGER_FUSED)])
+def test_every_provider_computes_the_same_divergence(monkeypatch, provider, beta):
+    """The beta convention of each peer is TRL's (at beta 0.5 the JSD is symmetric in the two models, so the
+    benchmark's JSD case alone would not tell): each provider's loss passes the value check against float64."""
+    for module in provider.requires:
+        pytest.importorskip(module)
+    monkeypatch.setitem(harness.DISTILL_BETA, "valid", beta)
+    monkeypatch.setattr(dp, "_TRUTH", {})
+    case = _case(SHAPES["wide teacher"])
+    value = float(_builder(provider, "distill")(case)().detach())
+    assert dp.check_value(case, provider, "fwdbwd", value) == "", (provider.name, beta, value)
 
 
 def gk_loss(case):
