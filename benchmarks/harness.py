@@ -135,7 +135,6 @@ class Settings:
             shapes.insert(0, Shape(64, 0 if path == "logits" else 32, 1000, 16, interp=True))
         return shapes
 
-
     def _distill_shapes(self, variant: str) -> list[Shape]:
         """(student H, teacher H) pairs: equal widths (the 8 vs 12 / 16 N H V comparison) and a teacher wider than
         the student (on GPU Qwen2.5-1.5B's 1536 from 7B's 3584, Qwen's V = 151936). The reverse KL runs on the full
