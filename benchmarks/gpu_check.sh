@@ -3,7 +3,8 @@
 #   1. install the peers (TRL, Liger-Kernel and what TRL's trainer imports) from a wheel folder, offline;
 #   2. the whole test suite (slow-marked variants excepted), one pytest per test file, several at a time, no -x:
 #      every failure is listed;
-#   3. the benchmark set (pytest benchmarks/ --benchmark-only), headline cases first;
+#   3. the benchmark set (pytest benchmarks/ --benchmark-only), headline cases first (the distillation case,
+#      benchmarks/test_distill.py, fourth: ours against TRL, Liger fused / chunked, eager, torch.compile);
 #   3b. the logits kernel's rows in flight: the L2-sized grid against one row per SM (benchmarks/l2_grid_check.py,
 #      45 s at most);
 #   4. the end-to-end GRPO step (benchmarks/e2e_step.py: TRL's GRPOTrainer stock, with patch_trl(), and
@@ -36,7 +37,10 @@
 #
 # Knobs (environment): PY (python3), WHL_DIR (.whl), TOTAL_S, TESTS_LIMIT_S, E2E_S, PACK_S (0), TEST_JOBS (6
 # parallel test files), TEST_FILES (default: every tests/*/test_*.py), TEST_MARKERS ("not slow"; "" runs the slow
-# variants too), WARMUP_LIMIT_S, GRPO_BENCH_GRID=full (far longer than this budget), GRPO_BENCH_ROUNDS.
+# variants too), WARMUP_LIMIT_S, GRPO_BENCH_GRID=full (far longer than this budget), GRPO_BENCH_ROUNDS,
+# BENCH_PATHS (benchmarks/: what pytest benchmarks; the distillation case alone, with the distillation tests:
+#   BENCH_PATHS=benchmarks/test_distill.py TEST_FILES="$(ls tests/distill/test_*.py)" E2E_S=0 \
+#   bash benchmarks/gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -133,7 +137,8 @@ if [ "$BENCH_HARD_S" -lt 30 ]; then
 else
     log "benchmarks: no start after ${BENCH_BUDGET_S}s, warm-up limit ${WARMUP_LIMIT_S:-60}s, hard limit ${BENCH_HARD_S}s"
     GRPO_BENCH_BUDGET_S=$BENCH_BUDGET_S GRPO_BENCH_WARMUP_LIMIT_S=${WARMUP_LIMIT_S:-60} \
-        timeout -s INT -k 5 "$BENCH_HARD_S" $PY -m pytest benchmarks/ --benchmark-only -q -rfE -p no:cacheprovider \
+        timeout -s INT -k 5 "$BENCH_HARD_S" $PY -m pytest ${BENCH_PATHS:-benchmarks/} --benchmark-only -q -rfE \
+        -p no:cacheprovider \
         --benchmark-columns=min,median,rounds --benchmark-json "$OUT_DIR/bench.json" > "$OUT_DIR/bench.log" 2>&1
     log "benchmarks exit code $? (124: stopped at the hard limit); failures:"
     grep -E "^(FAILED|ERROR)" "$OUT_DIR/bench.log" | cut -c1-300

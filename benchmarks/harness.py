@@ -4,6 +4,11 @@ Every benchmark is one (path, variant, mode, shape, provider):
 - path "linear": GRPO loss from hidden (B, T, H) and the lm_head weight (V, H);
 - path "logits": GRPO loss from given logits (B, T, V), trainable;
 - path "logprob": per-token log-probs from hidden and weight under ``torch.no_grad()`` (old / reference policy);
+- path "distill": the two-head distillation loss (TRL's ``_chunked_divergence_loss``: the divergence between the
+  student's and the teacher's next-token distributions, mean over the valid tokens) from the student's hidden
+  (B, T, H_s) and lm_head (V, H_s), trainable, and the teacher's (B, T, H_t), (V, H_t), frozen; variant "valid" is
+  the generalized JSD (beta 0.5), "reverse_kl" the reverse KL (beta 1, TRL's default); mode "nograd" is the
+  per-token divergence under ``torch.no_grad()`` (an evaluation pass);
 - variant "valid" (every token valid: the headline tables), "padded" (a third of the tokens right-padded, as in
   a GRPO batch), "frozen" (the lm_head weight does not require grad), "longrow" (one row of T = 131072 tokens
   at V = 32768 on the logits path; a scaled-down row on CPU);
@@ -46,17 +51,23 @@ CONFIG = GRPOLossConfig(loss_type="dapo", beta=0.04, epsilon_low=0.2, epsilon_hi
 
 VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens padded (right-padded rows)",
                   "frozen": "frozen lm_head (weight.requires_grad=False), every token valid",
-                  "longrow": "one long row, every token valid"}
+                  "longrow": "one long row, every token valid",
+                  "reverse_kl": "reverse KL (beta 1, TRL's default), every token valid"}
+# distill path: the beta of each variant (TRL's convention: 0 forward KL, 1 reverse KL, else the generalized JSD
+# with mixture (1 - beta) p_student + beta p_teacher), temperature 1
+DISTILL_BETA = {"valid": 0.5, "reverse_kl": 1.0}
 
 # (path, variant, mode) in run order: headline first, then the padded batch, the frozen head, the long row, and
 # the forward / backward breakdown last (on the logits path the forward case is the no-grad pass: log-probs +
 # entropy, which is what a forward-only target is measured on; the loss forward there writes the gradient).
 CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
+         ("distill", "valid", "fwdbwd"),
          ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),
          ("linear", "frozen", "fwdbwd"), ("logits", "longrow", "fwdbwd"),
          ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "nograd"),
-         ("logits", "valid", "bwd"))
+         ("logits", "valid", "bwd"), ("distill", "reverse_kl", "fwdbwd"), ("distill", "valid", "nograd"))
 PADDED_FRACTION = 1 / 3
+FULL_GRID_ONLY = (("distill", "reverse_kl"),)  # (path, variant): no shape on the quick grid
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -65,22 +76,28 @@ PADDED_FRACTION = 1 / 3
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """N = B * T tokens; H = 0 on the logits path (no hidden states there)."""
+    """N = B * T tokens; H = 0 on the logits path (no hidden states there); on the distill path H is the student's
+    width and Ht the teacher's."""
 
     N: int
     H: int
     V: int
     T: int
     interp: bool = False  # small enough for the Triton CPU interpreter
+    Ht: int = 0  # the teacher's hidden width (distill path only)
 
     @property
     def B(self) -> int:
         return self.N // self.T
 
     @property
+    def H_teacher(self) -> int:
+        return self.Ht or self.H
+
+    @property
     def id(self) -> str:
-        return (f"N{self.N}-H{self.H}-V{self.V}" if self.H else f"N{self.N}-V{self.V}") + \
-            (f"-T{self.T}" if self.B == 1 else "")
+        h = f"-H{self.H}" + (f"-Ht{self.Ht}" if self.Ht else "") if self.H else ""
+        return f"N{self.N}{h}-V{self.V}" + (f"-T{self.T}" if self.B == 1 else "")
 
 
 @dataclasses.dataclass
@@ -100,6 +117,8 @@ class Settings:
         return self.device.type == "cuda"
 
     def shapes(self, path: str, variant: str) -> list[Shape]:
+        if path == "distill":
+            return self._distill_shapes(variant)
         if variant == "longrow":
             T, V = (131072, 32768) if self.cuda else (4096, 4000)
             return [Shape(T, 0, V, T)]
@@ -114,6 +133,24 @@ class Settings:
         shapes = [Shape(N, H, V, T) for H in Hs for V in Vs for N in Ns]
         if self.interpret and not self.cuda:
             shapes.insert(0, Shape(64, 0 if path == "logits" else 32, 1000, 16, interp=True))
+        return shapes
+
+    def _distill_shapes(self, variant: str) -> list[Shape]:
+        """(student H, teacher H) pairs: equal widths (the 8 vs 12 / 16 N H V comparison) and a teacher wider than
+        the student (on GPU Qwen2.5-1.5B's 1536 from 7B's 3584, Qwen's V = 151936). The reverse KL runs on the full
+        grid only (``FULL_GRID_ONLY``: its torch.compile and Liger compile warm-ups would double the quick grid's
+        distillation time on CPU)."""
+        if self.grid != "full" and ("distill", variant) in FULL_GRID_ONLY:
+            return []
+        if self.cuda:
+            Ns, T, V = ((4096, 8192, 16384) if self.grid == "full" else (8192,)), 1024, 151936
+            widths = ((4096, 4096), (1536, 3584)) + (((2048, 4096),) if self.grid == "full" else ())
+        else:
+            Ns, T, V = ((256, 512) if self.grid == "full" else (256,)), 64, 8000
+            widths = ((64, 64), (64, 128)) if self.grid == "full" else ((64, 64),)
+        shapes = [Shape(N, H, V, T, Ht=Ht) for H, Ht in widths for N in Ns]
+        if self.interpret and not self.cuda:
+            shapes.insert(0, Shape(64, 32, 1000, 16, interp=True, Ht=48))
         return shapes
 
 
@@ -148,6 +185,8 @@ class Case:
     logits: torch.Tensor | None = None  # (B, T, V) leaf, requires grad
     padded_mask: torch.Tensor | None = None  # (B, T) bool, a third of the tokens padded
     variant: str = "valid"
+    teacher_hidden: torch.Tensor | None = None  # distill path: (B, T, H_t), no grad
+    teacher_weight: torch.Tensor | None = None  # distill path: (V, H_t), no grad
     extra: dict = dataclasses.field(default_factory=dict)  # provider-private inputs (Liger's (B, T+1, V) logits)
 
     @property
@@ -167,12 +206,17 @@ class Case:
 
 
 _CASES: collections.OrderedDict = collections.OrderedDict()
-CASE_CACHE_SIZE = 2  # one linear / logprob case and one logits case at a time
+CASE_CACHE_SIZE = 2  # two of: a linear / logprob case, a logits case, a distill case
+
+
+def case_kind(path: str) -> str:
+    """Paths whose cases share their tensors: linear and logprob ("head"); logits; distill."""
+    return path if path in ("logits", "distill") else "head"
 
 
 def get_case(path: str, shape: Shape, variant: str = "valid") -> Case:
     s = settings()
-    key = (path == "logits", shape)  # linear and logprob share hidden / weight
+    key = (case_kind(path), shape)  # linear and logprob share hidden / weight
     if key not in _CASES:
         # a long row (B=1: 8.6 GB of bf16 logits on GPU) gets the device to itself, so eager has its best chance
         while _CASES and (len(_CASES) >= CASE_CACHE_SIZE or shape.B == 1):
@@ -204,6 +248,8 @@ def _build_case(path, shape: Shape, device, dtype) -> Case:
     ids = torch.randint(0, V, (B, T), generator=g, device=device)
     advantages = torch.randn(B, generator=g, device=device)
     case_kw = {}
+    if path == "distill":
+        return _build_distill_case(shape, device, dtype, g, ids, advantages)
     if path == "logits":
         logits = torch.randn(B, T, V, generator=g, device=device, dtype=dtype).mul_(2.0)
         case_kw["logits"] = logits.requires_grad_(True)
@@ -218,6 +264,24 @@ def _build_case(path, shape: Shape, device, dtype) -> Case:
     return Case(path, shape, device, dtype, ids, advantages, torch.ones(B, T, dtype=torch.bool, device=device),
                 old_logps=logp + 0.1 * noise[0], ref_logps=logp + 0.1 * noise[1],
                 padded_mask=padded_mask(B, T, device, g), **case_kw)
+
+
+def _build_distill_case(shape: Shape, device, dtype, g, ids, advantages) -> Case:
+    """Student hidden and lm_head (trainable) and the teacher's (frozen), logits of standard deviation about 2 for
+    both; the teacher's head is the student's direction plus its own (so the two distributions overlap: the
+    divergence is neither 0 nor that of two unrelated heads). ids serve as Liger's labels (-100 where masked)."""
+    B, T, H, Ht, V = shape.B, shape.T, shape.H, shape.H_teacher, shape.V
+    hidden = torch.randn(B, T, H, generator=g, device=device, dtype=dtype)
+    weight = torch.randn(V, H, generator=g, device=device, dtype=dtype).mul_(2.0 / H ** 0.5)
+    teacher_hidden = torch.randn(B, T, Ht, generator=g, device=device, dtype=dtype)
+    teacher_weight = torch.randn(V, Ht, generator=g, device=device, dtype=dtype).mul_(2.0 / Ht ** 0.5)
+    k = min(H, Ht)  # the teacher sees the student's features in its first k dimensions
+    teacher_hidden[..., :k].mul_(0.5).add_(hidden[..., :k], alpha=0.5)
+    teacher_weight[:, :k].mul_(0.5).add_(weight[:, :k], alpha=0.5 * (H / Ht) ** 0.5)
+    ones = torch.ones(B, T, dtype=torch.bool, device=device)
+    return Case("distill", shape, device, dtype, ids, advantages, ones, old_logps=None, ref_logps=None,
+                hidden=hidden.requires_grad_(True), weight=weight.requires_grad_(True), padded_mask=padded_mask(
+                    B, T, device, g), teacher_hidden=teacher_hidden, teacher_weight=teacher_weight)
 
 
 def _logp_of(rows_to_logits, ids_flat: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -290,7 +354,7 @@ def run(benchmark, path: str, variant: str, shape: Shape, provider, mode: str) -
     """Time ``provider`` on one case with pytest-benchmark and fill ``extra_info``."""
     s = settings()
     spec = dict(path=path, variant=variant, mode=mode, provider=provider.name, provider_kind=provider.kind,
-                N=shape.N, H=shape.H, V=shape.V, T=shape.T)
+                N=shape.N, H=shape.H, V=shape.V, T=shape.T, **({"H_t": shape.H_teacher} if path == "distill" else {}))
 
     def not_run(status, reason):
         _record(spec, status, reason)
@@ -335,6 +399,10 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
             fn, value = _attempt(builder, case, mode, s, provider)
         except _NotRunnable as second:
             not_run(second.status, second.reason)
+    if key not in _FELL_BACK:  # the builder may have said more (the path our planner chose, a stubbed module)
+        note = provider.notes.get(bkey, "")
+    if provider.check is not None:  # before timing: ours outside the bound fails here; a peer's is noted
+        note = "; ".join(n for n in (note, provider.check(case, provider, mode, value)) if n)
 
     setup, target = _mode_functions(case, fn, mode)
     try:
@@ -356,14 +424,16 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
 
     w = work(provider.work, path, mode, N=shape.N, H=shape.H, V=shape.V, valid_rows=case.valid_rows,
              frozen=variant == "frozen", triton=provider.runs_triton(path, s),
-             element_size=(case.logits.element_size() if path == "logits" else case.dtype.itemsize))
+             element_size=(case.logits.element_size() if path == "logits" else case.dtype.itemsize),
+             H_teacher=shape.H_teacher, jsd=path == "distill" and 0.0 < DISTILL_BETA[variant] < 1.0)
     info = benchmark.extra_info
     info.update(spec)
     info.update(B=shape.B, dtype=str(case.dtype).replace("torch.", ""), valid_rows=case.valid_rows, rows=w.rows,
                 device=torch.cuda.get_device_name(s.device) if s.cuda else "cpu", torch=torch.__version__,
                 triton=_version("triton"), threads=None if s.cuda else torch.get_num_threads(),
                 mem_method=probes.memory_method(s.device), value=value, note=note,
-                grads_in_forward=mode != "nograd" and provider.computes_grads_in_forward(path, s), work=w.amount, work_unit=w.unit,
+                grads_in_forward=mode != "nograd" and provider.computes_grads_in_forward(path, s), work=w.amount,
+                work_unit=w.unit,
                 work_formula=w.formula, work_exact=w.exact, work_source=provider.work.source)
     info.update(peaks)
     info.update(probes.ceiling(case))
@@ -374,9 +444,9 @@ def _run(benchmark, spec, path, variant, shape, provider, mode, s, not_run) -> N
 
 
 def builder_key(path: str, mode: str) -> str:
-    """The key of a provider's builder: the path, except the logits path's no-grad forward (log-probs + entropy,
-    no loss), which is ``"logits_nograd"``."""
-    return "logits_nograd" if (path, mode) == ("logits", "nograd") else path
+    """The key of a provider's builder: the path, except the no-grad forward of the logits path (log-probs +
+    entropy, no loss), ``"logits_nograd"``, and of the distill path (the per-token divergence), ``"distill_nograd"``."""
+    return f"{path}_nograd" if mode == "nograd" and path in ("logits", "distill") else path
 
 
 def _version(dist: str) -> str | None:

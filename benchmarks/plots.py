@@ -2,9 +2,9 @@
 
 - Bar charts, every run: one figure per path, a row per case (variant, mode) with two panels, median time and peak
   memory per provider, at the case's largest shape.
-- Line plots against N: one figure per (path, H, V) of the "every token valid" benchmarks that ran at two or more N
-  (the full grid); a row of two panels per mode, one line per provider. A run without such a shape (the quick grid)
-  gets a note saying so instead.
+- Line plots against N: one figure per (path, H, V; and the teacher's H_t on the distill path) of the "every token
+  valid" benchmarks that ran at two or more N (the full grid); a row of two panels per mode, one line per provider.
+  A run without such a shape (the quick grid) gets a note saying so instead.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections import defaultdict
 
 _COLORS = {"ours": "tab:blue", "ours-atomic": "tab:olive", "ours-triton-interp": "tab:cyan", "eager": "tab:green",
            "compile": "tab:orange", "liger-chunked": "tab:red", "liger-triton": "tab:pink",
-           "trl-chunked": "tab:purple", "trl-triton": "tab:brown"}
+           "trl-chunked": "tab:purple", "trl-triton": "tab:brown", "liger-fused": "tab:pink"}
 
 
 NEED_FULL_GRID = ("line plots against N need a shape run at two or more N: run the full grid "
@@ -91,10 +91,11 @@ def _line_plots(plt, rows: list[dict], out_dir: pathlib.Path, stem: str) -> list
     groups = defaultdict(list)
     for r in rows:
         if r.get("path") in PATH_TITLES and r.get("variant", "valid") == "valid":
-            groups[(r["path"], r["H"], r["V"])].append(r)
+            groups[(r["path"], r["H"], r["V"], r.get("H_t") or 0)].append(r)  # H_t: the distill path's teacher
     groups = {k: rs for k, rs in groups.items() if len({r["N"] for r in rs}) > 1}
     written = []
-    for (path, H, V), rs in sorted(groups.items()):
+    for (path, H, V, Ht), rs in sorted(groups.items()):
+        widths = (f"H_s={H} H_t={Ht} " if Ht else f"H={H} ") if H else ""
         modes = [m for m in MODE_ORDER if any(r["mode"] == m for r in rs)]
         fig, axes = plt.subplots(len(modes), 2, figsize=(11, 3.4 * len(modes)), squeeze=False)
         providers = sorted({r["provider"] for r in rs}, key=lambda p: (not p.startswith("ours"), p))
@@ -125,7 +126,7 @@ def _line_plots(plt, rows: list[dict], out_dir: pathlib.Path, stem: str) -> list
                 ax.grid(True, which="both", alpha=0.3)
             axes[i][0].legend(fontsize=8)
         dev = rs[0].get("device", "?")
-        fig.suptitle(f"{PATH_TITLES[path]}\n{dev} {rs[0].get('dtype', '')}, {f'H={H} ' if H else ''}V={V}",
-                     fontsize=11)
-        written.append(_save(fig, out_dir / f"{stem}_{path}_{'H%d_' % H if H else ''}V{V}.png"))
+        fig.suptitle(f"{PATH_TITLES[path]}\n{dev} {rs[0].get('dtype', '')}, {widths}V={V}", fontsize=11)
+        name = (f"H{H}_" if H else "") + (f"Ht{Ht}_" if Ht else "")
+        written.append(_save(fig, out_dir / f"{stem}_{path}_{name}V{V}.png"))
     return written

@@ -127,8 +127,11 @@ def _best_time(device, fn, reps: int) -> float:
 
 def ceiling(case) -> dict:
     """The rate a bare kernel of the same shape reaches here: TFLOP/s of ``(N, H) @ (H, V)`` in the input dtype for
-    the linear paths; GB/s (read + write) of copying the (B, T, V) logits for the logits path."""
-    key = (case.path == "logits", case.shape)
+    the linear paths (on the distill path both heads' GEMMs, one after the other); GB/s (read + write) of copying
+    the (B, T, V) logits for the logits path."""
+    key = ("logits" if case.path == "logits" else "distill" if case.path == "distill" else "head", case.shape)
+    if key[0] == "distill" and key not in _CEILING:
+        _CEILING[key] = _two_head_ceiling(case)
     if key not in _CEILING:
         cuda = case.device.type == "cuda"
         reps = 10 if cuda else 5
@@ -152,3 +155,22 @@ def ceiling(case) -> dict:
                                  "ceiling_what": f"{h.dtype} matmul ({sh.N}, {sh.H}) @ ({sh.H}, {sh.V})"}
                 del out
     return dict(_CEILING[key])
+
+
+def _two_head_ceiling(case) -> dict:
+    """TFLOP/s of the student's ``(N, H_s) @ (H_s, V)`` and the teacher's ``(N, H_t) @ (H_t, V)`` GEMMs together."""
+    sh = case.shape
+    with torch.no_grad():
+        heads = [(case.hidden.detach().reshape(-1, sh.H), case.weight.detach()),
+                 (case.teacher_hidden.reshape(-1, sh.H_teacher), case.teacher_weight)]
+        outs = [torch.empty(sh.N, sh.V, dtype=h.dtype, device=h.device) for h, _ in heads]
+
+        def both():
+            for (h, w), out in zip(heads, outs):
+                torch.mm(h, w.T, out=out)
+        t = _best_time(case.device, both, 10 if case.device.type == "cuda" else 5)
+        del outs
+    dtype = case.hidden.dtype
+    return {"ceiling": 2 * sh.N * (sh.H + sh.H_teacher) * sh.V / t / 1e12, "ceiling_unit": "TFLOP/s",
+            "ceiling_time_s": t, "ceiling_what": f"{dtype} matmuls ({sh.N}, {sh.H}) @ ({sh.H}, {sh.V}) and "
+                                                 f"({sh.N}, {sh.H_teacher}) @ ({sh.H_teacher}, {sh.V})"}

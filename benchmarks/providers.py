@@ -47,6 +47,8 @@ class Provider:
     fallbacks: dict = dataclasses.field(default_factory=dict)  # path -> (label of the failed try, builder, note)
     only: tuple | None = None  # (variant, mode) pairs this provider runs; None: all
     grads_in_forward_on_triton: tuple = ()  # paths on which its Triton kernels compute the gradients in the forward
+    # (case, provider, mode, value) -> note: checks the first call's value before timing (raises for ours)
+    check: Callable | None = None
 
     def runs_triton(self, path: str, s: Settings) -> bool:
         return path in self.triton or (s.cuda and path in self.triton_on_cuda)
@@ -231,21 +233,26 @@ def _liger_triton_logits_nograd(case: Case):
 # TRL
 
 
-def _trl_chunked_function():
-    """TRL's ``ChunkedLogProbFunction``; its backward imports ``trl.trainer.utils`` (for a DeepSpeed ZeRO-3
-    gather), which pulls accelerate, datasets and pandas. Where those are missing (the offline GPU image), that
-    module is replaced by a stub whose ``maybe_gather_lm_head_ctx`` is the ``nullcontext`` TRL returns without
-    ZeRO-3, so the measured code is TRL's own."""
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-
+def trl_trainer_utils(notes: dict, path: str) -> None:
+    """Make ``trl.trainer.utils`` importable: TRL's chunked kernels import it (for a DeepSpeed ZeRO-3 gather), and
+    it pulls accelerate, datasets and pandas. Where those are missing (the offline GPU image), that module is
+    replaced by a stub whose ``maybe_gather_lm_head_ctx`` is the ``nullcontext`` TRL returns without ZeRO-3, so the
+    measured code is TRL's own; ``notes[path]`` says so."""
     try:
         importlib.import_module("trl.trainer.utils")
     except ImportError as exc:
         stub = types.ModuleType("trl.trainer.utils")
         stub.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
         sys.modules["trl.trainer.utils"] = stub
-        TRL_CHUNKED.notes["linear"] = (f"trl.trainer.utils not importable ({exc}); maybe_gather_lm_head_ctx "
-                                       "stubbed as nullcontext (TRL's value without DeepSpeed ZeRO-3)")
+        notes[path] = (f"trl.trainer.utils not importable ({exc}); maybe_gather_lm_head_ctx stubbed as nullcontext "
+                       "(TRL's value without DeepSpeed ZeRO-3)")
+
+
+def _trl_chunked_function():
+    """TRL's ``ChunkedLogProbFunction`` (its backward imports ``trl.trainer.utils``: ``trl_trainer_utils``)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    trl_trainer_utils(TRL_CHUNKED.notes, "linear")
     return ChunkedLogProbFunction
 
 
@@ -386,10 +393,18 @@ PROVIDERS = (OURS, OURS_INVARIANT, OURS_LIGHT, OURS_ATOMIC, OURS_INTERP, EAGER, 
              TRL_TRITON)
 
 
+def all_providers() -> tuple:
+    """Every provider: the GRPO ones above, then the distillation ones (``distill_providers.py``, built on
+    ``Provider``)."""
+    from .distill_providers import DISTILL_PROVIDERS
+
+    return PROVIDERS + DISTILL_PROVIDERS
+
+
 def providers_for(path: str, variant: str, mode: str, s: Settings) -> list[Provider]:
     """Providers benchmarked on this case here; ``ours-triton-interp`` only with --bench-interpret on CPU."""
     out = []
-    for p in PROVIDERS:
+    for p in all_providers():
         if builder_key(path, mode) not in p.builders:
             continue
         if p is OURS_INTERP and (s.cuda or not s.interpret):

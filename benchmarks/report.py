@@ -26,22 +26,28 @@ from collections import defaultdict
 
 PATH_TITLES = {"linear": "Fused linear head: GRPO loss from hidden (B,T,H) and the lm_head (V,H)",
                "logits": "Logits path: GRPO loss from given (B,T,V) logits",
-               "logprob": "Old / reference policy: log-probs from hidden and lm_head under no_grad"}
+               "logprob": "Old / reference policy: log-probs from hidden and lm_head under no_grad",
+               "distill": "Distillation: TRL's divergence loss from the student's hidden (B,T,H_s) and lm_head "
+                          "(V,H_s), trainable, and the teacher's (B,T,H_t), (V,H_t), frozen"}
 MODE_TITLES = {"fwdbwd": "forward + backward", "fwd": "forward", "bwd": "backward (forward untimed)",
                "nograd": "no-grad forward"}
 # what a (path, mode) computes, where it is not the path's title
 CASE_TITLES = {("logits", "nograd"): "Logits path, no-grad forward: per-token log-probs + entropy from given (B,T,V) "
                                      "logits under torch.no_grad() (an old / reference policy pass; no loss, no "
-                                     "gradient-in-forward kernel)"}
+                                     "gradient-in-forward kernel)",
+               ("distill", "nograd"): "Distillation, no-grad forward: the per-token divergence from both heads under "
+                                      "torch.no_grad() (an evaluation pass; Liger has no such call)"}
 MODE_ORDER = ("fwdbwd", "fwd", "bwd", "nograd")
 VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens padded",
-                  "frozen": "frozen lm_head, every token valid", "longrow": "one long row, every token valid"}
+                  "frozen": "frozen lm_head, every token valid", "longrow": "one long row, every token valid",
+                  "reverse_kl": "reverse KL (beta 1, TRL's default), every token valid"}
 # harness.CASES, repeated here so that the report runs without torch
 CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
+         ("distill", "valid", "fwdbwd"),
          ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),
          ("linear", "frozen", "fwdbwd"), ("logits", "longrow", "fwdbwd"),
          ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "nograd"),
-         ("logits", "valid", "bwd"))
+         ("logits", "valid", "bwd"), ("distill", "reverse_kl", "fwdbwd"), ("distill", "valid", "nograd"))
 MEM_RATIO_FLOOR = 1 << 20  # below 1 MiB the best peer's figure is allocator noise, not a denominator
 
 
@@ -78,7 +84,10 @@ def _ratio(x, best, floor: float = 0.0) -> str:
 
 
 def shape_id(r: dict) -> str:
-    s = f"N={r['N']} H={r['H']} V={r['V']}" if r["H"] else f"N={r['N']} V={r['V']}"
+    if r.get("H_t"):  # distillation: the student's and the teacher's widths
+        s = f"N={r['N']} H_s={r['H']} H_t={r['H_t']} V={r['V']}"
+    else:
+        s = f"N={r['N']} H={r['H']} V={r['V']}" if r["H"] else f"N={r['N']} V={r['V']}"
     return s + (f" (B=1, T={r['T']})" if r.get("T") == r["N"] else "")
 
 
@@ -129,6 +138,14 @@ def _rate(r: dict) -> tuple[str, str, bool]:
         f is not None and f > 1
 
 
+def _value_name(path: str, mode: str) -> str:
+    """What the check column compares: the loss, or the no-grad pass's mean (log-prob; divergence on the distill
+    path)."""
+    if mode != "nograd":
+        return "loss"
+    return "mean divergence" if path == "distill" else "mean log-prob"
+
+
 def section(path: str, variant: str, mode: str, rs: list[dict]) -> list[str]:
     unit = "TFLOP/s" if rs[0]["work_unit"] == "FLOP" else "GB/s"
     split = mode == "fwdbwd"  # forward and backward peaks of their own
@@ -136,13 +153,13 @@ def section(path: str, variant: str, mode: str, rs: list[dict]) -> list[str]:
            f"{CASE_TITLES.get((path, mode), PATH_TITLES[path])}.", "",
            f"| shape | provider | median ms | time / best peer | peak mem | mem / best peer | "
            + ("peak fwd / bwd | " if split else "") + f"rows computed | work / call | {unit} | % of ceiling | "
-           f"{'mean log-prob' if mode == 'nograd' else 'loss'} check |",
+           f"{_value_name(path, mode)} check |",
            "|---|---|---:|---:|---:|---:|" + ("---:|" if split else "") + "---:|---|---:|---:|---:|"]
     by_shape = defaultdict(list)
     for r in rs:
-        by_shape[(r["N"], r["H"], r["V"])].append(r)
+        by_shape[(r["N"], r["H"], r["V"], r.get("H_t") or 0)].append(r)
     above = daggers = False
-    for key in sorted(by_shape, key=lambda k: (k[1], k[2], k[0])):
+    for key in sorted(by_shape, key=lambda k: (k[1], k[3], k[2], k[0])):
         srs = sorted(by_shape[key], key=lambda r: r["median_s"])
         best = best_peer(srs)
         mems = [r["peak_mem_bytes"] for r in srs if r.get("provider_kind") == "peer" and not excluded_from_best(r)
@@ -208,7 +225,7 @@ def summary(rows: list[dict], not_run: list[dict]) -> str:
         label = f"{path} {MODE_TITLES[mode]}, {VARIANT_TITLES.get(variant, variant)}"
         by_shape = defaultdict(list)
         for r in groups.get(case, []):
-            by_shape[(r["N"], r["H"], r["V"], r.get("T"))].append(r)
+            by_shape[(r["N"], r["H"], r["V"], r.get("T"), r.get("H_t") or 0)].append(r)
         if not by_shape:
             why = sorted({n["status"] for n in not_run if (n["path"], n["variant"], n["mode"]) == case
                           and n["provider"] == "ours"})
@@ -336,6 +353,12 @@ def header(data: dict, rows: list[dict]) -> str:
              "state after the forward)",
              "- loss config for every provider: dapo, beta 0.04 with reference log-probs, eps 0.2/0.2, "
              "bias-corrected KL, temperature 1, off-policy old log-probs; each provider gets the mask",
+             *(["- distillation, every provider: TRL's divergence (beta 0 KL(teacher || student), 1 KL(student || "
+                "teacher), else the generalized JSD with mixture (1 - beta) p_student + beta p_teacher): beta 0.5 "
+                "for 'every token valid', 1 for 'reverse KL'; temperature 1; the mean over the valid tokens; the "
+                "gradient to the student only; every value checked before the timing against float64 by the "
+                "three-way rule (tests/support/tolerances.py); work in multiples of R V H_s and R V H_t (k RHV "
+                "where H_s = H_t)"] if any(r.get("path") == "distill" for r in rows) else []),
              "- work / call: the provider's own work (benchmarks/work.py): matmul FLOPs as a multiple of R*H*V "
              "(R = rows computed: 2 per GEMM; 6 when the logits are kept for the backward, 8 when the backward "
              "recomputes them, 2 less for a frozen head) or, on the logits path, bytes of B x T x V traffic (≥: a "

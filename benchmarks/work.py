@@ -21,6 +21,18 @@ Every provider declares (``providers.py``, field ``work``) how it runs the lm_he
   lower bounds too. Ours with the gradient in the forward (the Triton default) reads each computed row, re-reads it
   (from L2 when the row is still there) and writes d logits, all in the forward; its backward moves no logits when
   the incoming gradient is 1: counted as one read + one write in the forward, a lower bound of its traffic.
+- distill path (two heads: the student's (V, H_s), the teacher's (V, H_t)): **matmul FLOPs** as multiples of
+  R V H_s and R V H_t (written k RHV when H_s = H_t); the teacher never gets a gradient:
+
+  | strategy | forward | backward | fwd+bwd (H_s = H_t) |
+  |---|---|---|---|
+  | ``grads-in-forward`` (ours, Liger fused / chunked: both logits, the student's dH, dW) | 6 H_s + 2 H_t | 0 | 8 |
+  | ``materialize`` (eager, torch.compile: both logits kept, autograd's dH and dW) | 2 H_s + 2 H_t | 4 H_s | 8 |
+  | ``recompute`` (TRL's ChunkedDivergenceFunction: both heads again) | 2 H_s + 2 H_t | 6 H_s + 2 H_t | 12 |
+
+  plus one more pass over both heads (2 H_s + 2 H_t) per extra forward pass a provider declares for the JSD
+  (``distill_jsd_passes``: TRL's forward folds the log-sum-exps, then projects again for the mixture: 16 for the
+  JSD), and 2 H_s + 2 H_t per pass for the no-grad divergence.
 - rows computed R: all N, or only the valid (unpadded) rows for a provider that skips padding on that path.
 
 With these amounts, a rate above 100% of a ceiling measured in the same run would mean the model or the ceiling is
@@ -36,6 +48,8 @@ STRATEGIES = ("materialize", "recompute", "grads-in-forward", "gemm-in-forward")
 _LINEAR = {"materialize": (2, 4), "recompute": (2, 6), "grads-in-forward": (8, 0), "gemm-in-forward": (6, 0)}
 _IN_FORWARD = ("grads-in-forward", "gemm-in-forward")
 _DW = 2
+# distill path: ((forward student, teacher), (backward student, teacher)) multiples of R V H_s, R V H_t
+_DISTILL = {"grads-in-forward": ((6, 2), (0, 0)), "materialize": ((2, 2), (4, 0)), "recompute": ((2, 2), (6, 2))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +63,8 @@ class WorkDecl:
     when the provider runs its Triton kernels there, on CUDA or under the interpreter);
     exact_logits_traffic: "always" | "triton" | "never": whether the logits-path byte count is exact (one sweep
     forward, one backward) or a lower bound (several passes);
+    distill: the strategy of its two-head distillation path (``_DISTILL``; None: it has none);
+    distill_jsd_passes: forward passes over both heads for the generalized JSD (0 < beta < 1; the KLs take one);
     source: where this was read (the provider's own code), for the report.
     """
 
@@ -58,11 +74,17 @@ class WorkDecl:
     logits_in_forward: str = "never"
     exact_logits_traffic: str = "always"
     source: str = ""
+    distill: str | None = None
+    distill_jsd_passes: int = 1
 
     def __post_init__(self):
         for strategy in (self.linear, self.linear_triton):
             if strategy is not None and strategy not in STRATEGIES:
                 raise ValueError(f"linear must be one of {STRATEGIES}, got {strategy!r}")
+        if self.distill is not None and self.distill not in _DISTILL:
+            raise ValueError(f"distill must be one of {tuple(_DISTILL)}, got {self.distill!r}")
+        if self.distill_jsd_passes not in (1, 2):
+            raise ValueError(f"distill_jsd_passes must be 1 or 2, got {self.distill_jsd_passes!r}")
         for how in (*self.skips_padded.values(), self.exact_logits_traffic, self.logits_in_forward):
             if how not in ("always", "triton", "never"):
                 raise ValueError(f"expected 'always', 'triton' or 'never', got {how!r}")
@@ -101,10 +123,34 @@ def matmul_multiple(decl: WorkDecl, mode: str, frozen: bool, triton: bool = Fals
     return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[mode]
 
 
+def distill_multiples(decl: WorkDecl, mode: str, jsd: bool, frozen: bool = False) -> tuple[int, int]:
+    """FLOPs of one distillation call in units of (R V H_student, R V H_teacher)."""
+    if decl.distill is None:
+        raise ValueError("this provider declares no distillation strategy")
+    passes = decl.distill_jsd_passes if jsd else 1
+    if mode == "nograd":
+        return 2 * passes, 2 * passes
+    (fs, ft), (bs, bt) = _DISTILL[decl.distill]
+    fs, ft = fs + 2 * (passes - 1), ft + 2 * (passes - 1)
+    if frozen:  # no dW: where the strategy makes it
+        fs, bs = (fs - _DW, bs) if bs == 0 else (fs, bs - _DW)
+    return {"fwd": (fs, ft), "bwd": (bs, bt), "fwdbwd": (fs + bs, ft + bt)}[mode]
+
+
+def _distill_work(decl: WorkDecl, mode: str, R: int, H: int, H_teacher: int, V: int, jsd: bool,
+                  frozen: bool) -> Work:
+    ks, kt = distill_multiples(decl, mode, jsd, frozen)
+    formula = f"{ks + kt}RHV" if H == H_teacher else f"{ks}RVHs+{kt}RVHt"
+    return Work(float(ks * H + kt * H_teacher) * R * V, "FLOP", R, formula, True)
+
+
 def work(decl: WorkDecl, path: str, mode: str, *, N: int, H: int, V: int, valid_rows: int, frozen: bool = False,
-         triton: bool = False, element_size: int = 2) -> Work:
-    """The work of one call of ``mode`` ("fwd", "bwd", "fwdbwd", "nograd") on ``path``."""
+         triton: bool = False, element_size: int = 2, H_teacher: int | None = None, jsd: bool = False) -> Work:
+    """The work of one call of ``mode`` ("fwd", "bwd", "fwdbwd", "nograd") on ``path``; on the distill path H is
+    the student's width, ``H_teacher`` the teacher's (default H) and ``jsd`` whether 0 < beta < 1."""
     R = rows_computed(decl, path, N, valid_rows, triton)
+    if path == "distill":
+        return _distill_work(decl, mode, R, H, H if H_teacher is None else H_teacher, V, jsd, frozen)
     if path == "logits":
         if mode == "nograd":  # one read per computed row; no gradient, so no d logits written by anyone
             reads, writes, exact = 1, 0, _holds(decl.exact_logits_traffic, triton)

@@ -53,14 +53,15 @@ def test_documented_commands_verbatim(tmp_path):
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
     data = json.loads((work / "bench-out" / "run.json").read_text())
     paths = {b["extra_info"].get("path") for b in data["benchmarks"]}
-    assert {"linear", "logits", "logprob", "trainer", "probe"} <= paths, paths
+    assert {"linear", "logits", "logprob", "distill", "trainer", "probe"} <= paths, paths
     report = _run(REPORT, work)
     assert report.returncode == 0, report.stderr[-3000:]
     md = (work / "bench-out" / "run.md").read_text()
     assert "### Trainer step: grpo.train against TRL's GRPOTrainer" in md
     assert "### logits, every token valid: no-grad forward" in md and "peak fwd / bwd" in md
+    assert "### distill, every token valid: forward + backward" in md and "| 16RHV |" in md  # TRL's JSD
     assert "line plots against N need" in md and "--bench-grid full" in report.stderr
-    for path in ("linear", "logits", "logprob"):
+    for path in ("linear", "logits", "logprob", "distill"):
         png = work / "bench-out" / f"run_bars_{path}.png"
         assert png.stat().st_size > 10_000, png
     # "Not run": one line per reason, not per case (the CPU run skips the CUDA-only providers on many cases)

@@ -250,7 +250,7 @@ def test_not_run_is_one_line_per_reason():
     table = report.not_run_table(not_run).splitlines()
     assert len(table) == 4, table  # header, rule, one line per (status, reason)
     assert table[2] == (f"| cannot run here | {cuda} | liger-triton, ours-light, trl-triton | "
-                        f"{3 * len(report.CASES)} (linear 15, logits 15, logprob 6) |")
+                        f"{3 * len(report.CASES)} (distill 9, linear 15, logits 15, logprob 6) |")
     assert table[3] == "| timed out | warm-up exceeded its 60 s limit | compile | 1 (linear 1) |"
 
 
