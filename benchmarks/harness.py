@@ -41,7 +41,7 @@ import torch
 from grpo_kernels.config import GRPOLossConfig
 from grpo_kernels.reference import logprobs_and_entropy
 
-from . import probes
+from . import probes, report
 from .work import work
 
 # The one loss config of every provider: TRL's GRPO defaults with a KL term (beta 0.04, reference log-probs given,
@@ -60,12 +60,7 @@ DISTILL_BETA = {"valid": 0.5, "reverse_kl": 1.0}
 # (path, variant, mode) in run order: headline first, then the padded batch, the frozen head, the long row, and
 # the forward / backward breakdown last (on the logits path the forward case is the no-grad pass: log-probs +
 # entropy, which is what a forward-only target is measured on; the loss forward there writes the gradient).
-CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
-         ("distill", "valid", "fwdbwd"),
-         ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),
-         ("linear", "frozen", "fwdbwd"), ("logits", "longrow", "fwdbwd"),
-         ("linear", "valid", "fwd"), ("linear", "valid", "bwd"), ("logits", "valid", "nograd"),
-         ("logits", "valid", "bwd"), ("distill", "reverse_kl", "fwdbwd"), ("distill", "valid", "nograd"))
+CASES = report.CASES  # written once, in report.py (which runs without torch)
 PADDED_FRACTION = 1 / 3
 FULL_GRID_ONLY = (("distill", "reverse_kl"),)  # (path, variant): no shape on the quick grid
 

@@ -41,7 +41,7 @@ MODE_ORDER = ("fwdbwd", "fwd", "bwd", "nograd")
 VARIANT_TITLES = {"valid": "every token valid", "padded": "a third of the tokens padded",
                   "frozen": "frozen lm_head, every token valid", "longrow": "one long row, every token valid",
                   "reverse_kl": "reverse KL (beta 1, TRL's default), every token valid"}
-# harness.CASES, repeated here so that the report runs without torch
+# the (path, variant, mode) cases in run order, harness.CASES (here, so that the report runs without torch)
 CASES = (("linear", "valid", "fwdbwd"), ("logits", "valid", "fwdbwd"), ("logprob", "valid", "nograd"),
          ("distill", "valid", "fwdbwd"),
          ("linear", "padded", "fwdbwd"), ("logits", "padded", "fwdbwd"), ("logprob", "padded", "nograd"),

@@ -29,21 +29,10 @@ from grpo_kernels.integrations.trl import (  # noqa: E402
 from ..support.tolerances import ATOL, assert_three_way, max_err  # noqa: E402
 from ..support.trl_runs import (  # noqa: E402
     WORDS, assert_head_function_three_way, assert_informative, assert_same_run, even_words, head_calls, head_inputs,
-    head_truth, run_head, save_tiny_lm, short, train_quietly,
+    head_truth, run_head, short, train_quietly,
 )
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
-
-
-@pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory):
-    """A saved tiny Llama + word-level tokenizer: GRPOTrainer builds its reference model from the path."""
-    return save_tiny_lm(tmp_path_factory.mktemp("tiny_llama"), tied=False)
-
-
-@pytest.fixture(scope="module")
-def tiny_lm_tied(tmp_path_factory):
-    return save_tiny_lm(tmp_path_factory.mktemp("tiny_llama_tied"), tied=True)
 
 
 def _train(tiny_lm, tmp_path, patched: bool, dtype=torch.float32, **overrides):

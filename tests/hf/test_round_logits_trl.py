@@ -19,7 +19,6 @@ from grpo_kernels.reference import logprobs_and_entropy  # noqa: E402
 
 from ..support.tolerances import assert_three_way, max_err, same_maths_slack  # noqa: E402
 from ..support.trl_runs import even_words, short, train_quietly  # noqa: E402
-from .test_hf_trl import tiny_lm  # noqa: E402,F401  (the module-scoped fixture)
 
 pytestmark = pytest.mark.usefixtures("unpatched_trl")
 OUTPUTS = ("log_probs", "entropy")

@@ -22,7 +22,7 @@ from benchmarks.providers import providers_for
 from benchmarks.work import work
 
 from ..support.tolerances import same_maths_slack
-from .test_bench_report import MatmulFlops, _FakeBenchmark
+from ..support.bench_work import FakeBenchmark, matmul_flops
 
 SHAPES = {"wide teacher": harness.Shape(N=24, H=16, V=96, T=8, Ht=24),
           "equal widths": harness.Shape(N=24, H=16, V=96, T=8, Ht=16)}
@@ -42,21 +42,9 @@ def _builder(provider, key):
 
 def _measured_flops(provider, case, mode):
     fn = _builder(provider, harness.builder_key("distill", mode))(case)
-    counter = MatmulFlops()
-    if mode == "nograd":
-        with torch.no_grad(), counter:
-            fn()
-    elif mode == "bwd":
-        loss = fn()
-        with counter:
-            loss.backward()
-    else:
-        with counter:
-            loss = fn()
-            if mode == "fwdbwd":
-                loss.backward()
+    flops = matmul_flops(fn, mode)
     case.clear_grads()
-    return counter.flops
+    return flops
 
 
 # every (provider, variant, mode) a distill case runs (Liger's losses have no no-grad call); Liger's fused JSD is a
@@ -156,7 +144,7 @@ def test_a_harness_run_records_the_distill_case(monkeypatch, mode):
     shape = SHAPES["wide teacher"]
     values = {}
     for provider in (dp.OURS, dp.EAGER, dp.TRL):
-        bench = _FakeBenchmark()
+        bench = FakeBenchmark()
         harness.run(bench, "distill", "valid", shape, provider, mode)
         info = bench.extra_info
         assert (info["H"], info["H_t"], info["path"]) == (16, 24, "distill")

@@ -14,7 +14,6 @@ import json
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import harness, report
 from benchmarks.providers import (COMPILE, EAGER, LIGER_CHUNKED, LIGER_TRITON, OURS, OURS_LIGHT, TRL_CHUNKED,
@@ -22,28 +21,10 @@ from benchmarks.providers import (COMPILE, EAGER, LIGER_CHUNKED, LIGER_TRITON, O
 from benchmarks.work import WorkDecl, work
 from grpo_kernels.reference import logprobs_and_entropy
 
+from ..support.bench_work import FakeBenchmark, matmul_flops
 from ..support.tolerances import assert_three_way
 
-aten = torch.ops.aten
 SHAPE = harness.Shape(N=24, H=16, V=96, T=8)  # B=3 rows of 8: padded lengths 3, 5, 8 (16 valid of 24)
-
-
-class MatmulFlops(TorchDispatchMode):
-    """Counts 2*m*k*n for every matmul the dispatcher sees (forward and autograd's backward alike)."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = func.overloadpacket
-        if packet in (aten.mm, aten.addmm, aten.addmm_):
-            a, b = args[:2] if packet is aten.mm else args[1:3]
-            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        elif packet in (aten.bmm, aten.baddbmm, aten.baddbmm_):
-            a, b = args[:2] if packet is aten.bmm else args[1:3]
-            self.flops += 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-        return func(*args, **(kwargs or {}))
 
 
 def _case(path, variant):
@@ -54,21 +35,7 @@ def _measured_flops(provider, variant, mode):
     path = "logprob" if mode == "nograd" else "linear"
     case = _case(path, variant)
     fn = provider.builders[path](case)
-    counter = MatmulFlops()
-    if mode == "nograd":
-        with torch.no_grad(), counter:
-            fn()
-        return counter.flops, case
-    if mode == "bwd":
-        loss = fn()
-        with counter:
-            loss.backward()
-    else:
-        with counter:
-            loss = fn()
-            if mode == "fwdbwd":
-                loss.backward()
-    return counter.flops, case
+    return matmul_flops(fn, mode), case
 
 
 @pytest.mark.parametrize("variant, mode", [(v, m) for v in ("valid", "padded", "frozen")
@@ -210,17 +177,6 @@ def test_warmup_is_bounded_and_peer_failures_are_recorded():
     harness.NOT_RUN.clear()
 
 
-class _FakeBenchmark:
-    """The part of pytest-benchmark's fixture ``harness.run`` uses: one timed call, no statistics."""
-
-    def __init__(self):
-        self.extra_info, self.group, self.stats = {}, None, None
-
-    def pedantic(self, target, setup, rounds, warmup_rounds, iterations):
-        args, kwargs = setup()
-        target(*args, **kwargs)
-
-
 def test_a_failing_first_choice_falls_back_and_says_so(monkeypatch):
     def broken(c):
         raise RuntimeError("torch._guards.GuardOnDataDependentSymNode: compiled loss failed")
@@ -233,7 +189,7 @@ def test_a_failing_first_choice_falls_back_and_says_so(monkeypatch):
     monkeypatch.setattr(harness, "NOT_RUN", [])
     monkeypatch.setattr(harness, "_FELL_BACK", {})
     for _ in range(2):  # the second run goes straight to the fallback, recording nothing new
-        bench = _FakeBenchmark()
+        bench = FakeBenchmark()
         harness.run(bench, "linear", "valid", SHAPE, flaky, "fwdbwd")
         assert bench.extra_info["note"] == "measured eager (compiled=True failed: RuntimeError: torch._guards." \
                                            "GuardOnDataDependentSymNode: compiled loss failed)"
@@ -344,7 +300,7 @@ def test_logits_forward_case_is_the_no_grad_pass_for_every_provider(monkeypatch)
     shape = harness.Shape(SHAPE.N, 0, SHAPE.V, SHAPE.T)
     values = {}
     for provider in (OURS, EAGER):
-        bench = _FakeBenchmark()
+        bench = FakeBenchmark()
         harness.run(bench, "logits", "valid", shape, provider, "nograd")
         info = bench.extra_info
         assert info["mode"] == "nograd" and not info["grads_in_forward"]
@@ -366,7 +322,7 @@ def test_forward_and_backward_peaks_are_recorded(monkeypatch):
     monkeypatch.setattr(harness, "NOT_RUN", [])
     for mode, keys in (("fwdbwd", {"peak_mem_bytes", "peak_fwd_bytes", "peak_bwd_bytes"}),
                        ("fwd", {"peak_mem_bytes", "peak_fwd_bytes"}), ("bwd", {"peak_mem_bytes", "peak_bwd_bytes"})):
-        bench = _FakeBenchmark()
+        bench = FakeBenchmark()
         harness.run(bench, "linear", "valid", SHAPE, EAGER, mode)
         got = {k for k in bench.extra_info if k.startswith("peak_")}
         assert got == keys, (mode, got)

@@ -11,6 +11,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--prompts-per-step", "4", "-G", "4", "--no-progress"]
+# the FSDP2 runs' flags (tests/train/test_train_fsdp.py on gloo, test_gpu_train_fsdp.py on CUDA)
+FSDP_FLAGS = SMALL + ["--max-steps", "4", "--save-steps", "2", "--beta", "0.04", "--mini-batch-size", "8",
+                      "--micro-batch-size", "4", "--eval-every", "2", "--eval-size", "8", "--seed", "3"]
 # The fault tests' runs: a tiny model, 2 prompts x 2 completions, a checkpoint every step (seconds per run).
 TINY = ["--prompts-per-step", "2", "-G", "2", "--no-progress", "--hidden-size", "16", "--num-layers", "1",
         "--num-heads", "2", "--eval-size", "0", "--save-steps", "1", "--save-total-limit", "0", "--seed", "3"]

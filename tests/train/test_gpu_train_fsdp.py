@@ -12,7 +12,7 @@ import torch
 
 from ..support.train_runs import (assert_bf16_numerics_agree, checksum_slack, fsdp_worker, model_checksum,
                                   read_metrics, run_cmd)
-from .test_train_fsdp import FLAGS
+from ..support.train_runs import FSDP_FLAGS as FLAGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),

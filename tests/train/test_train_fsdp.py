@@ -27,13 +27,12 @@ from grpo.cli import config_from_argv
 from grpo.errors import UsageError
 
 from ..support.tolerances import assert_errors_three_way, assert_three_way, grad_scale
-from ..support.train_runs import (SMALL, assert_bf16_numerics_agree, assert_matches_float64_truth, checksum_slack,
+from ..support.train_runs import (FSDP_FLAGS, SMALL, assert_bf16_numerics_agree, assert_matches_float64_truth, checksum_slack,
                                   fsdp_worker, model_checksum, read_metrics, run_cmd, save_tiny_chat_checkpoint)
 
 OPTS = dict(prompts_per_step=4, num_generations=4, max_steps=4, save_steps=2, loss=TrainConfig().loss,
             mini_batch_size=8, micro_batch_size=4, eval_every=2, eval_size=8, progress=False, seed=3)
-FLAGS = SMALL + ["--max-steps", "4", "--save-steps", "2", "--beta", "0.04", "--mini-batch-size", "8",
-                 "--micro-batch-size", "4", "--eval-every", "2", "--eval-size", "8", "--seed", "3"]
+FLAGS = FSDP_FLAGS
 # Not a tolerance: a broken reduction moves parameters off by the size of an update. AdamW (lr 1e-2) moves every
 # parameter with a nonzero gradient by about lr per step, SGD (lr 0.5) by 0.5 |g|; three steps of a wrong gradient
 # leave some parameter at least one lr away (measured >= 3e-2), while a correct 2-rank run is within rounding.
