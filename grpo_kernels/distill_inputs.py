@@ -37,8 +37,8 @@ class ModelHead:
     dtype: torch.dtype
 
     def cast_bytes(self, *, hidden: bool = True, weight: bool = True) -> int:
-        """Bytes of the copies in the compute dtype (tensors not already in it)."""
-        chosen = ([self.hidden] if hidden else []) + ([self.weight, self.bias] if weight else [])
+        """Bytes of the copies in the compute dtype (hidden and weight not already in it; the bias is never cast)."""
+        chosen = ([self.hidden] if hidden else []) + ([self.weight] if weight else [])
         return sum(t.numel() * self.dtype.itemsize for t in chosen if t is not None and t.dtype != self.dtype)
 
     def tensors(self) -> tuple:

@@ -50,12 +50,15 @@ class DistillOptions:
     grid_cols: int = 0
 
 
-def _cast(dtype, *tensors):
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
+def _cast(dtype, hidden, weight, bias):
+    """Hidden and weight in the compute dtype; the bias as it is: it is added in fp32 to the fp32 GEMM's output (an
+    fp32 bias under bf16 autocast is not rounded to bf16 first, as TRL's ``_project`` adds ``bias.float()``)."""
+    return hidden.to(dtype), weight.to(dtype), bias
 
 
 def _heads(tensors: tuple, o: DistillOptions):
-    """((student hidden, weight, bias), (teacher ...)) in their compute dtypes (copies only where needed)."""
+    """((student hidden, weight, bias), (teacher ...)): hidden and weight in their compute dtypes (copies only where
+    needed), each bias in its own dtype."""
     return _cast(o.student_dtype, *tensors[:3]), _cast(o.teacher_dtype, *tensors[3:])
 
 

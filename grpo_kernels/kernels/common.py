@@ -121,7 +121,9 @@ def lane_fold_terms(x, m, s, a, c):
     alpha = exp2(shift)
     u = (x - ref[:, None]) * c
     e = exp2(u)
-    a = alpha * (a + tl.where(s > 0.0, shift * s, 0.0)) + tl.sum(e * tl.maximum(u, EXP2_FLOOR), axis=1)
+    # Why select the shift before the product: an empty lane has shift -inf and s 0, and (-inf) * 0 is NaN even
+    # where it would be selected away (the interpreter's numpy warns on it); a lane with s > 0 has a finite shift.
+    a = alpha * (a + tl.where(s > 0.0, shift, 0.0) * s) + tl.sum(e * tl.maximum(u, EXP2_FLOOR), axis=1)
     s = alpha * s + tl.sum(e, axis=1)
     return m_new, s, a, alpha, e
 
@@ -157,7 +159,7 @@ def lanes_to_row(m, s, a, c):
     shift = (m - ref) * c
     w = exp2(shift)
     s_row = tl.sum(w * s, axis=0)
-    a_row = tl.sum(w * (a + tl.where(s > 0.0, shift * s, 0.0)), axis=0)
+    a_row = tl.sum(w * (a + tl.where(s > 0.0, shift, 0.0) * s), axis=0)  # shift selected first: lane_fold_terms
     return m_row, s_row, a_row
 
 

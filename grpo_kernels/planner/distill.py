@@ -88,7 +88,7 @@ def _fixed_items(call: DistillCall) -> tuple:
         if rows:
             items.append((f"{name} hidden in the compute dtype (autocast)", rows))
         if head.cast_bytes(hidden=False):
-            items.append((f"{name} weight / bias in the compute dtype (autocast)", head.cast_bytes(hidden=False)))
+            items.append((f"{name} weight in the compute dtype (autocast)", head.cast_bytes(hidden=False)))
     if call.needs[0] and s.hidden.dtype != s.dtype:
         items.append(("d student hidden in the compute dtype", N * s.hidden.shape[1] * s.dtype.itemsize))
     return tuple(items)

@@ -10,9 +10,8 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.distill_config import DistillLossConfig
 
-from ..support.distill_cases import ALL_OPTIONS, INTERPRETER_NAN_WARNING, make_heads, ours_loss
+from ..support.distill_cases import ALL_OPTIONS, make_heads, ours_loss
 
-pytestmark = pytest.mark.filterwarnings(INTERPRETER_NAN_WARNING)
 
 
 def _args(heads):
@@ -162,9 +161,11 @@ def test_api_md_shows_explains_own_output():
 
 
 def test_autocast_runs_the_heads_in_the_autocast_dtype():
-    """Under autocast each head runs in the autocast dtype, like nn.Linear: the loss is the one of the bf16-cast
-    inputs (the same operations: bitwise), and fp32 master weights get the fp32 accumulators as their gradients (the
-    bf16 call's gradients are those rounded once)."""
+    """Under autocast each head's hidden states and weight run in the autocast dtype, like nn.Linear, and each bias
+    stays in its own dtype, added in fp32 to the fp32 logits (TRL's ``_project``): the loss is the one of the
+    bf16-cast hidden states and weights with the fp32 biases (the same operations: bitwise), and fp32 master weights
+    get the fp32 accumulators as their gradients (the bf16 call's gradients are those rounded once); a bias rounded
+    to bf16 would change the loss."""
     cfg = DistillLossConfig(beta=0.5, **ALL_OPTIONS)
     heads = make_heads(bias=True, seed=6)
     sh, sw = heads["sh"].clone().requires_grad_(True), heads["sw"].clone().requires_grad_(True)
@@ -173,7 +174,9 @@ def test_autocast_runs_the_heads_in_the_autocast_dtype():
                                                student_bias=heads["sb"], teacher_bias=heads["tb"], impl="torch")
     loss.backward()
     bf16 = {k: None if v is None or not v.is_floating_point() else v.to(torch.bfloat16) for k, v in heads.items()}
-    bf16["mask"], bf16["weights"] = heads["mask"], heads["weights"]
+    bf16["mask"], bf16["weights"], bf16["sb"], bf16["tb"] = heads["mask"], heads["weights"], heads["sb"], heads["tb"]
     want, grads, _ = ours_loss(bf16, cfg, impl="torch")
+    rounded_bias = dict(bf16, sb=heads["sb"].bfloat16(), tb=heads["tb"].bfloat16())
+    assert not torch.equal(ours_loss(rounded_bias, cfg, impl="torch")[0].float(), loss), "the biases' test is blind"
     assert sh.grad.dtype == sw.grad.dtype == torch.float32
     assert torch.equal(loss, want) and torch.equal(sw.grad.to(torch.bfloat16), grads[1])

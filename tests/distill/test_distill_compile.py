@@ -11,9 +11,8 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.distill_config import DistillLossConfig
 
-from ..support.distill_cases import ALL_OPTIONS, INTERPRETER_NAN_WARNING
+from ..support.distill_cases import ALL_OPTIONS
 
-pytestmark = pytest.mark.filterwarnings(INTERPRETER_NAN_WARNING)
 B, V, HS, HT = 2, 37, 8, 12
 CFG = DistillLossConfig(beta=0.4, **ALL_OPTIONS)
 

@@ -13,13 +13,10 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-
-from ..support.distill_cases import INTERPRETER_NAN_WARNING
 from grpo_kernels.explain import plan_call
 
 from ..support.memory_trace import transient_peak
 
-pytestmark = pytest.mark.filterwarnings(INTERPRETER_NAN_WARNING)
 HS, HT = 32, 48
 # (B, T, V) by implementation: the interpreter's row programs cost ~1 ms a block, so its shape is smaller
 SHAPES = {"torch": (4, 16, 1024), "triton": (2, 8, 512)}

@@ -16,11 +16,11 @@ import grpo_kernels as gk
 from grpo_kernels.distill_config import DistillLossConfig
 from grpo_kernels.explain import plan_call
 
-from ..support.distill_cases import (ALL_OPTIONS, CASE_IDS, CASES, INTERPRETER_NAN_WARNING, assert_loss_three_way,
+from ..support.distill_cases import (ALL_OPTIONS, CASE_IDS, CASES, assert_loss_three_way,
                                      assert_token_three_way, make_heads, ours_loss, ours_token, truth_loss,
                                      truth_token)
 
-pytestmark = [pytest.mark.usefixtures("poisoned_outputs"), pytest.mark.filterwarnings(INTERPRETER_NAN_WARNING)]
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 F32, F64 = torch.float32, torch.float64
 HEAVY = "jsd-0.7-all"  # every transform and both biases: the Triton paths' fast-set case
 # The PyTorch path in the fast set, the Triton one (the interpreter, seconds a call) in the slow set

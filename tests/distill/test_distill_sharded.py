@@ -19,10 +19,6 @@ import torch
 
 import grpo_kernels as gk
 
-from ..support.distill_cases import INTERPRETER_NAN_WARNING
-
-pytestmark = pytest.mark.filterwarnings(INTERPRETER_NAN_WARNING)
-
 
 class Partitioned:
     """ZeRO-3's partitioning of some parameters on one process: empty ``.data`` outside ``gather()``."""

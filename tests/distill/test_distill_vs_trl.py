@@ -11,12 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..support.distill_cases import (CASE_IDS, CASES, INTERPRETER_NAN_WARNING, assert_loss_three_way,
+from ..support.distill_cases import (CASE_IDS, CASES, assert_loss_three_way,
                                      assert_token_three_way, make_heads, ours_loss, ours_token, trl_loss, trl_token,
                                      truth_loss, truth_token)
 
 F32, F64 = torch.float32, torch.float64
-pytestmark = pytest.mark.filterwarnings(INTERPRETER_NAN_WARNING)
 SLOW_TRITON = [c if c.id in ("jsd-0.7-all",) else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 
 

@@ -97,22 +97,24 @@ def test_function_under_bf16_autocast():
     """Under bf16 autocast both run each head on bf16 operands with fp32 logits (TRL 1.16's ``_project``): values and
     gradients by the fp32 rule against the float64 truth of the bf16-rounded operands, the plain fp32 reference on
     those operands the middle term; the values' middle term TRL's too, and ours at least as accurate as TRL, whose
-    backward meets the bf16 head with d logits rounded to bf16 (ours 3e-7 there, TRL 1e-3). No bias: TRL adds it
-    to the fp32 tile unrounded, grpo_kernels in the compute dtype (docs/api.md, "DistillationTrainer")."""
+    backward meets the bf16 head with d logits rounded to bf16 (ours 3e-7 there, TRL 1e-3). The fp32 biases stay
+    unrounded in both (added to the fp32 logits): the truth rounds hidden states and weights only (a bias rounded
+    to bf16 would be ~1e-3 off, far outside the fp32 bound)."""
     fn = _swapped_function()
     options = OPTIONS["jsd-caps-T"]
-    inputs = head_inputs(bias=False)
+    inputs = head_inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         values, grads = run_function(fn, inputs, options)
         n_values, n_grads = run_function(ChunkedDivergenceFunction, inputs, options)
-    rounded = [None if x is None else x.detach().bfloat16().float().requires_grad_() for x in inputs]
+    rounded = [x.detach().clone().requires_grad_() if i in (2, 5) else x.detach().bfloat16().float().requires_grad_()
+               for i, x in enumerate(inputs)]
     t_values, t_grads = function_truth(rounded, options)
     p_values, p_grads = function_truth(rounded, options, dtype=torch.float32)
     assert values[0].dtype == torch.float32
     for name, o, n, p, t in zip(("divergence", "entropy"), values, n_values, p_values, t_values):
         assert_three_way(o, n, t, torch.float32, f"{name} (TRL)")
         assert_three_way(o, p, t, torch.float32, f"{name} (fp32)")
-    for name, o, n, p, t in zip(("d hidden", "d weight"), grads, n_grads, p_grads, t_grads):
+    for name, o, n, p, t in zip(("d hidden", "d weight", "d bias"), grads, n_grads, p_grads, t_grads):
         assert_three_way(o, p, t, torch.float32, name, scale=grad_scale(t))
         assert max_err(o, t) <= max_err(n, t) + ATOL[torch.float32] * grad_scale(t), name
 

@@ -16,9 +16,6 @@ from grpo_kernels.sequences import Sequences
 
 from .tolerances import assert_three_way, grad_scale
 
-# The one RuntimeWarning of the interpreted kernels: the shared online logsumexp (kernels/common.lane_fold_terms)
-# forms an empty lane's (-inf shift) x (zero sum) in numpy before selecting it away; no result holds the NaN.
-INTERPRETER_NAN_WARNING = "ignore:invalid value encountered in multiply:RuntimeWarning"
 # Every transform at once: temperature, both scales, both soft caps (the student's tight enough to bend its logits).
 ALL_OPTIONS = dict(temperature=0.7, student_logit_scale=1.6, student_softcap=2.5, teacher_logit_scale=0.6,
                    teacher_softcap=4.0)
