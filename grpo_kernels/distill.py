@@ -13,7 +13,7 @@ import contextlib
 import torch
 from torch import nn
 
-from . import _checks, ops, planner
+from . import _checks, invariance, ops, planner
 from .distill_config import DistillLossConfig, resolve_distill_config
 from .distill_inputs import DistillInputs
 from .distill_reference import distill_weights, loss_from_divergence
@@ -55,7 +55,9 @@ def _sequences(inputs: DistillInputs, cu_seqlens, invariant: bool) -> Sequences:
 
 def validate_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, student_bias, teacher_bias,
                      mask, cfg: DistillLossConfig, impl="auto", num_items_in_batch=None, cu_seqlens=None):
-    """(inputs, sequences, valid rows) of one distillation call (also what ``explain`` shows)."""
+    """(inputs, sequences, valid rows) of one distillation call (also what ``explain`` shows); ``inputs.cfg`` is the
+    config as it runs (``invariance.as_run``: ``batch_invariant`` through ``invariance.requested``)."""
+    cfg = invariance.as_run(cfg)
     inputs = DistillInputs.validate(student_hidden, student_weight, teacher_hidden, teacher_weight, student_bias,
                                     teacher_bias, cfg, impl)
     _checks.mask_like(mask, tuple(inputs.shape), " (student_hidden's leading dims)")
@@ -126,8 +128,9 @@ def linear_token_divergence(student_hidden, student_weight, teacher_hidden, teac
     the same leading dims and its own width H_t, teacher_weight (V, H_t), teacher_bias. Each model's logits
     ``x = h W^T + b`` become ``z = cap * tanh(scale * x / cap) / temperature`` (``config``: a ``DistillLossConfig``,
     keyword overrides on top: beta, temperature, student_logit_scale, student_softcap, teacher_logit_scale,
-    teacher_softcap, round_logits, batch_invariant, deterministic, memory_budget). beta 0: KL(teacher || student),
-    1: KL(student || teacher), else the generalized JSD with mixture (1 - beta) p_student + beta p_teacher.
+    teacher_softcap, round_logits, batch_invariant, invariant_block_rows, deterministic, memory_budget). beta 0:
+    KL(teacher || student), 1: KL(student || teacher), else the generalized JSD with mixture (1 - beta) p_student +
+    beta p_teacher.
 
     Returns fp32 (fp64 for fp64 inputs on the PyTorch path) tensors shaped like the hiddens' leading dims; positions
     ``mask`` drops are 0 and are not computed. The divergence is differentiable with respect to the student's

@@ -64,6 +64,9 @@ class DistillLossConfig:
     batch_invariant: each token's divergence, entropy and gradient with respect to its hidden state bitwise the same
         whatever else is in the call (fixed row blocks, the last one padded; vocabulary tiles fixed by V); the loss
         and metrics summed in a fixed per-sequence order. Needs ``deterministic``.
+    invariant_block_rows: None (the device's block, ``invariance.BLOCK_ROWS``) or the rows per block of
+        ``batch_invariant=True``, an int >= 1, refused without it: ``GRPOLossConfig.invariant_block_rows``'s rules
+        (``_checks.invariant_block_rows``): another block is another bit pattern, never chosen silently.
     deterministic: every distillation path is free of float atomics (each output element is written by one program
         or one GEMM per chunk, in a fixed order); the flag is accepted for symmetry with ``GRPOLossConfig`` and must
         be True with ``batch_invariant``.
@@ -82,6 +85,7 @@ class DistillLossConfig:
     teacher_softcap: float | None = None
     round_logits: str | None = None
     batch_invariant: bool = False
+    invariant_block_rows: int | None = None
     deterministic: bool = True
     grad_in_forward: bool = True
     memory_budget: int | None = None
@@ -103,6 +107,7 @@ class DistillLossConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.batch_invariant and not self.deterministic:
             raise ValueError("batch_invariant=True needs deterministic=True")
+        _checks.invariant_block_rows(self.invariant_block_rows, self.batch_invariant)
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
                                                or not isinstance(self.memory_budget, int) or self.memory_budget < 0):
             raise ValueError(f"memory_budget must be None or an int number of bytes >= 0, got {self.memory_budget!r}")

@@ -17,9 +17,9 @@ written by ``python -m benchmarks.invariance_cost --out benchmarks/results``), 5
 configuration per shape; a 512 x V fp32 chunk is 311 MB at V = 151936). A call computes whole blocks, so far below
 a block it costs several times the default call (the same file: 13x the head's loss step at N = 1, 3.2x at N = 64),
 and its smallest ``memory_budget`` is one block's working memory. ``invariant_block_rows`` (GRPOLossConfig, the
-log-prob functions, ``patch_trl``) sets a smaller block for such workloads: results are then bitwise equal only
-between calls with the same block; it is never chosen silently. Tests set smaller blocks with the ``invariant_rows``
-knob so that small batches cross block edges.
+log-prob functions, DistillLossConfig, ``patch_trl``) sets a smaller block for such workloads: results are then
+bitwise equal only between calls with the same block; it is never chosen silently. Tests set smaller blocks with
+the ``invariant_rows`` knob so that small batches cross block edges.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def requested(batch_invariant: bool) -> bool:
 
 
 def as_run(cfg):
-    """A loss call's resolved ``GRPOLossConfig`` as it runs: ``batch_invariant`` through ``requested`` (forced off,
-    the chosen block goes too: it is only valid with the option)."""
+    """A call's resolved ``GRPOLossConfig`` or ``DistillLossConfig`` as it runs: ``batch_invariant`` through
+    ``requested`` (forced off, the chosen block goes too: it is only valid with the option)."""
     if cfg.batch_invariant == requested(cfg.batch_invariant):
         return cfg
     return dataclasses.replace(cfg, batch_invariant=False, invariant_block_rows=None)

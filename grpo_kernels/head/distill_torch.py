@@ -48,6 +48,18 @@ def _weighted_sum(weight: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value.mul_(weight).masked_fill_(zero, 0.0).sum(-1)
 
 
+def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """The JSD's log m = log((1 - beta) p + beta q) = max(a, b) + log1p(exp(-|a - b|)), a = log p + log(1 - beta),
+    b = log q + log beta (finite for 0 < beta < 1). Why not ``torch.logaddexp``: on the CPU its vectorized loop and
+    its scalar tail round differently, so a row's log m depended on where the row's elements fell against the SIMD
+    width, i.e. on its place in the chunk (not batch-invariant); exp, log1p, maximum and the exact ops give a row
+    the same bits at any place. Temporaries: a (then log m), b and the gap, as logaddexp's two operands and output."""
+    a = log_p + math.log(1.0 - beta)
+    b = log_q + math.log(beta)
+    gap = torch.sub(a, b).abs_().neg_().exp_().log1p_()
+    return torch.maximum(a, b, out=a).add_(gap)
+
+
 def chunk_divergence(xs: torch.Tensor, xt: torch.Tensor, cfg: DistillLossConfig, g: torch.Tensor | None = None):
     """One chunk's (divergence, entropy, lse_student, lse_teacher, aux, d raw student logits | None), all (R,)
     but d (R, V), from both models' raw logits xs, xt (R, V) in the accumulation dtype, overwritten (d is formed in
@@ -70,7 +82,7 @@ def chunk_divergence(xs: torch.Tensor, xt: torch.Tensor, cfg: DistillLossConfig,
         div = _weighted_sum(p, log_p - log_q)
         aux = div
     else:
-        log_m = torch.logaddexp(log_p + math.log(1.0 - beta), log_q + math.log(beta))
+        log_m = _log_mixture(log_p, log_q, beta)
         aux = _weighted_sum(p, log_p - log_m)
         q = log_q.exp()
         div = beta * _weighted_sum(q, log_q.sub_(log_m)) + (1.0 - beta) * aux

@@ -243,12 +243,14 @@ def _zero3_gather(weight, bias):
 
 
 def _distill_options(device_type: str, trl_rounds_logits: bool) -> dict:
-    """The ``DistillLossConfig`` options patch_trl sets for a distillation call on ``device_type``: batch_invariant,
-    and round_logits, its "autocast" resolved as TRL's own distillation head rounds (1.12-1.14's PyTorch chunks round
-    their logits to the autocast dtype, 1.15 / 1.16's ChunkedDivergenceFunction keeps fp32 logits tiles)."""
+    """The ``DistillLossConfig`` options patch_trl sets for a distillation call on ``device_type``: batch_invariant
+    and invariant_block_rows as given, and round_logits, its "autocast" resolved as TRL's own distillation head
+    rounds (1.12-1.14's PyTorch chunks round their logits to the autocast dtype, 1.15 / 1.16's
+    ChunkedDivergenceFunction keeps fp32 logits tiles)."""
     option = _STATE["round_logits"]
     rounding = None if option == "autocast" and not trl_rounds_logits else rounding_for(device_type, option)
-    return {"batch_invariant": _STATE["batch_invariant"], "round_logits": rounding}
+    return {"batch_invariant": _STATE["batch_invariant"], "invariant_block_rows": _STATE["invariant_block_rows"],
+            "round_logits": rounding}
 
 
 # What the distillation replacements borrow from this module (trl_distill.py).
@@ -405,8 +407,9 @@ def patch_trl(strict: bool = False, batch_invariant: bool = False, round_logits:
         "Rounding the logits"). The distillation calls take it too (both models' logits), "autocast" rounding where
         TRL's own distillation head does (1.12-1.14; 1.15 / 1.16 keep fp32 logits tiles).
     invariant_block_rows: None (the device's block) or the rows per block of ``batch_invariant=True`` on every
-        log-prob call (``GRPOLossConfig.invariant_block_rows``: another block is another bit pattern; the
-        distillation calls keep their own block); refused without batch_invariant.
+        log-prob call and every distillation call (``GRPOLossConfig.invariant_block_rows``,
+        ``DistillLossConfig.invariant_block_rows``: another block is another bit pattern); refused without
+        batch_invariant.
     Returns a ``TRLPatchReport`` (printable table of what was patched and what runs where) and logs one INFO line
     on the ``grpo_kernels`` logger.
     Raises RuntimeError, changing nothing, when the installed TRL is not in ``SUPPORTED_TRL_VERSIONS``.

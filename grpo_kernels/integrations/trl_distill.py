@@ -88,8 +88,8 @@ class DistillSeam:
     fallback: ``(option, reason, using)``: warns once per reason that ``using`` serves those calls, or raises a
         ValueError under ``patch_trl(strict=True)``.
     options: ``(device_type, trl_rounds_logits) -> dict``: the ``DistillLossConfig`` options ``patch_trl`` sets
-        (batch_invariant, round_logits; "autocast" resolved for a call on that device, where TRL's own function
-        rounds its logits under autocast when ``trl_rounds_logits``).
+        (batch_invariant, invariant_block_rows, round_logits; "autocast" resolved for a call on that device, where
+        TRL's own function rounds its logits under autocast when ``trl_rounds_logits``).
     gather: ``(weight, bias) -> gather_head | None``: TRL's ZeRO-3 gather of one head, None without ZeRO-3.
     """
 

@@ -122,7 +122,8 @@ def _even_rows(n: int, max_rows: int) -> int:
 
 
 def _fixed_rows(call: DistillCall) -> int:
-    return block_rows(call.inputs.student.hidden.device)
+    """The rows per block of ``batch_invariant``: the caller's ``invariant_block_rows``, else the device's."""
+    return block_rows(call.inputs.student.hidden.device, call.inputs.cfg.invariant_block_rows)
 
 
 def _torch(call: DistillCall, fixed: tuple, grad: bool) -> Plan:

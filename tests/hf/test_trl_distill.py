@@ -279,19 +279,21 @@ def test_report_lists_the_distillation_rows():
 
 
 def test_patch_options_reach_the_distillation_calls(monkeypatch):
-    """batch_invariant and round_logits from patch_trl go into each call's DistillLossConfig; "autocast" rounds
-    nothing on 1.16 (TRL's function keeps fp32 logits tiles) and nothing outside autocast."""
+    """batch_invariant, invariant_block_rows and round_logits from patch_trl go into each call's DistillLossConfig;
+    "autocast" rounds nothing on 1.16 (TRL's function keeps fp32 logits tiles) and nothing outside autocast."""
     configs = []
     original = grpo_kernels.linear_token_divergence
     monkeypatch.setattr(grpo_kernels, "linear_token_divergence",
                         lambda *a, **k: configs.append(k["config"]) or original(*a, **k))
     inputs = head_inputs()
-    for kwargs, want in ((dict(batch_invariant=True, round_logits="bf16"), (True, "bf16")),
-                         (dict(round_logits="autocast"), (False, None))):
+    for kwargs, want in ((dict(batch_invariant=True, round_logits="bf16"), (True, None, "bf16")),
+                         (dict(batch_invariant=True, invariant_block_rows=8), (True, 8, None)),
+                         (dict(round_logits="autocast"), (False, None, None))):
         unpatch_trl()
         patch_trl(**kwargs)
         trl_distill_trainer.ChunkedDivergenceFunction.apply(*inputs, *OPTIONS["jsd-scales"])
-        assert (configs[-1].batch_invariant, configs[-1].round_logits) == want
+        cfg = configs[-1]
+        assert (cfg.batch_invariant, cfg.invariant_block_rows, cfg.round_logits) == want
         assert configs[-1].beta == 0.5 and configs[-1].student_logit_scale == 1.7
 
 
