@@ -3,7 +3,6 @@ output allocator of the Triton launchers (NaN-poisoned under GRPO_KERNELS_POISON
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -51,8 +50,12 @@ def is_number(value) -> bool:
 def is_finite(value) -> bool:
     """``math.isfinite`` written as comparisons, so that it also reads a symbolic float (torch.compile's automatic
     dynamic or ``dynamic=True``, where ``math.isfinite`` does not trace): False for NaN and +-inf. On a symbolic
-    value each comparison becomes a guard of the compiled graph (docs/api.md, "Errors and edge cases")."""
-    return -math.inf < value < math.inf
+    value each comparison becomes a guard of the compiled graph (docs/api.md, "Errors and edge cases"). Why the
+    largest float, not infinity, as the bound: the compiler takes ``-inf < s < inf`` as true of every symbolic float
+    and keeps no guard, so that a later infinite value would reuse the graph unchecked; ``|s| <= max`` is a guard,
+    which infinity fails (the step is traced again, the infinity a constant, and the check raises). The bound is
+    a literal (``sys.float_info.max``): with ``dynamic=True`` Dynamo makes a module-level float symbolic too."""
+    return -1.7976931348623157e308 <= value <= 1.7976931348623157e308
 
 
 def shown(value) -> str:

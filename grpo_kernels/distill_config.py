@@ -7,7 +7,6 @@ a config built from a trainer's arguments reproduces the trainer's numbers.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from . import _checks
@@ -19,15 +18,18 @@ FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 
 def divergence_mode(beta: float) -> int:
     """``FORWARD_KL`` (beta == 0: KL(teacher || student)), ``REVERSE_KL`` (beta == 1: KL(student || teacher)) or
-    ``JSD`` (0 < beta < 1: the generalized JSD with mixture (1 - beta) p_student + beta p_teacher)."""
+    ``JSD`` (0 < beta < 1: the generalized JSD with mixture (1 - beta) p_student + beta p_teacher).
+
+    Under torch.compile with beta symbolic (automatic dynamic, ``dynamic=True``) the two comparisons are guards of
+    the graph, no graph break: the mode is a compile-time choice of the paths (a MODE constexpr of the kernels, a
+    branch of the PyTorch chunks), so a beta crossing to 0 or 1 compiles that mode's graph once, which later betas
+    of the same mode reuse (docs/api.md, "torch.compile")."""
     return FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else JSD
 
 
 def _number(name: str, value, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+    """A finite number (> 0 with ``positive``), concrete or symbolic under torch.compile (``_checks.finite``)."""
+    _checks.finite(name, value, positive=positive)
     return float(value)
 
 
@@ -94,7 +96,7 @@ class DistillLossConfig:
         beta = _number("beta", self.beta)
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL, else the generalized JSD), "
-                             f"got {self.beta!r}")
+                             f"got {_checks.shown(self.beta)}")
         _checks.temperature(self.temperature)
         _number("student_logit_scale", self.student_logit_scale)
         _number("teacher_logit_scale", self.teacher_logit_scale)

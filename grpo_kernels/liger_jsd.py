@@ -28,7 +28,7 @@ def _beta(name: str, value) -> float:
     _checks.finite(name, value)
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1] (0: KL(teacher || student), 1: KL(student || teacher), else the "
-                         f"generalized JSD), got {value!r}")
+                         f"generalized JSD), got {_checks.shown(value)}")
     return float(value)
 
 

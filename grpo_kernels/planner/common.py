@@ -168,6 +168,8 @@ def per_token_bytes(n: int, k: int) -> int:
 def with_cap_note(plan: Plan, transform) -> Plan:
     """The plan with a line each for the rounding of the raw logits and the soft cap, where they are applied (they
     change no path, chunk or byte count)."""
+    if torch.compiler.is_compiling():  # no notes while compiling: a symbolic soft cap has no printed value
+        return plan
     where, r, c = ("in the Triton kernels" if plan.impl == "triton" else "in each PyTorch chunk, in place",
                    transform.round_logits, transform.softcap)
     notes = (() if r is None else (f"round_logits {r}: each raw logit rounded to {r} (to nearest even) before the "

@@ -280,6 +280,8 @@ def _with_notes(plan: Plan, call: DistillCall) -> Plan:
     """The plan with lines for the divergence beta selects and the transforms (they change no chunk or byte)."""
     from dataclasses import replace
 
+    if torch.compiler.is_compiling():  # no notes while compiling: a symbolic beta / temperature has no printed value
+        return plan
     cfg = call.inputs.cfg
     kind = {0: "forward KL(teacher || student) (beta = 0)", 1: "reverse KL(student || teacher) (beta = 1)"}.get(
         cfg.mode, f"generalized JSD, mixture (1 - {cfg.beta:g}) p_student + {cfg.beta:g} p_teacher")

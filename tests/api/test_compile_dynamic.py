@@ -163,3 +163,34 @@ def test_a_config_built_outside_the_step_and_a_crossed_branch():
     # the first values' static graph, the symbolic one (call 2), then the beta = 0 side (call 4; PyTorch may trace
     # it twice: a restart that specializes beta at 0): no compile at calls 3, 5 and 6
     assert counts[2] == counts[1] and counts[4] == counts[5] == counts[3], counts
+
+
+@pytest.mark.parametrize("name", ["token_logprobs", "linear_token_logprobs"])
+def test_a_changing_soft_cap_is_symbolic_too(name):
+    """A soft cap changing at every call (``dynamic=True``) reaches the ops as a runtime value like the other floats:
+    one graph, the log-probs and gradients of the graph compiled with the cap a constant (``dynamic=False``, one
+    graph per cap; exact: the same ops on the same values) and eager's log-probs. (Why not eager's gradients
+    bitwise: with a cap they differ from any compiled graph's by ~1 ulp, the cap a constant or not. The plans'
+    soft-cap note is not written while compiling: a symbolic cap has no printed value.)"""
+    backend = CountingBackend()
+
+    def step(hidden, weight, ids, softcap):
+        if name == "token_logprobs":
+            return gk.token_logprobs(hidden @ weight.T, ids, softcap=softcap, impl="torch")
+        return gk.linear_token_logprobs(hidden, weight, ids, softcap=softcap, impl="torch")
+
+    def run(fn, softcap):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        logp = fn(h, w, ids, softcap)
+        logp.sum().backward()
+        return logp.detach(), h.grad, w.grad
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=backend)
+    constant = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    hidden, weight, ids = _batch(2, 5)[:3]
+    for softcap in (5.0, 3.5, 7.25):
+        ours, static = run(compiled, softcap), run(constant, softcap)
+        for what, a, b in zip(("logp", "d hidden", "d weight"), ours, static):
+            assert torch.equal(a, b), (softcap, what, (a - b).abs().max())
+        assert torch.equal(ours[0], step(hidden, weight, ids, softcap)), softcap
+    assert backend.graphs <= 2, f"{backend.graphs} compiles for 3 soft caps"  # 2: the restart (module docstring)

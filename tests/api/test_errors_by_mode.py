@@ -78,7 +78,10 @@ def test_an_argument_check_raises_the_value_error_or_quotes_it(mode):
 # per bad value: the option, the value, the message's start
 BAD_FLOATS = (("temperature", -1.0, "temperature must be > 0, got a value traced by torch.compile"),
               ("beta", -0.25, "beta must be >= 0, got a value traced by torch.compile"),
-              ("epsilon_low", 1.5, r"epsilon_low must be in \[0, 1\) so that 1 - epsilon_low > 0, got a value traced"))
+              ("epsilon_low", 1.5, r"epsilon_low must be in \[0, 1\) so that 1 - epsilon_low > 0, got a value traced"),
+              # infinity: the finiteness check is a guard too (_checks.is_finite), not a comparison the compiler
+              # folds to true (impl="torch" would then run with it)
+              ("beta", float("inf"), "beta must be a finite number, got a value traced by torch.compile"))
 
 
 # fullgraph=False with the automatic dynamic (~6 s) under -m slow: the same checks as with dynamic=True
