@@ -12,11 +12,16 @@ without it (tests/api/test_invariance_forced_off.py runs them with ``GRPO_KERNEL
 makes every call ignore ``batch_invariant``). What the default paths already give by construction (the per-row
 logits sweeps) is said where it is tested, and checked with the option off as well as on.
 
-Where the batch enters on the CPU (what the forced-off run sees): the CPU BLAS computes a GEMM of one to three rows
-with other kernels than a GEMM of more (a one-token sequence alone), and a row's result in a GEMM can depend on its
-place among the rows; the Triton head's vocabulary splits follow N; torch splits a one-row reduction of at least
-32768 elements across its threads; the default loss sums follow the layout. What only a GPU shows (cuBLAS choosing
-its algorithm by the row count, the compiled kernels at 512-row blocks) is tests/kernels/test_gpu_invariance.py."""
+Where the batch enters on the CPU (what the forced-off run rests on: its two probed dependences): the CPU BLAS
+computes a GEMM of one to three rows with other kernels than a GEMM of more, so the heads' GEMMs follow the batch
+where a sequence of 1 to 3 tokens (the pool's sequences 1, 6 and 4), or a single token, is computed alone and in a
+batch: every head test crediting the option runs such an arrangement (MKL on AVX-512 gives a row the same bits at
+any place among more than three rows, so longer sequences alone cannot tell the option off from on there); torch
+splits a one-row reduction of at least 32768 elements across its threads (the logits path's token alone). Beside the
+machine, the default loss sums follow the layout (padded and packed are other sums). Other ways in (a row's place
+among more rows on another BLAS, the Triton head's vocabulary splits following N) no test here needs. What only a
+GPU shows (cuBLAS choosing its algorithm by the row count, the compiled kernels at 512-row blocks) is
+tests/kernels/test_gpu_invariance.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -107,8 +112,9 @@ ARRANGEMENTS = [(0,), (1,), (0, 1), (1, 0), (2, 0, 3), (3, 2, 0, 1), (4, 3, 2, 1
 
 
 # Under the Triton interpreter (a program per row, ~20 ms each) the fast suite runs the orders that cross the first
-# block's edge, alone and at other positions; the whole list runs under -m slow
-FEW = [(0,), (2, 0, 3), (0, 2, 1), (5, 0), (0, 5), (2, 3, 1)]
+# block's edge, alone and at other positions, and the one-token sequence alone (a one-row GEMM: the CPU BLAS's other
+# kernel, where the Triton heads' torch GEMMs follow the batch without the option); the whole list runs under -m slow
+FEW = [(0,), (2, 0, 3), (0, 2, 1), (5, 0), (0, 5), (2, 3, 1), (1,)]
 
 
 def _edges_are_covered(orders, edges=(15, 16, 17, 31, 32, 33)):
@@ -270,18 +276,42 @@ def linear_token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budge
     return [_per_sequence(t, order, pool, packed) for t in values]
 
 
+def token_by_token(call, pool: Pool, order, **kw) -> list:
+    """Each token of the sequences ``order`` in a call of its own (a sampler's decoding steps; on the CPU a GEMM of
+    one row, which its BLAS computes with another kernel than a GEMM of more rows): ``call`` (``token_logprobs_call``
+    or ``linear_token_logprobs_call``) on one-token sequences, packed; per output, {pool index: its tokens' values
+    concatenated}, as the call of a whole arrangement gives them."""
+    outputs = None
+    for i in order:
+        tokens = Pool(*(tuple(t[k:k + 1] for k in range(pool.ids[i].shape[0]))
+                        for t in (pool.logits[i], pool.hidden[i], pool.ids[i], pool.grad_logp[i],
+                                  pool.grad_entropy[i])), pool.weight)
+        per_token = [call(tokens, (k,), True, **kw) for k in range(len(tokens.ids))]
+        outputs = outputs or [{} for _ in per_token[0]]
+        for out, values in zip(outputs, zip(*per_token)):
+            out[i] = torch.cat([v[k] for k, v in enumerate(values)])
+    return outputs
+
+
 HEAD_ARRANGEMENTS = {"torch": ARRANGEMENTS, "triton": FEW}
 
 
 @pytest.mark.parametrize("impl, dtype", impl_dtypes())
 def test_linear_token_logprobs_and_trl_extras_are_batch_invariant(impl, dtype, blocks):
     """The fused head with gradients (head.torch / head.light) and without (head.torch / head.no_grad), with TRL's
-    extra outputs, masked padded rows compacted or packed rows, two budgets."""
+    extra outputs, masked padded rows compacted or packed rows, two budgets; on the PyTorch path also every token of
+    the pool in a call of its own (GEMMs of one row: from bf16 / fp16 inputs, whose products an fp32 GEMM sums
+    exactly more often, the one-token sequence alone may round all its outputs as in a batch; the pool's 46 tokens,
+    each alone, give the comparison enough rows to see a different kernel)."""
     pool = _pool(dtype)
     extras = ("log_sum_sq_probs", "mean_logits", "is_top1")
     results = [(_label(order, packed, budget), linear_token_logprobs_call(pool, order, packed, impl, budget, extras))
                for order in HEAD_ARRANGEMENTS[impl] for packed in (False, True)
                for budget in ((None, 8 << 20) if len(order) == 3 else (None,))]
+    if impl == "torch":  # (under the interpreter, 46 calls of ~0.1 s: the one-token sequence alone, in FEW)
+        every = tuple(range(len(LENGTHS)))
+        results.append(("token by token", token_by_token(linear_token_logprobs_call, pool, every, impl=impl,
+                                                         extras=extras)))
     assert_invariant(results, f"linear_token_logprobs ({impl}, {dtype})")
     no_grad = []
     for order in HEAD_ARRANGEMENTS[impl][:4]:
@@ -387,11 +417,11 @@ def test_the_losses_take_their_batch_invariant_paths(impl, fn, config, blocks, k
             assert plan.path == LOSS_PATHS[(impl, fn)][config], f"{_label(order, packed)}: path {plan.path}"
 
 
-def _old_logps_without_gradients(pool: Pool, fn: str, impl: str, order, batch_invariant=True,
-                                 per_token=False, block=None) -> dict:
-    """Per sequence, the log-probs the no-gradient call gives in the packed arrangement ``order`` (the old /
-    reference log-probs a trainer computes at generation time, in other batches than the loss's); ``per_token``:
-    one call per token instead (a sampler's decoding steps)."""
+def _old_logps_without_gradients(pool: Pool, fn: str, impl: str, batch_invariant=True, block=None) -> dict:
+    """Per sequence, the log-probs of no-gradient calls of one token each (the old / reference log-probs a sampler
+    computes at its decoding steps, in other batches than the loss's: on the CPU GEMMs of one row, which its BLAS
+    computes with another kernel than a GEMM of more rows)."""
+    order = tuple(range(len(LENGTHS)))
     x, _ = _arrange(pool, order, "hidden" if fn == "fused_linear_grpo_loss" else "logits", True)
     ids, _ = _arrange(pool, order, "ids", True)
 
@@ -403,7 +433,7 @@ def _old_logps_without_gradients(pool: Pool, fn: str, impl: str, order, batch_in
                                  invariant_block_rows=block)
 
     with torch.no_grad():
-        logp = torch.cat([call(x[r:r + 1], ids[r:r + 1]) for r in range(x.shape[0])]) if per_token else call(x, ids)
+        logp = torch.cat([call(x[r:r + 1], ids[r:r + 1]) for r in range(x.shape[0])])
     return _per_sequence(logp, order, pool, True)
 
 
@@ -430,13 +460,13 @@ def _loss_at(pool: Pool, fn: str, impl: str, order, cfg: dict, old: dict | None,
 @pytest.mark.parametrize("fn", ["fused_linear_grpo_loss", "grpo_loss"])
 @pytest.mark.parametrize("impl, dtype", impl_dtypes())
 def test_old_logps_without_gradients_give_a_ratio_of_exactly_one(impl, fn, config, dtype, blocks, knobs):
-    """The old log-probs of no-gradient calls in other batches (on the PyTorch path one token per call, a sampler's
-    decoding steps; under the interpreter, where a call costs ~0.1 s, all eight sequences in one call) equal the
-    loss's own log-probs bitwise, on every path (head.no_grad = head.fast = head.light's forward; logits.sweep = the
-    logits loss paths): the loss and its gradient are bitwise those of the ratio-exactly-1 call (old_logps=None),
-    on batches of 3 and 2 sequences and, from the head, of one sequence of 1, 2 and 3 tokens (GEMMs of 1 to 3 rows,
-    which the CPU BLAS, like cuBLAS, computes with other kernels than a many-row GEMM). The comparison can fail: old
-    log-probs one ulp off change the loss.
+    """The old log-probs of no-gradient calls in other batches (one token per call, a sampler's decoding steps; the
+    head's no-gradient logits are torch GEMMs on both impls, head.torch's tiles and head.no_grad's chunks, here of
+    one row) equal the loss's own log-probs bitwise, on every path (head.no_grad = head.fast = head.light's forward;
+    logits.sweep = the logits loss paths): the loss and its gradient are bitwise those of the ratio-exactly-1 call
+    (old_logps=None), on batches of 3 and 2 sequences and, from the head, of one sequence of 1, 2 and 3 tokens
+    (GEMMs of 1 to 3 rows, which the CPU BLAS, like cuBLAS, computes with other kernels than a many-row GEMM). The
+    comparison can fail: old log-probs one ulp off change the loss.
 
     From the head (fused_linear_grpo_loss) the option is what makes them agree. From logits (grpo_loss) it holds by
     construction: each row's log-prob comes from its row alone in the no-gradient sweep and in every logits loss
@@ -445,7 +475,7 @@ def test_old_logps_without_gradients_give_a_ratio_of_exactly_one(impl, fn, confi
     knobs(fast_path_min_rows=1)
     pool = _pool(dtype)
     for on in (False, True) if fn == "grpo_loss" else (True,):
-        old = _old_logps_without_gradients(pool, fn, impl, (6, 5, 7, 2, 4, 1, 0, 3), on, per_token=impl == "torch")
+        old = _old_logps_without_gradients(pool, fn, impl, on)
         # (the one- to three-token batches are for the head's GEMMs: the logits paths have none)
         for order in ((2, 0, 3), (5, 0)) + (((1,), (6,), (4,)) if fn == "fused_linear_grpo_loss" else ()):
             exact = _loss_at(pool, fn, impl, order, LOSS_CONFIGS[config], None, batch_invariant=on)
@@ -478,19 +508,20 @@ def test_the_tree_sums_are_the_same_padded_or_packed_where_a_plain_sum_is_not():
 
 
 # A block the caller chooses (``invariant_block_rows``, no knob): single sequences of 7 / 8 / 9 rows and batches of
-# 15 / 16 / 17 rows cross its edges, each sequence at several positions
+# 15 / 16 / 17 rows cross its edges, each sequence at several positions; the 1-, 2- and 3-token sequences alone are
+# GEMMs of 1 to 3 rows (the CPU BLAS's other kernels: without the option they differ from the same rows in a batch)
 CHOSEN_BLOCK = 8
-CHOSEN_ORDERS = [(3,), (7,), (2,), (0, 2, 1), (5, 0), (2, 3, 1), (7, 3), (3, 7, 1)]
+CHOSEN_ORDERS = [(1,), (3,), (7,), (2,), (0, 2, 1), (5, 0), (2, 3, 1), (7, 3), (3, 7, 1), (6,), (4,)]
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_a_chosen_block_is_batch_invariant_at_its_size(impl, plans):
     """invariant_block_rows=8: every sequence's log-probs, entropy and gradient bitwise the same in every arrangement
-    (padded or packed) with that block, on the head (head.torch / head.light and head.no_grad under the
-    interpreter) and the logits (logits.torch; the Triton logits paths have no row blocks); every plan has 8-row
-    blocks (the option reaches the planner, not the device's 256)."""
+    (padded or packed; the one-token sequence alone among them) with that block, on the head (head.torch /
+    head.light and head.no_grad under the interpreter) and the logits (logits.torch; the Triton logits paths have no
+    row blocks); every plan has 8-row blocks (the option reaches the planner, not the device's 256)."""
     pool = _pool(torch.float32)
-    orders = CHOSEN_ORDERS if impl == "torch" else CHOSEN_ORDERS[:5]
+    orders = CHOSEN_ORDERS if impl == "torch" else CHOSEN_ORDERS[:6]  # (the interpreter: the one-token one, edges)
     head = [(_label(order, packed), linear_token_logprobs_call(pool, order, packed, impl, block=CHOSEN_BLOCK))
             for order in orders for packed in (False, True)]
     assert_invariant(head, f"linear_token_logprobs ({impl}, invariant_block_rows={CHOSEN_BLOCK})")
@@ -499,20 +530,19 @@ def test_a_chosen_block_is_batch_invariant_at_its_size(impl, plans):
                   for order in orders for packed in (False, True)]
         assert_invariant(logits, f"token_logprobs ({impl}, invariant_block_rows={CHOSEN_BLOCK})")
     assert plans and all(p.batch_invariant and p.chunk_rows == CHOSEN_BLOCK for p in plans), \
-        {(p.path, p.chunk_rows) for p in plans}
+        f"the chosen block did not reach the plan: {sorted({(p.path, p.batch_invariant, p.chunk_rows) for p in plans})}"
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_a_chosen_block_gives_a_ratio_of_exactly_one(impl, knobs):
-    """Old log-probs of no-gradient calls in other batches with the same chosen block (on the PyTorch path one token
-    per call, a sampler's decoding steps: GEMMs of one row, which the CPU BLAS computes with another kernel than a
-    many-row GEMM, so only the option makes them agree): the loss and its gradient are bitwise the ratio-1 call's
-    (head.torch; head.no_grad against head.fast under the interpreter)."""
+    """Old log-probs of no-gradient calls in other batches with the same chosen block (one token per call, a
+    sampler's decoding steps: GEMMs of one row, which the CPU BLAS computes with another kernel than a many-row GEMM,
+    so only the option makes them agree): the loss and its gradient are bitwise the ratio-1 call's (head.torch;
+    head.no_grad against head.fast under the interpreter)."""
     knobs(fast_path_min_rows=1)
     pool = _pool(torch.float32)
     fn, cfg = "fused_linear_grpo_loss", LOSS_CONFIGS["dapo-num-items"]
-    old = _old_logps_without_gradients(pool, fn, impl, (6, 5, 7, 2, 4, 1, 0, 3), per_token=impl == "torch",
-                                       block=CHOSEN_BLOCK)
+    old = _old_logps_without_gradients(pool, fn, impl, block=CHOSEN_BLOCK)
     for order in ((2, 0, 3), (5, 0), (1,), (6,), (4,)):  # and one sequence of 1 to 3 tokens (GEMMs of 1-3 rows)
         exact = _loss_at(pool, fn, impl, order, cfg, None, block=CHOSEN_BLOCK)
         ours = _loss_at(pool, fn, impl, order, cfg, old, block=CHOSEN_BLOCK)

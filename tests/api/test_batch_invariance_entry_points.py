@@ -69,18 +69,23 @@ def _module_call(m, module: str, seqs, packed: bool):
 
 @pytest.mark.parametrize("module", ["GRPOLoss", "FusedLinearGRPOLoss"])
 def test_modules_take_the_option(module, small_blocks):
-    """A module made with batch_invariant=True: a sequence's gradient is the same alone and after another sequence
-    (the head's: its GEMMs follow the batch without the option; the logits loss's is per row by construction), and
-    the loss of the same two sequences is the same padded or packed (the default sums follow the layout)."""
+    """A module made with batch_invariant=True: a sequence's gradient is the same alone and after another sequence,
+    padded or packed, for a sequence of one token and one of seven (the head's: alone the one-token sequence's GEMMs
+    have one row, which the CPU BLAS computes with another kernel than a GEMM of more rows, so without the option
+    they follow the batch; the logits loss's is per row by construction), and the loss of the same two sequences is
+    the same padded or packed (the default sums follow the layout: what GRPOLoss fails on without the option)."""
     m = getattr(gk, module)(batch_invariant=True, loss_type="dapo")
     assert m.config.batch_invariant and m.config.deterministic
-    probe, other = _rows(seed=1), _rows(seed=2, n=5)
-    _, alone = _module_call(m, module, [probe], packed=True)
-    packed_loss, batched = _module_call(m, module, [other, probe], packed=True)
-    padded_loss, padded = _module_call(m, module, [other, probe], packed=False)
-    assert torch.equal(alone, batched), "the probe's gradient alone != after another sequence"
-    assert torch.equal(batched, padded), "the probe's gradient packed != padded"
-    assert torch.equal(packed_loss, padded_loss), f"loss packed {packed_loss.item()!r} != padded {padded_loss.item()!r}"
+    other = _rows(seed=2, n=5)
+    for n in (1, 7):
+        probe = _rows(seed=1, n=n)
+        _, alone = _module_call(m, module, [probe], packed=True)
+        packed_loss, batched = _module_call(m, module, [other, probe], packed=True)
+        padded_loss, padded = _module_call(m, module, [other, probe], packed=False)
+        assert torch.equal(alone, batched), f"the {n}-token probe's gradient alone != after another sequence"
+        assert torch.equal(batched, padded), f"the {n}-token probe's gradient packed != padded"
+        assert torch.equal(packed_loss, padded_loss), \
+            f"with the {n}-token probe: loss packed {packed_loss.item()!r} != padded {padded_loss.item()!r}"
 
 
 def test_explain_says_it():
@@ -141,6 +146,10 @@ def test_liger_entry_points_take_the_option(small_blocks, monkeypatch):
 
 
 def test_patch_trl_makes_every_seam_call_batch_invariant(small_blocks, monkeypatch):
+    """patch_trl(batch_invariant=True): TRL's _ChunkedLogProbFunction gives probes of 1, 2 and 3 tokens the same
+    log-probs, entropies and d hidden alone and after five other rows (alone: GEMMs of 1 to 3 rows, which the CPU
+    BLAS computes with other kernels than a GEMM of more rows, so that without the option they differ), and every
+    call it makes takes the option."""
     pytest.importorskip("trl", reason="TRL is in the test extra")
     from trl.trainer import utils as trl_utils
 
@@ -154,16 +163,17 @@ def test_patch_trl_makes_every_seam_call_batch_invariant(small_blocks, monkeypat
     try:
         assert report.batch_invariant and "batch_invariant=True" in str(report)
         fn = trl_utils._ChunkedLogProbFunction
-        probe_h, _, probe_ids = _rows(seed=1)
         other_h, _, other_ids = _rows(seed=2, n=5)
         bias = torch.zeros(V)
-        outs = []
-        for h, ids in ((probe_h, probe_ids), (torch.cat([other_h, probe_h]), torch.cat([other_ids, probe_ids]))):
-            h, w, b = (t.clone().requires_grad_(True) for t in (h, WEIGHT, bias))
-            values, grads = run_head(fn, h, w, b, ids)
-            outs.append((values[0][-7:], values[1][-7:], grads[0][-7:]))
-        for name, a, b in zip(("logp", "entropy", "d hidden"), *outs):
-            assert torch.equal(a, b), f"{name}: the probe's rows alone != after five others"
+        for n in (1, 2, 3):
+            probe_h, _, probe_ids = _rows(seed=1, n=n)
+            outs = []
+            for h, ids in ((probe_h, probe_ids), (torch.cat([other_h, probe_h]), torch.cat([other_ids, probe_ids]))):
+                h, w, b = (t.clone().requires_grad_(True) for t in (h, WEIGHT, bias))
+                values, grads = run_head(fn, h, w, b, ids)
+                outs.append((values[0][-n:], values[1][-n:], grads[0][-n:]))
+            for name, a, b in zip(("logp", "entropy", "d hidden"), *outs):
+                assert torch.equal(a, b), f"{name}: the {n}-token probe's rows alone != after five others"
         assert seen and all(seen)
     finally:
         gk.unpatch_trl()

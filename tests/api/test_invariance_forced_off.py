@@ -6,10 +6,14 @@ every other test of the invariance files passes (what the default paths give by 
 checker's own test). One pytest run of those files' fast selection in a subprocess, under -m slow (CI's second
 step).
 
-What the failures rest on is this machine's arithmetic: its BLAS computing a GEMM of one to three rows with other
-kernels than a larger GEMM, and torch splitting a one-row reduction of at least 32768 elements across two threads
-(tests/api/test_batch_invariance.py says where each enters). Both are probed first; where a probe finds no
-difference the check is skipped, saying which.
+What the failures rest on is this machine's arithmetic, two dependences and nothing else of it: its BLAS computing a
+GEMM of one to three rows with other kernels than a larger GEMM, and torch splitting a one-row reduction of at least
+32768 elements across two threads (tests/api/test_batch_invariance.py says where each enters). A row's place among
+more than three rows changes no bits on some CPUs (MKL on AVX-512), so every invariance test that compares a head's
+rows across calls runs a sequence of 1 to 3 tokens (or a single token) alone and in a batch, and the logits path's
+test one-token calls of 40000 logits; the padded-vs-packed comparisons also see the default paths' plain sums, which
+follow the layout (not the machine). Both dependences are probed first; where a probe finds no difference the check
+is skipped, saying which.
 """
 from __future__ import annotations
 
