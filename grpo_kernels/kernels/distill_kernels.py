@@ -51,10 +51,12 @@ ROW_WARPS = 8
 INTERPRET_ROW_BLOCK = 16
 # Per-token online statistics between vocabulary tiles: student max, sum, entropy sum; teacher max, sum; gap sum.
 N_STATE = 6
-# Register cap (the ``maxnreg`` launch option) of the whole-row kernel for the JSD (its three sweeps keep the most
-# values live). Why: left to itself ptxas aimed at 80 registers for the bias-free bf16 variant with Triton 3.6 on
-# sm_80 and spilled 4 B; under 128 no variant spills with Triton 3.6 or 3.9 on sm_80 / sm_90 (they take 80-128),
-# two 8-warp programs per SM.
+# Register caps (the ``maxnreg`` launch option) of the whole-row kernel: a KL mode, the JSD (its three sweeps keep
+# the most values live). Why: left to itself ptxas aims lower and can spill (80 registers and 4 B for the JSD's
+# bias-free bf16 variant with Triton 3.6 on sm_80; 64 and 4 B for the fp32 reverse KL with Triton 3.9 on sm_90 after a
+# one-select change in the shared logsumexp). Under these caps no variant spills with Triton 3.6 or 3.9 on sm_80 /
+# sm_90 (2026-12-06): the KLs take 64-80 registers (three 8-warp programs per SM), the JSD 88-128 (two).
+ROW_KL_MAXNREG = 80
 ROW_JSD_MAXNREG = 128
 
 
@@ -236,7 +238,7 @@ def distill_row_chunks(student, teacher, cfg, rows: int, g=None, needs=(False, F
                stride_s=zs.stride(0), stride_out=dz.stride(0), stride_t=zt.stride(0), beta=float(cfg.beta),
                MODE=cfg.mode, WRITE_GRAD=write, ROUND_BY_HAND=interpreting() and target_arch() is None,
                **_scalars(cfg), **_bias_args(sb, tb, 0, zs), **_launch_opts(),
-               **({"maxnreg": ROW_JSD_MAXNREG} if cfg.mode == JSD else {}))
+               maxnreg=ROW_JSD_MAXNREG if cfg.mode == JSD else ROW_KL_MAXNREG)
         if write:
             chunk_gradients(dz, hs, sw, dh, dw32, db32, r0, r1)
     return (*outs, dh, dw32, db32)

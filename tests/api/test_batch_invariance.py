@@ -34,6 +34,8 @@ import grpo_kernels as gk
 from grpo_kernels.explain import plan_call
 from grpo_kernels.sequences import token_sums
 
+from ..support.invariance_checks import assert_invariant
+
 V, H = 83, 16
 LENGTHS = (5, 1, 9, 7, 3, 11, 2, 8)  # the pool's sequences (ragged)
 BLOCK = 16                          # rows per fixed block in these tests (the ``invariant_rows`` knob)
@@ -128,21 +130,6 @@ def arrangements(impl: str, full: bool):
     assert _edges_are_covered(orders, (15, 16, 17) if orders is FEW else (15, 16, 17, 31, 32, 33))
     return orders
 
-
-def assert_invariant(results: list, what: str):
-    """Every sequence's values bitwise equal across the calls it appears in (results: per call, (its label, a
-    list over outputs of {pool index: values}))."""
-    first = {}
-    for label, outputs in results:
-        for k, per_seq in enumerate(outputs):
-            for i, values in per_seq.items():
-                if (k, i) not in first:
-                    first[(k, i)] = (label, values)
-                    continue
-                label0, v0 = first[(k, i)]
-                assert torch.equal(values, v0), (
-                    f"{what}: output {k} of sequence {i} differs between arrangements {label0} and {label} by "
-                    f"{(values.double() - v0.double()).abs().max().item():.3e}")
 
 
 def _label(order, packed, budget=None, batch_invariant=True):

@@ -24,6 +24,7 @@ import grpo_kernels as gk
 from grpo_kernels.distill_config import DistillLossConfig
 
 from ..support.distill_cases import ALL_OPTIONS
+from ..support.invariance_checks import assert_invariant
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 V, HS, HT = 37, 16, 24  # V = 37 crosses the interpreter's 16-column blocks; the teacher wider than the student
@@ -119,18 +120,6 @@ def loss_call(order, packed: bool, impl: str, cfg=CFG, module=False, **kw):
     (grad,) = torch.autograd.grad(loss, [x])
     return loss.detach(), metrics, _per_sequence(grad, order, packed)
 
-
-def assert_invariant(results: list, what: str):
-    """Every sequence's values bitwise equal across the calls it appears in (results: per call, (its label, a
-    list over outputs of {pool index: values}))."""
-    first = {}
-    for label, outputs in results:
-        for k, per_seq in enumerate(outputs):
-            for i, values in per_seq.items():
-                label0, v0 = first.setdefault((k, i), (label, values))
-                assert torch.equal(values, v0), (
-                    f"{what}: output {k} of sequence {i} differs between arrangements {label0} and {label} by "
-                    f"{(values.double() - v0.double()).abs().max().item():.3e}")
 
 
 def _check_arrangements(orders, impl: str, what: str, **kw):
