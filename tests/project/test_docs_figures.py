@@ -80,3 +80,43 @@ def test_numerics_md_states_the_pass_rule_of_the_tests():
         assert 2.0 ** -int(exponent) == U[dtype], (name, exponent)
         assert float(atol) == float(f"{ATOL[dtype]:.1e}"), \
             f"docs/numerics.md: ATOL[{name}] {atol}, the tests use {ATOL[dtype]:.1e}"
+
+
+README_TIMES = ROOT / "benchmarks" / "results" / "readme_commands_cpu.md"
+TIME_ROW = re.compile(r"^\| (setup|train|main-again|tests) \| (\d+) \| (\d+ min \d\d s) \|", re.M)
+
+
+def test_readme_states_the_measured_times_of_its_commands():
+    """README's table of its two commands' times is the last fresh-clone measurement's
+    (scripts/time_readme_commands.sh writes the results file): every command exited 0 and README states each time
+    and the measurement's date."""
+    measured = README_TIMES.read_text()
+    rows = TIME_ROW.findall(measured)
+    assert [name for name, _, _ in rows] == ["setup", "train", "main-again", "tests"], rows
+    assert all(rc == "0" for _, rc, _ in rows), rows
+    date = re.search(r"fresh clone \((\d{4}-\d\d-\d\d), commit", measured)[1]
+    table = README[README.index("| on a 2-core machine"):README.index("The main job shows")]
+    for name, _, wall in rows:
+        assert wall in table, f"README's times table does not state the measured {name} time {wall!r}"
+    assert date in table, f"README's times table does not name the measurement's date {date}"
+
+
+def test_the_times_script_reports_what_its_run_logged(tmp_path):
+    """scripts/time_readme_commands.sh --report on a run's logs (made up here) writes the table the test above
+    reads, a failed command's exit status included."""
+    import subprocess
+
+    (tmp_path / "times.txt").write_text("setup 0 76 0.5 1.2\ntrain 0 65 1.2 1.1\nmain-again 0 601 1.1 1.0\n"
+                                        "tests 1 9 1.0 2.0\n")
+    (tmp_path / "commit.txt").write_text("abc1234\n")
+    (tmp_path / "log-train.txt").write_text("[grpo.train] output folder runs/version_0\n"
+                                            "[grpo.train] greedy accuracy on the 58 held-out prompts 0.0 -> 1.0\n")
+    (tmp_path / "log-main-again.txt").write_text("[grpo.train] output folder runs/version_1\n")
+    (tmp_path / "log-tests.txt").write_text("1 failed, 10 passed in 3.00s\n")
+    out = tmp_path / "report.md"
+    subprocess.run(["bash", str(ROOT / "scripts" / "time_readme_commands.sh"), "--report", str(tmp_path)], check=True,
+                   env={"PATH": "/usr/bin:/bin", "README_TIMES_OUT": str(out)}, capture_output=True)
+    rows = TIME_ROW.findall(out.read_text())
+    assert rows == [("setup", "0", "1 min 16 s"), ("train", "0", "1 min 05 s"), ("main-again", "0", "10 min 01 s"),
+                    ("tests", "1", "0 min 09 s")]
+    assert "runs/version_1" in out.read_text() and "1 failed, 10 passed" in out.read_text()
