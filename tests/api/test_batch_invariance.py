@@ -34,7 +34,7 @@ import grpo_kernels as gk
 from grpo_kernels.explain import plan_call
 from grpo_kernels.sequences import token_sums
 
-from ..support.invariance_checks import assert_invariant
+from ..support.invariance_checks import assert_invariant, lay_out, split_back
 
 V, H = 83, 16
 LENGTHS = (5, 1, 9, 7, 3, 11, 2, 8)  # the pool's sequences (ragged)
@@ -72,25 +72,15 @@ def _pool(dtype, lengths=LENGTHS, seed=0) -> Pool:
 
 
 def _arrange(pool: Pool, order, field: str, packed: bool):
-    """The sequences ``order`` of the pool laid out as one call's input: padded (B, T, ...) rows with a mask, T one
-    more than the longest (a padded position in every row), or packed (N, ...) rows with cu_seqlens."""
-    rows = [getattr(pool, field)[i] for i in order]
-    if packed:
-        cu = torch.tensor([0] + list(itertools.accumulate(r.shape[0] for r in rows)))
-        return torch.cat(rows), cu
-    T = max(r.shape[0] for r in rows) + 1
-    out = torch.zeros((len(rows), T, *rows[0].shape[1:]), dtype=rows[0].dtype)
-    for b, r in enumerate(rows):
-        out[b, : r.shape[0]] = r
-    return out, None
+    """The sequences ``order`` of the pool as one call's input: padded (B, T, ...) rows (their mask is the call's
+    own), or packed (N, ...) rows with cu_seqlens (``lay_out``)."""
+    data, cu, _ = lay_out([getattr(pool, field)[i] for i in order], packed)
+    return data, cu
 
 
 def _per_sequence(t, order, pool: Pool, packed: bool):
     """A call's per-token result split back into its sequences (dict: pool index -> the sequence's rows)."""
-    lengths = [pool.ids[i].shape[0] for i in order]
-    if packed:
-        return dict(zip(order, torch.split(t, lengths)))
-    return {i: t[b, :n] for b, (i, n) in enumerate(zip(order, lengths))}
+    return split_back(t, order, [pool.ids[i].shape[0] for i in order], packed)
 
 
 def token_logprobs_call(pool: Pool, order, packed: bool, impl: str, budget=None, batch_invariant=True, block=None):

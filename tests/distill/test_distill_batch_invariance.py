@@ -24,7 +24,7 @@ import grpo_kernels as gk
 from grpo_kernels.distill_config import DistillLossConfig
 
 from ..support.distill_cases import ALL_OPTIONS
-from ..support.invariance_checks import assert_invariant
+from ..support.invariance_checks import assert_invariant, lay_out, split_back
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 V, HS, HT = 37, 16, 24  # V = 37 crosses the interpreter's 16-column blocks; the teacher wider than the student
@@ -63,22 +63,12 @@ POOL = _pool()
 def _arrange(order, k: int, packed: bool):
     """Field ``k`` of the sequences ``order`` as one call's input: packed (N, ...) rows, or padded (B, T, ...) rows
     with T one more than the longest (a masked position in every row); and the mask (padded only)."""
-    rows = [POOL[0][i][k] for i in order]
-    if packed:
-        return torch.cat(rows), None
-    T = max(r.shape[0] for r in rows) + 1
-    out = torch.zeros((len(rows), T, *rows[0].shape[1:]))
-    mask = torch.zeros(len(rows), T, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        out[b, : r.shape[0]], mask[b, : r.shape[0]] = r, True
-    return out, mask
+    data, _, mask = lay_out([POOL[0][i][k] for i in order], packed)
+    return data, mask
 
 
 def _per_sequence(t, order, packed: bool) -> dict:
-    lengths = [LENGTHS[i] for i in order]
-    if packed:
-        return dict(zip(order, torch.split(t, lengths)))
-    return {i: t[b, :n] for b, (i, n) in enumerate(zip(order, lengths))}
+    return split_back(t, order, [LENGTHS[i] for i in order], packed)
 
 
 def _student_head():
